@@ -1,0 +1,108 @@
+"""EngineConfig: every CLI flag maps to one field; validated once, "auto" resolved first."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+
+import torch
+
+logger = logging.getLogger("moeserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF model folder; None = the embedded demo model
+    tokenizer: str | None = None  # defaults to the model folder
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on cuda, fp32 on cpu)
+    seed: int = 0
+
+    # memory and batching
+    max_model_len: int | None = None  # default min(max_position_embeddings, 4096)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill slices long prompts)
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90  # fraction of free device memory for the KV cache (cuda)
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization
+    num_kv_blocks: int | None = None  # explicit block count (tests); overrides both
+
+    # backends
+    moe_backend: str = "auto"
+    attention_backend: str = "auto"
+
+    # LoRA
+    enable_lora: bool = False
+    max_loras: int = 8  # device slots
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # host cache of parsed adapters (default: max(max_loras, 16))
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> path, loaded at start
+    lora_target_modules: list[str] | None = None  # None = inferred from lora_modules (or all supported)
+
+    # CUDA graphs
+    enforce_eager: bool = False  # --disable-cuda-graph
+    cuda_graph_max_bs: int = 256
+    cuda_graph_bs: list[int] | None = None
+    record_nolora_graph: bool = True
+
+    # serving
+    max_queue_len: int = 1024  # waiting requests beyond this are refused (server answers 503)
+
+    def __post_init__(self):
+        self._resolved = False
+
+    def resolve(self) -> "EngineConfig":
+        """Resolve "auto" values, then validate; idempotent."""
+        if self._resolved:
+            return self
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        on_cuda = self.device.startswith("cuda")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if on_cuda else "float32"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("moe_backend", "attention_backend"):
+            v = getattr(self, name)
+            if v not in BACKENDS:
+                raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {v!r}")
+            if v == "auto":
+                setattr(self, name, "triton" if on_cuda else "torch")
+        if not on_cuda:
+            self.enforce_eager = True  # CUDA graphs need CUDA
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank",
+                     "cuda_graph_max_bs", "max_queue_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = max(self.max_loras, 16)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            logger.info("lora_modules given: enabling LoRA")
+            self.enable_lora = True
+        if self.cuda_graph_bs is not None:
+            if not self.cuda_graph_bs or any(not isinstance(b, int) or b <= 0 for b in self.cuda_graph_bs):
+                raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")
+        self._resolved = True
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,1 @@
+"""Model building blocks; each picks its backend (torch reference / triton) at construction."""

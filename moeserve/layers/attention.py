@@ -1,0 +1,112 @@
+"""Self-attention over the paged KV cache (GQA, RoPE, optional q/k RMSNorm, LoRA on q/k/v/o)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.layers.linear import LoRALinear
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.spec import ModelSpec
+from moeserve.runtime.context import AttentionMetadata, ForwardBatch
+
+
+class TorchAttentionBackend:
+    """Reference paged attention. Decode is sync-free (gather all blocks + length mask);
+    prefill loops over sequences using host-side lengths (eager only)."""
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        B, nh, d = q.shape
+        nkv = k_cache.shape[2]
+        k = k_cache[meta.block_tables].flatten(1, 2)  # [B, max_blocks*bs, nkv, d]
+        v = v_cache[meta.block_tables].flatten(1, 2)
+        ctx = k.shape[1]
+        valid = torch.arange(ctx, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, ctx]
+        k = k.repeat_interleave(nh // nkv, dim=2).transpose(1, 2)  # [B, nh, ctx, d]
+        v = v.repeat_interleave(nh // nkv, dim=2).transpose(1, 2)
+        scores = torch.einsum("bhd,bhcd->bhc", q.float(), k.float()) * scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows (no keys) -> 0
+        return torch.einsum("bhc,bhcd->bhd", probs, v.float()).to(q.dtype)
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        nh, d = q.shape[1], q.shape[2]
+        nkv, bs = k_cache.shape[2], k_cache.shape[1]
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc_host
+        for s, seq_len in enumerate(meta.seq_lens_host):
+            q0, q1 = starts[s], starts[s + 1]
+            qlen = q1 - q0
+            nblocks = (seq_len + bs - 1) // bs
+            blocks = meta.block_tables[s, :nblocks]
+            k = k_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(nh // nkv, dim=1)
+            v = v_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(nh // nkv, dim=1)
+            qpos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]  # [qlen, seq_len]
+            o = F.scaled_dot_product_attention(
+                q[q0:q1].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+            )
+            out[q0:q1] = o.transpose(0, 1)
+        return out
+
+
+class TritonAttentionBackend:
+    def __init__(self):
+        from moeserve.kernels import paged_attention
+
+        self.k = paged_attention
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        return self.k.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        seq_lens = torch.tensor(meta.seq_lens_host, dtype=torch.int32, device=q.device)
+        return self.k.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, seq_lens, scale, meta.max_query_len
+        )
+
+
+def make_attention_backend(name: str):
+    return TritonAttentionBackend() if name == "triton" else TorchAttentionBackend()
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend, lora_backend: str):
+        super().__init__()
+        self.spec = spec
+        self.nh, self.nkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.scale = self.d ** -0.5
+        self.qkv_proj = LoRALinear(spec.hidden_size, (spec.q_size, spec.kv_size, spec.kv_size), spec.qkv_bias, lora_backend)
+        self.o_proj = LoRALinear(spec.q_size, (spec.hidden_size,), spec.o_bias, lora_backend)
+        if spec.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(self.d, spec.rms_norm_eps), RMSNorm(self.d, spec.rms_norm_eps)
+        elif spec.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(spec.q_size, spec.rms_norm_eps), RMSNorm(spec.kv_size, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = RotaryEmbedding(self.d, spec.max_position_embeddings, spec.rope_theta)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        T = x.shape[0]
+        qkv = self.qkv_proj(x, batch.lora)
+        q, k, v = qkv.split((self.spec.q_size, self.spec.kv_size, self.spec.kv_size), dim=-1)
+        if self.spec.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.spec.clip_qkv is not None:
+            c = self.spec.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q, k, v = q.reshape(T, self.nh, self.d), k.reshape(T, self.nkv, self.d), v.reshape(T, self.nkv, self.d)
+        if self.spec.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        meta = batch.attn
+        # write this step's K/V first; padded rows write to the dummy block 0
+        k_cache.view(-1, self.nkv, self.d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, self.nkv, self.d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if meta.is_decode:
+            o = self.backend.decode(q, k_cache, v_cache, meta, self.scale)
+        else:
+            o = self.backend.prefill(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(T, self.nh * self.d), batch.lora)

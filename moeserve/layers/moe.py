@@ -1,0 +1,119 @@
+"""Routed-expert MoE block (router, top-k, experts, optional qwen2 shared expert) and dense MLP.
+
+Expert weights live fused: w13 [E, 2I, H] (rows [:I] gate, [I:] up), w2 [E, H, I].
+Expert LoRA buffers (per slot, per expert) come from the slot pool; the deltas go where
+the math puts them: gate_up delta before the activation, down delta (times the routing
+weight) before the top-k sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.layers.linear import LoRALinear
+from moeserve.models.spec import ModelSpec
+from moeserve.runtime.context import LoRABatch
+
+
+@dataclass
+class ExpertLoRABuffers:
+    gate_up_a: torch.Tensor  # [L, E, R, H]
+    gate_up_b: torch.Tensor  # [L, E, 2I, R]
+    down_a: torch.Tensor  # [L, E, R, I]
+    down_b: torch.Tensor  # [L, E, H, R]
+
+
+def _lora_delta(inp, a, b, token_slots):
+    """Sum over static slots of masked x A^T B^T; rows of other slots get exact zeros."""
+    delta = None
+    for slot in range(a.shape[0]):
+        d = (inp @ a[slot].t()) @ b[slot].t()
+        d = torch.where((token_slots == slot).unsqueeze(-1), d, torch.zeros_like(d))
+        delta = d if delta is None else delta + d
+    return delta
+
+
+def moe_experts_torch(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None,
+                      lora_bufs: ExpertLoRABuffers | None) -> torch.Tensor:
+    """Reference experts: a static loop over experts, each applied densely and weighted by the
+    routing weight (0 where not routed). Sync-free; expert order matches the HF reference sum."""
+    E = w13.shape[0]
+    inter = w2.shape[2]
+    out = torch.zeros_like(x, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype)
+    use_lora = lora is not None and lora_bufs is not None
+    for e in range(E):
+        weight = (topk_weights * (topk_ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
+        gu = x @ w13[e].t()
+        if use_lora:
+            d = _lora_delta(x.to(lora_bufs.gate_up_a.dtype), lora_bufs.gate_up_a[:, e], lora_bufs.gate_up_b[:, e], lora.token_slots)
+            gu = torch.where((lora.token_slots >= 0).unsqueeze(-1), gu + d.to(gu.dtype), gu)
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        y = h @ w2[e].t()
+        if use_lora:
+            d = _lora_delta(h.to(lora_bufs.down_a.dtype), lora_bufs.down_a[:, e], lora_bufs.down_b[:, e], lora.token_slots)
+            y = torch.where((lora.token_slots >= 0).unsqueeze(-1), y + d.to(y.dtype), y)
+        out = out + (y * weight.to(y.dtype)).to(out.dtype)
+    return out.to(x.dtype)
+
+
+class DenseMLP(nn.Module):
+    """SiLU-gated MLP (dense layers and the qwen2 shared expert)."""
+
+    def __init__(self, hidden: int, inter: int, lora_backend: str):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = LoRALinear(hidden, (inter, inter), False, lora_backend)
+        self.down_proj = LoRALinear(inter, (hidden,), False, lora_backend)
+
+    def forward(self, x, lora: LoRABatch | None):
+        gu = self.gate_up_proj(x, lora)
+        return self.down_proj(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], lora)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str):
+        super().__init__()
+        self.spec = spec
+        E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+        self.router = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
+        self.lora_bufs: ExpertLoRABuffers | None = None  # set by the slot pool
+        self.shared_expert = None
+        if spec.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, lora_backend)
+            self.shared_expert_gate = nn.Parameter(torch.empty(1, H), requires_grad=False)
+        self.backend = moe_backend
+        if moe_backend == "triton":
+            from moeserve.kernels import fused_moe
+
+            self._fused = fused_moe
+
+    def route(self, x):
+        logits = F.linear(x, self.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        topk_w, topk_ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.norm_topk_prob:
+            topk_w = topk_w / topk_w.sum(dim=-1, keepdim=True)
+        if not self.spec.router_weights_fp32:
+            topk_w = topk_w.to(x.dtype)
+        return topk_w, topk_ids
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        topk_w, topk_ids = self.route(x)
+        use_lora = lora is not None and self.lora_bufs is not None
+        if self.backend == "triton":
+            args = None
+            if use_lora:
+                b = self.lora_bufs
+                args = self._fused.MoELoRAArgs(lora.token_slots, lora.slot_ranks, b.gate_up_a, b.gate_up_b, b.down_a, b.down_b)
+            out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args)
+        else:
+            out = moe_experts_torch(x, self.w13, self.w2, topk_w, topk_ids, lora, self.lora_bufs if use_lora else None)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, lora)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+        return out

@@ -1,0 +1,158 @@
+"""Load an HF model folder (one or sharded safetensors) into MoEForCausalLM.
+
+Checkpoint names map onto one internal layout: fused q|k|v, fused gate|up, and experts
+stacked as w13 [E, 2I, H] / w2 [E, H, I] whether the files store them per expert
+(`experts.N.gate_proj`, Mixtral `w1/w3/w2`) or fused (`experts.gate_up_proj`).
+A missing or mis-shaped tensor is an error that names it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moeserve.models.moe_decoder import MoEForCausalLM
+from moeserve.models.spec import ModelSpec
+
+logger = logging.getLogger("moeserve")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match its config (missing tensor, wrong shape, unreadable file)."""
+
+
+class _Tensors:
+    """Name -> tensor access across one or many safetensors files."""
+
+    def __init__(self, model_dir: Path):
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
+            weight_map = None
+        self.handles, self.where = {}, {}
+        for f in files:
+            try:
+                h = safe_open(str(model_dir / f), framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - report any unreadable file by name
+                raise CheckpointError(f"{model_dir / f}: cannot read safetensors ({e})") from e
+            self.handles[f] = h
+            for k in h.keys():
+                self.where[k] = f
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.where:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        t = self.handles[self.where[name]].get_tensor(name)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        self.used.add(name)
+        return t
+
+
+def _first(tensors: _Tensors, names: list[str]) -> str:
+    for n in names:
+        if tensors.has(n):
+            return n
+    return names[0]  # reported as missing
+
+
+def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+               attention_backend: str = "torch", moe_backend: str = "torch", lora_backend: str = "torch",
+               progress: bool = False) -> MoEForCausalLM:
+    model_dir = Path(model_dir)
+    tensors = _Tensors(model_dir)
+    with torch.device(device):
+        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend).to(dtype)
+    H, E, inter = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+
+    def put(param: torch.Tensor, value: torch.Tensor):
+        param.data.copy_(value.to(dtype))
+
+    put(model.embed_tokens, tensors.get("model.embed_tokens.weight", (spec.vocab_size, H)))
+    put(model.norm.weight, tensors.get("model.norm.weight", (H,)))
+    if model.lm_head is not None:
+        put(model.lm_head, tensors.get("lm_head.weight", (spec.vocab_size, H)))
+
+    layers = model.layers
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc="loading layers", unit="layer")
+    for layer in layers:
+        i = layer.layer_idx
+        p = f"model.layers.{i}."
+        put(layer.input_layernorm.weight, tensors.get(p + "input_layernorm.weight", (H,)))
+        put(layer.post_attention_layernorm.weight, tensors.get(p + "post_attention_layernorm.weight", (H,)))
+        attn = layer.self_attn
+        a = p + "self_attn."
+        put(attn.qkv_proj.weight, torch.cat([
+            tensors.get(a + "q_proj.weight", (spec.q_size, H)),
+            tensors.get(a + "k_proj.weight", (spec.kv_size, H)),
+            tensors.get(a + "v_proj.weight", (spec.kv_size, H)),
+        ]))
+        if attn.qkv_proj.bias is not None:
+            put(attn.qkv_proj.bias, torch.cat([
+                tensors.get(a + "q_proj.bias", (spec.q_size,)),
+                tensors.get(a + "k_proj.bias", (spec.kv_size,)),
+                tensors.get(a + "v_proj.bias", (spec.kv_size,)),
+            ]))
+        put(attn.o_proj.weight, tensors.get(a + "o_proj.weight", (H, spec.q_size)))
+        if attn.o_proj.bias is not None:
+            put(attn.o_proj.bias, tensors.get(a + "o_proj.bias", (H,)))
+        if attn.q_norm is not None:
+            put(attn.q_norm.weight, tensors.get(a + "q_norm.weight", tuple(attn.q_norm.weight.shape)))
+            put(attn.k_norm.weight, tensors.get(a + "k_norm.weight", tuple(attn.k_norm.weight.shape)))
+        if layer.is_sparse:
+            _load_moe(layer.mlp, tensors, p, spec, put)
+        else:
+            _load_dense(layer.mlp, tensors, p + "mlp.", H, spec.intermediate_size, put)
+
+    unused = set(tensors.where) - tensors.used
+    if unused:
+        logger.warning("checkpoint has %d tensors moeserve does not use, e.g. %s", len(unused), sorted(unused)[:3])
+    return model
+
+
+def _load_dense(mlp, tensors: _Tensors, p: str, H: int, inter: int, put):
+    put(mlp.gate_up_proj.weight, torch.cat([
+        tensors.get(p + "gate_proj.weight", (inter, H)), tensors.get(p + "up_proj.weight", (inter, H))]))
+    put(mlp.down_proj.weight, tensors.get(p + "down_proj.weight", (H, inter)))
+
+
+def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
+    H, E, inter = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    prefixes = [p + "mlp.", p + "block_sparse_moe."]
+    put(moe.router, tensors.get(_first(tensors, [q + "gate.weight" for q in prefixes]), (E, H)))
+    fused = [q for q in prefixes if tensors.has(q + "experts.gate_up_proj")]
+    if fused:
+        q = fused[0]
+        put(moe.w13, tensors.get(q + "experts.gate_up_proj", (E, 2 * inter, H)))
+        put(moe.w2, tensors.get(q + "experts.down_proj", (E, H, inter)))
+    else:
+        mixtral = tensors.has(p + f"block_sparse_moe.experts.0.w1.weight")
+        for e in range(E):
+            if mixtral:
+                q = p + f"block_sparse_moe.experts.{e}."
+                g, u, d = q + "w1.weight", q + "w3.weight", q + "w2.weight"
+            else:
+                q = _first(tensors, [x + f"experts.{e}.gate_proj.weight" for x in prefixes])
+                q = q[: -len("gate_proj.weight")]
+                g, u, d = q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"
+            moe.w13.data[e, :inter].copy_(tensors.get(g, (inter, H)))
+            moe.w13.data[e, inter:].copy_(tensors.get(u, (inter, H)))
+            moe.w2.data[e].copy_(tensors.get(d, (H, inter)))
+    if moe.shared_expert is not None:
+        _load_dense(moe.shared_expert, tensors, p + "mlp.shared_expert.", H, spec.shared_expert_intermediate_size, put)
+        put(moe.shared_expert_gate, tensors.get(p + "mlp.shared_expert_gate.weight", (1, H)))

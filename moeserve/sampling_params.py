@@ -1,0 +1,55 @@
+"""Per-request sampling parameters (names follow the OpenAI / vLLM conventions)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 / 0 = off
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; N >= 0 = chosen token's logprob plus top-N
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending field; the engine rejects only this request."""
+        def bad(msg):
+            raise ValueError(msg)
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature <= 100.0) \
+                or self.temperature != self.temperature:
+            bad(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k must be -1 (off) or a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad(f"seed must be an integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 20):
+                bad(f"{name} must be an integer in [0, 20], got {v!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
