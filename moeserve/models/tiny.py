@@ -5,6 +5,8 @@ adapter tensors are mapped to expert parameters by shape, which needs them disti
 """
 from __future__ import annotations
 
+import pathlib
+
 TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 # H=64, I=48, 2I=96, dense MLP 80: all distinct.
@@ -49,3 +51,167 @@ def tiny_hf_config(family: str, **overrides):
     kw.update(overrides)
     cfg = cls(**kw)
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random checkpoints on disk
+# ---------------------------------------------------------------------------------------------
+
+EXPERT_LAYOUTS = ("per_expert", "fused")
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: int = 0,
+              shard_size: str | int | None = None, dtype: str = "float32", **config_overrides) -> pathlib.Path:
+    """Write a tiny random HF checkpoint of `family` into `out_dir` and return its path.
+
+    The folder holds config.json, generation_config.json, safetensors weights (one file, or shards
+    plus model.safetensors.index.json when `shard_size` is given, e.g. "200KB") and a trained
+    byte-level BPE tokenizer with a ChatML template. `expert_layout` picks how routed experts are
+    stored: "per_expert" (the HF on-disk original, one tensor per expert and projection) or
+    "fused" (transformers 5.x in-memory names: experts.gate_up_proj [E, 2I, H], experts.down_proj
+    [E, H, I]). The same seed gives the same weights in either layout.
+    """
+    import torch
+    import transformers as tf
+
+    from moeserve.models.tokenizer_tiny import save_tiny_tokenizer
+
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"unknown expert_layout {expert_layout!r}; choose from {', '.join(EXPERT_LAYOUTS)}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16, float16")
+    dtype = _DTYPES[dtype]
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    vocab_size = config_overrides.get("vocab_size", _COMMON["vocab_size"])
+    max_len = config_overrides.get("max_position_embeddings", _COMMON["max_position_embeddings"])
+    ids = save_tiny_tokenizer(out, vocab_size, model_max_length=max_len)
+    special = dict(bos_token_id=ids["endoftext"], pad_token_id=ids["endoftext"],
+                   eos_token_id=[ids["endoftext"], ids["im_end"]])
+    cfg = tiny_hf_config(family, **{**special, **config_overrides})
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = _redraw_weights(model, seed)
+    if expert_layout == "per_expert":
+        state = _to_per_expert(state, family, cfg)
+    else:
+        state = _to_fused_names(state)
+    state = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in state.items()}
+    _save_safetensors(state, out, shard_size)
+
+    cfg.architectures = [type(model).__name__]
+    cfg.dtype = dtype
+    cfg.save_pretrained(out)
+    tf.GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                        pad_token_id=cfg.pad_token_id).save_pretrained(out)
+    return out
+
+
+def _redraw_weights(model, seed: int) -> dict:
+    """Re-draw every parameter from a seeded generator in name order, independent of how the
+    installed transformers initializes: N(0, 0.02) for matrices and biases, 1 + N(0, 0.1) for norm
+    weights (so q/k norms are not identities), N(0, 0.1) for routers (so routing spreads)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * noise
+        elif name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+            w = 0.1 * noise
+        else:
+            w = 0.02 * noise
+        with torch.no_grad():
+            p.copy_(w)
+        state[name] = w
+    return state
+
+
+def _moe_prefix_and_router(name: str) -> tuple[str, str] | None:
+    """'model.layers.3.mlp.experts.gate_up_proj' -> ('model.layers.3', 'gate_up_proj')."""
+    for block in (".mlp.experts.", ".block_sparse_moe.experts."):
+        if block in name:
+            prefix, rest = name.split(block)
+            if rest in ("gate_up_proj", "down_proj"):
+                return prefix, rest
+    return None
+
+
+def _to_fused_names(state: dict) -> dict:
+    # Mixtral's in-memory block is `mlp` in transformers 5.x; keep one spelling on disk for all families.
+    return {k.replace(".block_sparse_moe.", ".mlp."): v for k, v in state.items()}
+
+
+def _to_per_expert(state: dict, family: str, cfg) -> dict:
+    """Split fused expert tensors into the HF on-disk per-expert layout (gate_up rows [:I] are gate)."""
+    mixtral = family == "mixtral"
+    block = "block_sparse_moe" if mixtral else "mlp"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, w in state.items():
+        hit = _moe_prefix_and_router(name)
+        if hit is None:
+            if mixtral:  # router and any other MoE-block tensor live under block_sparse_moe on disk
+                name = name.replace(".mlp.", f".{block}.")
+            out[name] = w
+            continue
+        prefix, which = hit
+        for e in range(w.shape[0]):
+            base = f"{prefix}.{block}.experts.{e}"
+            if which == "gate_up_proj":
+                inter = w.shape[1] // 2
+                out[f"{base}.{gate}.weight"] = w[e, :inter]
+                out[f"{base}.{up}.weight"] = w[e, inter:]
+            else:
+                out[f"{base}.{down}.weight"] = w[e]
+    return out
+
+
+def _parse_size(size: str | int) -> int:
+    if isinstance(size, int):
+        return size
+    s = size.strip().upper().replace(" ", "")
+    num = s.rstrip("KMGIB")
+    unit = s[len(num):]
+    if unit not in _SIZE_UNITS or not num:
+        raise ValueError(f"cannot parse size {size!r} (examples: 200KB, 5MB, 1GiB, 123456)")
+    return int(float(num) * _SIZE_UNITS[unit])
+
+
+def _save_safetensors(state: dict, out: pathlib.Path, shard_size: str | int | None) -> None:
+    """One model.safetensors, or shards of at most `shard_size` bytes (a larger tensor gets its own
+    shard) named model-0000i-of-0000n.safetensors, with the HF index file."""
+    import json
+
+    from safetensors.torch import save_file
+
+    meta = {"format": "pt"}
+    if shard_size is None:
+        save_file(state, str(out / "model.safetensors"), metadata=meta)
+        return
+    limit = _parse_size(shard_size)
+    shards, current, current_bytes = [], {}, 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if current and current_bytes + nbytes > limit:
+            shards.append(current)
+            current, current_bytes = {}, 0
+        current[name] = t
+        current_bytes += nbytes
+    shards.append(current)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata=meta)
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
