@@ -15,6 +15,7 @@ Rows with slot -1, or with a slot of rank 0, are left bitwise untouched.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -137,12 +138,17 @@ def _expand_kernel(
     tl.store(o_ptrs, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _default_k_splits(num_token_tiles: int, num_slices: int, in_features: int, block_k: int,
                       device: torch.device) -> int:
     """Split `in` across programs while tiles x slices alone would leave the GPU idle (decode)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     want = triton.cdiv(2 * sms, num_token_tiles * num_slices)
     return max(1, min(want, triton.cdiv(in_features, block_k), 8))
 
