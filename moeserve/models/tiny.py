@@ -79,11 +79,14 @@ def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: 
 
     from moeserve.models.tokenizer_tiny import save_tiny_tokenizer
 
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {', '.join(TINY_FAMILIES)}")
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"unknown expert_layout {expert_layout!r}; choose from {', '.join(EXPERT_LAYOUTS)}")
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16, float16")
     dtype = _DTYPES[dtype]
+    shard_bytes = None if shard_size is None else _parse_size(shard_size)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -102,7 +105,7 @@ def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: 
     else:
         state = _to_fused_names(state)
     state = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in state.items()}
-    _save_safetensors(state, out, shard_size)
+    _save_safetensors(state, out, shard_bytes)
 
     cfg.architectures = [type(model).__name__]
     cfg.dtype = dtype
@@ -175,28 +178,29 @@ def _to_per_expert(state: dict, family: str, cfg) -> dict:
 
 
 def _parse_size(size: str | int) -> int:
+    """Bytes from an int or a string like "200KB" (decimal units, as HF uses) or "1GiB"."""
+    import re
+
     if isinstance(size, int):
         return size
-    s = size.strip().upper().replace(" ", "")
-    num = s.rstrip("KMGIB")
-    unit = s[len(num):]
-    if unit not in _SIZE_UNITS or not num:
-        raise ValueError(f"cannot parse size {size!r} (examples: 200KB, 5MB, 1GiB, 123456)")
-    return int(float(num) * _SIZE_UNITS[unit])
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+    if m is None:
+        raise ValueError(f"cannot parse shard size {size!r} (examples: 200KB, 5MB, 1GiB, 123456)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2) or ""])
 
 
-def _save_safetensors(state: dict, out: pathlib.Path, shard_size: str | int | None) -> None:
-    """One model.safetensors, or shards of at most `shard_size` bytes (a larger tensor gets its own
+def _save_safetensors(state: dict, out: pathlib.Path, shard_bytes: int | None) -> None:
+    """One model.safetensors, or shards of at most `shard_bytes` bytes (a larger tensor gets its own
     shard) named model-0000i-of-0000n.safetensors, with the HF index file."""
     import json
 
     from safetensors.torch import save_file
 
     meta = {"format": "pt"}
-    if shard_size is None:
+    if shard_bytes is None:
         save_file(state, str(out / "model.safetensors"), metadata=meta)
         return
-    limit = _parse_size(shard_size)
+    limit = shard_bytes
     shards, current, current_bytes = [], {}, 0
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()

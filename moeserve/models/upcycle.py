@@ -136,7 +136,7 @@ def _upcycle_state(dense: dict, num_layers: int, num_experts: int, noise: float,
 
     gen = torch.Generator().manual_seed(seed)
     bf16 = torch.bfloat16
-    state = {}
+    state, scratch = {}, None
     for name, w in dense.items():
         if ".mlp." in name or name == "lm_head.weight":  # MLPs become experts; lm_head is tied
             continue
@@ -147,8 +147,11 @@ def _upcycle_state(dense: dict, num_layers: int, num_experts: int, noise: float,
         for e in range(num_experts):
             for src, dst in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
                 w = dense[f"{mlp}.{src}.weight"]
-                jitter = torch.randn(w.shape, generator=gen, dtype=torch.float32)
-                state[f"{moe}.experts.{e}.{dst}.weight"] = (w * (1.0 + noise * jitter)).to(bf16)
+                # in place in one reused buffer: ~300M draws, fresh temporaries would dominate the build
+                if scratch is None or scratch.numel() < w.numel():
+                    scratch = torch.empty(w.numel(), dtype=torch.float32)
+                jitter = scratch[: w.numel()].view(w.shape).normal_(generator=gen)
+                state[f"{moe}.experts.{e}.{dst}.weight"] = jitter.mul_(noise).add_(1.0).mul_(w).to(bf16)
         hidden = dense[f"{mlp}.gate_proj.weight"].shape[1]
         router = 0.02 * torch.randn(num_experts, hidden, generator=gen, dtype=torch.float32)
         state[f"{moe}.gate.weight"] = router.to(bf16)

