@@ -1,0 +1,262 @@
+"""Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
+
+    python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
+                                     [--sweep] [--profile]
+
+Measures, in one process on one GPU:
+- read bandwidth: a large device-to-device copy (read + write counted) and a large
+  read-only reduction; the reduction is the ceiling the MoE is compared with;
+- per batch: fused MoE time (CUDA-graph replay, rotating through 4 sets of weights and
+  inputs, each 1.2 GB, so L2 never holds a set), expected touched expert bytes
+  E*(1-(1-K/E)^T)*3*H*I*2, achieved GB/s and fraction of read bandwidth;
+- MoE-LoRA with 1, 4 and 8 active rank-16 adapters (every token has one) and one rank-8
+  adapter in the max-rank-64 pool, each as (fused MoE + LoRA) / (fused MoE alone);
+- the alignment kernel against its torch reference.
+`--sweep` also times block-size candidates and both paths per batch; `--profile` prints
+per-kernel GPU time at a few batch sizes. Prints one table last, writes kernels_bench.json.
+"""
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from moeserve.kernels.fused_moe import GemmTile, MoELoRAArgs, MoEPlan, default_plan, fused_moe
+from moeserve.kernels.moe_align import moe_align, moe_align_ref
+
+HIDDEN, INTER, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
+NUM_SETS = 4  # weight/input sets one timed graph rotates through (each >> L2)
+LORA_SLOTS, LORA_MAX_RANK = 8, 64
+LORA_CASES = {  # name -> (rank of each slot, adapters in use)
+    "lora1_r16": ([16] + [0] * 7, 1),
+    "lora4_r16": ([16] * 4 + [0] * 4, 4),
+    "lora8_r16": ([16] * 8, 8),
+    "lora1_r8_of_64": ([8] + [0] * 7, 1),
+}
+
+
+def graph_time_us(fns, reps: int = 15) -> float:
+    """Median µs per call of one CUDA graph that runs every fn once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()  # compile and allocate outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+def read_bandwidth() -> dict:
+    """GB/s of a 4 GiB copy (read + write) and of a 4 GiB read-only sum."""
+    src = torch.empty(1 << 30, dtype=torch.float32, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+    copy_us = graph_time_us([lambda: dst.copy_(src)] * 3, reps=7)
+    sink = torch.empty((), device="cuda")
+    sum_us = graph_time_us([lambda: torch.sum(src, out=sink)] * 3, reps=7)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"copy_gbps": 2 * nbytes / copy_us / 1e3, "read_gbps": nbytes / sum_us / 1e3}
+
+
+def touched_bytes(batch: int) -> float:
+    expected_experts = NUM_EXPERTS * (1 - (1 - TOP_K / NUM_EXPERTS) ** batch)
+    return expected_experts * 3 * HIDDEN * INTER * 2
+
+
+def make_weights(gen):
+    def normal(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    return normal(NUM_EXPERTS, 2 * INTER, HIDDEN), normal(NUM_EXPERTS, HIDDEN, INTER)
+
+
+def make_lora_pool(gen):
+    """Full-size pool; slot ranks decide which columns the kernels read."""
+    def normal(*shape):
+        return torch.randn(LORA_SLOTS, NUM_EXPERTS, *shape, generator=gen, device="cuda",
+                           dtype=torch.bfloat16) * 0.02
+
+    return (normal(LORA_MAX_RANK, HIDDEN), normal(2 * INTER, LORA_MAX_RANK),
+            normal(LORA_MAX_RANK, INTER), normal(HIDDEN, LORA_MAX_RANK))
+
+
+def make_inputs(batch: int, gen):
+    x = torch.randn(batch, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(batch, NUM_EXPERTS, generator=gen, device="cuda")
+    weights, ids = torch.softmax(logits, -1).topk(TOP_K, -1)
+    return x, weights, ids.to(torch.int32)
+
+
+def lora_args(pool, batch: int, case: str) -> MoELoRAArgs:
+    ranks, in_use = LORA_CASES[case]
+    slots = (torch.arange(batch, device="cuda") % in_use).to(torch.int32)
+    return MoELoRAArgs(slots, torch.tensor(ranks, dtype=torch.int32, device="cuda"), *pool)
+
+
+def time_moe(weights, inputs, loras=None, **kw) -> float:
+    fns = []
+    for i, ((w13, w2), (x, tw, ti)) in enumerate(zip(weights, inputs)):
+        lora = loras[i] if loras else None
+        fns.append(lambda w13=w13, w2=w2, x=x, tw=tw, ti=ti, lora=lora:
+                   fused_moe(x, w13, w2, tw, ti, lora, **kw))
+    return graph_time_us(fns)
+
+
+SWEEP_TILES = [  # sorted path: (block_m, block_n, block_k, num_warps, num_stages)
+    (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 32, 256, 4, 4),
+    (32, 64, 128, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3),
+]
+SWEEP_GEMV = [(16, 256, 4), (8, 512, 4), (32, 128, 4), (16, 512, 8), (4, 512, 4)]
+
+
+def sweep(batch: int, weights, inputs) -> list[dict]:
+    rows = []
+    if batch * TOP_K <= 256:
+        for bn, bk, nw in SWEEP_GEMV:
+            tile = GemmTile(block_n=bn, block_k=bk, num_warps=nw, num_stages=1)
+            plan = MoEPlan(True, tile, tile)
+            try:
+                rows.append({"path": "decode", "tile": [bn, bk, nw],
+                             "us": time_moe(weights, inputs, plan=plan)})
+            except Exception as exc:
+                print(f"  sweep gemv {(bn, bk, nw)} failed: {exc!r}"[:300], flush=True)
+    for bm, bn, bk, nw, ns in SWEEP_TILES:
+        if bm > 16 and batch * TOP_K < 512:
+            continue
+        tile = GemmTile(bm, bn, bk, nw, ns)
+        plan = MoEPlan(False, tile, tile)
+        try:
+            rows.append({"path": "sorted", "tile": [bm, bn, bk, nw, ns],
+                         "us": time_moe(weights, inputs, plan=plan)})
+        except Exception as exc:  # a candidate that does not compile is skipped, not fatal
+            print(f"  sweep tile {(bm, bn, bk, nw, ns)} failed: {exc!r}"[:300], flush=True)
+    return rows
+
+
+def profile(batch: int, weights, inputs, pool) -> str:
+    """Per-kernel GPU time of a few eager calls (base and 4 adapters)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    loras = [lora_args(pool[i], batch, "lora4_r16") for i in range(NUM_SETS)]
+    for lora in (None, loras):  # warm up
+        time_moe(weights, inputs, lora)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            for i, ((w13, w2), (x, tw, ti)) in enumerate(zip(weights, inputs)):
+                fused_moe(x, w13, w2, tw, ti, None)
+                fused_moe(x, w13, w2, tw, ti, loras[i])
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+
+
+def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -> None:
+    inputs = [make_inputs(batch, gen) for _ in range(NUM_SETS)]
+    plan = default_plan(batch, TOP_K)
+    moe_us = time_moe(weights, inputs)
+    gbps = touched_bytes(batch) / moe_us / 1e3
+    row = {"batch": batch, "path": "decode" if plan.decode else "sorted",
+           "plan": asdict(plan), "moe_us": moe_us, "touched_gb": touched_bytes(batch) / 1e9,
+           "gbps": gbps, "frac_read_bw": gbps / bw["read_gbps"],
+           "unique_experts": statistics.mean(
+               ti.unique().numel() for _, _, ti in inputs)}
+    for case in LORA_CASES:
+        loras = [lora_args(pools[i], batch, case) for i in range(NUM_SETS)]
+        base_us = time_moe(weights, inputs)  # side by side with the LoRA timing
+        lora_us = time_moe(weights, inputs, loras)
+        row[case] = {"us": lora_us, "base_us": base_us, "ratio": lora_us / base_us}
+    block_m = plan.gate_up.block_m
+    row["align_us"] = graph_time_us(
+        [lambda ti=ti: moe_align(ti, NUM_EXPERTS, block_m) for _, _, ti in inputs])
+    row["align_ref_us"] = graph_time_us(
+        [lambda ti=ti: moe_align_ref(ti, NUM_EXPERTS, block_m) for _, _, ti in inputs])
+    report["batches"].append(row)
+    print(f"batch {batch}: {row['path']} {moe_us:.1f} us, {gbps:.0f} GB/s "
+          f"({100 * row['frac_read_bw']:.0f}% of read), lora4 x{row['lora4_r16']['ratio']:.3f}",
+          flush=True)
+    if args.sweep:
+        rows = sweep(batch, weights, inputs)
+        report["sweep"][batch] = rows
+        best = min(rows, key=lambda r: r["us"])
+        print(f"  sweep best: {best['path']} {best['tile']} {best['us']:.1f} us  | "
+              + " ".join(f"{r['path'][0]}{r['tile']}={r['us']:.0f}" for r in rows), flush=True)
+    if args.profile and batch in (8, 64, 256):
+        table = profile(batch, weights, inputs, pools)
+        report["profile"][batch] = table
+        print(table, flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="moeserve bench kernels", description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,32,64,128,256,512")
+    ap.add_argument("--out", default="bench_out/")
+    ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA device")
+        return 1
+    batches = [int(b) for b in args.batches.split(",")]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    gen = torch.Generator("cuda").manual_seed(0)
+    device = torch.cuda.get_device_name()
+    bw = read_bandwidth()
+    print(f"{device}: copy {bw['copy_gbps']:.0f} GB/s (read+write), "
+          f"read-only sum {bw['read_gbps']:.0f} GB/s", flush=True)
+    weights = [make_weights(gen) for _ in range(NUM_SETS)]
+    pools = [make_lora_pool(gen) for _ in range(NUM_SETS)]
+    report = {"device": device, "shape": dict(hidden=HIDDEN, inter=INTER, experts=NUM_EXPERTS,
+                                              top_k=TOP_K),
+              "bandwidth": bw, "batches": [], "sweep": {}, "profile": {}}
+
+    def save():
+        (out_dir / "kernels_bench.json").write_text(json.dumps(report, indent=1))
+
+    for batch in batches:
+        try:
+            bench_batch(batch, args, gen, weights, pools, bw, report)
+        except Exception:
+            traceback.print_exc()
+        save()
+
+
+    print(f"\nfused MoE at Qwen3-30B-A3B shapes, {device}, read bandwidth "
+          f"{bw['read_gbps']:.0f} GB/s (copy {bw['copy_gbps']:.0f} GB/s r+w); "
+          f"LoRA columns = (MoE + LoRA) / MoE; {time.time() - t0:.0f} s")
+    head = (f"{'batch':>5} {'path':>6} {'moe us':>8} {'GB':>6} {'GB/s':>6} {'%read':>5} "
+            + " ".join(f"{c:>14}" for c in LORA_CASES) + f" {'align us':>8} {'torch':>6}")
+    print(head)
+    for r in report["batches"]:
+        print(f"{r['batch']:>5} {r['path']:>6} {r['moe_us']:>8.1f} {r['touched_gb']:>6.2f} "
+              f"{r['gbps']:>6.0f} {100 * r['frac_read_bw']:>5.0f} "
+              + " ".join(f"{r[c]['ratio']:>14.3f}" for c in LORA_CASES)
+              + f" {r['align_us']:>8.1f} {r['align_ref_us']:>6.1f}")
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

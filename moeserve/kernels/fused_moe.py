@@ -1,0 +1,471 @@
+"""Fused MoE forward (routed experts, SiLU-gated) with optional per-token LoRA on the experts.
+
+    out[t] = sum_k w[t,k] * (W2_e @ h + dD),   e = topk_ids[t,k]
+    h = silu(g) * u,  [g | u] = W13_e @ x_t + dGU
+
+Two paths, chosen from the number of (token, k) pairs only (so a CUDA graph of a batch
+size always records the same kernels):
+
+- decode (few pairs): no alignment. GEMV-style programs, one per (pair, N tile), read the
+  pair's expert rows directly; LoRA shrinks run per pair and their expands are fused into
+  the GEMV epilogues.
+- sorted (many pairs): pairs are aligned into blocks of one expert (moe_align), then two
+  grouped GEMMs: gate_up -> [pairs, 2I], and down with SiLU*up fused into its A-operand
+  load, routing weight applied in the epilogue. LoRA deltas run as (slot, expert)-grouped
+  kernels (moe_lora), so each touched adapter-expert weight is read about once.
+
+Both paths end with a top-k sum over fp32 per-pair outputs (no atomics). `lora=None`
+launches no LoRA work at all. No host syncs anywhere: every buffer and grid is sized from
+shapes, and inactive rows (slot -1, rank 0, padding) exit or are masked inside the kernels.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moeserve.kernels.moe_align import moe_align
+from moeserve.kernels.moe_lora import (
+    lora_rank_block,
+    lora_shrink_pairs,
+    lora_sorted_down,
+    lora_sorted_gate_up,
+)
+
+
+@dataclass(frozen=True)
+class MoELoRAArgs:
+    token_slots: torch.Tensor  # [T] int32, adapter slot of each token, -1 = no adapter
+    slot_ranks: torch.Tensor  # [L] int32, rank of each slot (0 = empty); columns >= rank are zero
+    gate_up_a: torch.Tensor  # [L, E, R, H]
+    gate_up_b: torch.Tensor  # [L, E, 2I, R]  (LoRA scaling folded in)
+    down_a: torch.Tensor  # [L, E, R, I]
+    down_b: torch.Tensor  # [L, E, H, R]
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    block_m: int = 16  # sorted path only
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    decode: bool
+    gate_up: GemmTile
+    down: GemmTile
+    lora_block_m: int = 16
+
+
+# Pairs at or below this run the alignment-free GEMV path.
+DECODE_MAX_PAIRS = 64
+
+
+def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoEPlan:
+    """Block sizes by problem size (a static table; weights are read once per block, so
+    larger T wants taller blocks). `decode` forces a path."""
+    num_pairs = num_tokens * top_k
+    if decode is None:
+        decode = num_pairs <= DECODE_MAX_PAIRS
+    if decode:
+        return MoEPlan(True, GemmTile(block_n=16, block_k=256, num_warps=4),
+                       GemmTile(block_n=16, block_k=256, num_warps=4))
+    if num_pairs <= 1024:
+        tile = GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    elif num_pairs <= 2048:
+        tile = GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    else:
+        tile = GemmTile(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    return MoEPlan(False, tile, tile, lora_block_m=16)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, gu_ptr, sorted_ids_ptr, block_groups_ptr,
+    num_pairs, top_k, N, K,
+    stride_xt, stride_we, stride_wn, stride_gu,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """gu[pair] = W13_e @ x[token] for the BLOCK_M pairs of one aligned block, one N tile."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert = tl.load(block_groups_ptr + pid_m)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=pair_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    out_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(gu_ptr.dtype.element_ty),
+             mask=pair_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    gu_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, block_groups_ptr,
+    num_pairs, N, K,
+    stride_gu, stride_we, stride_wn, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """y[pair] = w[pair] * W2_e @ silu(g) * u, the activation applied as the A tile is loaded."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert = tl.load(block_groups_ptr + pid_m)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_k[None, :]
+    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            gate = tl.load(gate_ptrs, mask=pair_ok[:, None], other=0.0)
+            up = tl.load(gate_ptrs + K, mask=pair_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            gate = tl.load(gate_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+            up = tl.load(gate_ptrs + K, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        a = _silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(b.dtype)
+        acc = tl.dot(a, b, acc)
+        gate_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+    acc = acc * weights[:, None]
+    out_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=pair_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _lora_expand_rows(
+    slots_ptr, ranks_ptr, b_ptr, shrunk_ptr, pair, token, expert, rows,
+    stride_bl, stride_be, stride_bn, stride_shrunk, BLOCK_R: tl.constexpr,
+):
+    """B[slot, expert][rows, :rank] @ shrunk[pair, :rank]; zero when the token has no adapter."""
+    slot = tl.load(slots_ptr + token).to(tl.int32)
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
+    rank = tl.where(slot >= 0, rank, 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    shrunk = tl.load(shrunk_ptr + pair * stride_shrunk + offs_r, mask=r_ok, other=0.0)
+    b_ptrs = (b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+              + rows.to(tl.int64)[:, None] * stride_bn + offs_r[None, :])
+    b = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
+    return tl.sum(b.to(tl.float32) * shrunk[None, :], 1)
+
+
+@triton.jit
+def _gemv_gate_up_kernel(
+    x_ptr, w_ptr, gu_ptr, topk_ids_ptr,
+    slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
+    num_experts, top_k, N, K,
+    stride_xt, stride_we, stride_wn, stride_gu,
+    stride_bl, stride_be, stride_bn, stride_shrunk,
+    HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """gu[pair, tile] = W13_e[tile] @ x[token] (+ LoRA expand), fp32; one program per (pair, tile)."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    token = pair // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_k
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xv = tl.load(x_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            xv = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = tl.sum(acc, 1)
+    if HAS_LORA:
+        out += _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, token, expert,
+                                 rows, stride_bl, stride_be, stride_bn, stride_shrunk, BLOCK_R)
+    tl.store(gu_ptr + pair.to(tl.int64) * stride_gu + offs_n, out, mask=offs_n < N)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    gu_ptr, w_ptr, y_ptr, topk_weights_ptr, topk_ids_ptr,
+    slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
+    num_experts, top_k, N, K,
+    stride_gu, stride_we, stride_wn, stride_y,
+    stride_bl, stride_be, stride_bn, stride_shrunk,
+    HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """y[pair, tile] = w[pair] * (W2_e[tile] @ silu(g) * u (+ LoRA expand)), fp32."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
+    gate_ptrs = gu_ptr + pair.to(tl.int64) * stride_gu + offs_k
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            gate = tl.load(gate_ptrs)
+            up = tl.load(gate_ptrs + K)
+        else:
+            k_ok = offs_k < K - k0
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            gate = tl.load(gate_ptrs, mask=k_ok, other=0.0)
+            up = tl.load(gate_ptrs + K, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * _silu_mul(gate, up)[None, :]
+        w_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+    out = tl.sum(acc, 1)
+    if HAS_LORA:
+        out += _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, pair // top_k,
+                                 expert, rows, stride_bl, stride_be, stride_bn, stride_shrunk,
+                                 BLOCK_R)
+    out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, out, mask=offs_n < N)
+
+
+@triton.jit
+def _topk_sum_kernel(
+    y_ptr, topk_ids_ptr, out_ptr, num_experts, top_k, N, stride_y, stride_out,
+    BLOCK_N: tl.constexpr,
+):
+    """out[t] = sum_k y[t*K + k] over pairs with a valid expert (others were never written)."""
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, top_k):
+        pair = token * top_k + k
+        expert = tl.load(topk_ids_ptr + pair + offs_n * 0)  # broadcast: one mask dtype everywhere
+        ok = n_ok & (expert >= 0) & (expert < num_experts)
+        acc += tl.load(y_ptr + pair.to(tl.int64) * stride_y + offs_n, mask=ok, other=0.0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n,
+             acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+
+def _topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dtype) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    n = y.shape[1]
+    out = torch.empty(num_tokens, n, dtype=out_dtype, device=y.device)
+    block_n = min(1024, triton.next_power_of_2(n))
+    _topk_sum_kernel[(num_tokens, triton.cdiv(n, block_n))](
+        y, topk_ids, out, num_experts, top_k, n, y.stride(0), out.stride(0),
+        BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    dev = x.device
+    gu = torch.empty(num_pairs, two_i, dtype=torch.float32, device=dev)
+
+    has_lora = lora is not None
+    block_r = lora_rank_block(lora) if has_lora else 16
+    if has_lora:
+        shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False)
+        gu_b = lora.gate_up_b
+        gu_b_strides = (gu_b.stride(0), gu_b.stride(1), gu_b.stride(2), shrunk_gu.stride(0))
+        gu_lora = (lora.token_slots, lora.slot_ranks, gu_b, shrunk_gu)
+    else:
+        gu_b_strides = (0, 0, 0, 0)
+        gu_lora = (topk_ids, topk_ids, x, x)  # unused placeholders
+
+    t = plan.gate_up
+    _gemv_gate_up_kernel[(num_pairs, triton.cdiv(two_i, t.block_n))](
+        x, w13, gu, topk_ids, *gu_lora,
+        num_experts, top_k, two_i, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *gu_b_strides,
+        HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
+        EVEN_K=hidden % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+
+    if has_lora:
+        shrunk_d = lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True)
+        d_b = lora.down_b
+        d_b_strides = (d_b.stride(0), d_b.stride(1), d_b.stride(2), shrunk_d.stride(0))
+        d_lora = (lora.token_slots, lora.slot_ranks, d_b, shrunk_d)
+    else:
+        d_b_strides = (0, 0, 0, 0)
+        d_lora = (topk_ids, topk_ids, x, x)
+
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
+    t = plan.down
+    _gemv_down_kernel[(num_pairs, triton.cdiv(hidden, t.block_n))](
+        gu, w2, y, topk_weights, topk_ids, *d_lora,
+        num_experts, top_k, hidden, inter,
+        gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *d_b_strides,
+        HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
+        EVEN_K=inter % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+    return _topk_sum(y, topk_ids, num_experts, x.dtype)
+
+
+def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    dev = x.device
+    t = plan.gate_up
+    aligned = moe_align(topk_ids, num_experts, t.block_m)
+    num_blocks = aligned.block_groups.numel()
+
+    gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
+    _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
+        x, w13, gu, aligned.sorted_ids, aligned.block_groups,
+        num_pairs, top_k, two_i, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        EVEN_K=hidden % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+
+    if lora is not None:
+        lora_aligned, shrunk_d = lora_sorted_gate_up(x, gu, topk_ids, lora, plan.lora_block_m)
+
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
+    t = plan.down
+    if t.block_m != plan.gate_up.block_m:
+        raise ValueError("gate_up and down share one alignment: block_m must match")
+    _moe_down_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
+        gu, w2, y, topk_weights, aligned.sorted_ids, aligned.block_groups,
+        num_pairs, hidden, inter,
+        gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        EVEN_K=inter % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+
+    if lora is not None:
+        lora_sorted_down(y, shrunk_d, lora_aligned, topk_weights, lora, plan.lora_block_m)
+    return _topk_sum(y, topk_ids, num_experts, x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    lora: MoELoRAArgs | None = None,
+    *,
+    decode: bool | None = None,
+    plan: MoEPlan | None = None,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/topk_ids [T, K] -> [T, H] in x.dtype.
+    `decode` forces the GEMV (True) or sorted (False) path; `plan` overrides block sizes."""
+    num_tokens, hidden = x.shape
+    if w13.shape[2] != hidden or w2.shape[1] != hidden or w2.shape[2] * 2 != w13.shape[1]:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    if plan is None:
+        plan = default_plan(num_tokens, topk_ids.shape[1], decode)
+    x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    forward = _decode_forward if plan.decode else _sorted_forward
+    return forward(x, w13, w2, topk_weights, topk_ids, lora, plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    lora: MoELoRAArgs | None = None,
+) -> torch.Tensor:
+    """Plain fp32 torch, one (token, k) pair at a time. The test oracle."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    inter = w2.shape[2]
+    ids = topk_ids.tolist()
+    weights = topk_weights.float()
+    slots = lora.token_slots.tolist() if lora is not None else [-1] * num_tokens
+    ranks = lora.slot_ranks.tolist() if lora is not None else []
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(num_tokens):
+        xt = x[t].float()
+        s = slots[t]
+        for k in range(top_k):
+            e = ids[t][k]
+            if not 0 <= e < num_experts:
+                continue
+            gate_up = w13[e].float() @ xt
+            if s >= 0 and ranks[s] > 0:
+                r = ranks[s]
+                gate_up = gate_up + lora.gate_up_b[s, e, :, :r].float() @ (
+                    lora.gate_up_a[s, e, :r].float() @ xt)
+            h = F.silu(gate_up[:inter]) * gate_up[inter:]
+            y = w2[e].float() @ h
+            if s >= 0 and ranks[s] > 0:
+                r = ranks[s]
+                y = y + lora.down_b[s, e, :, :r].float() @ (lora.down_a[s, e, :r].float() @ h)
+            out[t] += weights[t, k] * y
+    return out.to(x.dtype)

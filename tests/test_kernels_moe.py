@@ -1,0 +1,307 @@
+"""MoE kernels (alignment, fused MoE, MoE-LoRA) against plain-torch references.
+
+CPU: tiny fp32 shapes under the Triton interpreter. GPU (marked `gpu`): bf16 at
+Qwen3-30B-A3B shapes against the fp32 per-pair reference, and CUDA-graph replay.
+"""
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any module with @triton.jit is imported
+
+import pytest  # noqa: E402
+
+from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref  # noqa: E402
+from moeserve.kernels.moe_align import align_max_blocks, moe_align, moe_align_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _rel(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _route(num_tokens, num_experts, top_k, gen, device=DEV, empty_expert=None):
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
+    if empty_expert is not None:
+        logits[:, empty_expert] = -1e9
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    return weights, ids.to(torch.int32)
+
+
+def _lora_pool(num_slots, num_experts, hidden, inter, max_rank, ranks, gen, std,
+               dtype=torch.float32, device=DEV):
+    """Slot pool as the LoRA manager keeps it: columns >= each slot's rank are zero."""
+    def pool(*shape):
+        w = torch.randn(num_slots, num_experts, *shape, generator=gen, device=device) * std
+        return w
+
+    ga, gb = pool(max_rank, hidden), pool(2 * inter, max_rank)
+    da, db = pool(max_rank, inter), pool(hidden, max_rank)
+    for s, r in enumerate(ranks):
+        ga[s, :, r:] = 0
+        gb[s, ..., r:] = 0
+        da[s, :, r:] = 0
+        db[s, ..., r:] = 0
+    ranks_t = torch.tensor(ranks, dtype=torch.int32, device=device)
+    return ranks_t, [w.to(dtype) for w in (ga, gb, da, db)]
+
+
+# --------------------------------------------------------------------------------------------
+# alignment
+
+
+def _check_alignment_invariants(aligned, topk_ids, groups, num_groups, block_m):
+    """Independent of both implementations: every valid pair exactly once, blocks of one group,
+    group members in pair order, padding = sentinel, sizes as counted directly."""
+    num_pairs = topk_ids.numel()
+    sorted_ids = aligned.sorted_ids.cpu().tolist()
+    block_groups = aligned.block_groups.cpu().tolist()
+    num_padded = aligned.num_padded.item()
+    counts = [0] * num_groups
+    for g in groups:
+        if g is not None:
+            counts[g] += 1
+    assert num_padded == sum(-(-c // block_m) * block_m for c in counts)
+    assert len(block_groups) == align_max_blocks(num_pairs, num_groups, block_m)
+    seen = []
+    for b, g in enumerate(block_groups):
+        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        if b * block_m >= num_padded:
+            assert g == -1 and all(p == num_pairs for p in rows)
+            continue
+        real = [p for p in rows if p != num_pairs]
+        assert real, "a block in use holds at least one pair"
+        assert all(groups[p] == g for p in real)
+        seen += real
+    expected = sorted((g, p) for p, g in enumerate(groups) if g is not None)
+    assert [p for _, p in expected] == seen
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,chunk", [
+    (7, 2, 8, 4, 4096),    # odd T, small blocks
+    (13, 2, 8, 16, 16),    # several chunks in one program
+    (1, 2, 4, 16, 4096),   # single token
+    (5, 3, 6, 4, 16),      # E not a power of two
+])
+def test_align_by_expert_matches_reference(num_tokens, top_k, num_experts, block_m, chunk):
+    gen = torch.Generator(DEV).manual_seed(num_tokens)
+    _, ids = _route(num_tokens, num_experts, top_k, gen, empty_expert=1)
+    ids[0, 0] = -1  # not routed here (e.g. another expert-parallel rank): belongs to no block
+    ours = moe_align(ids, num_experts, block_m, chunk=chunk)
+    ref = moe_align_ref(ids, num_experts, block_m)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    flat = ids.flatten().tolist()
+    groups = [e if 0 <= e < num_experts else None for e in flat]
+    _check_alignment_invariants(ref, ids, groups, num_experts, block_m)
+
+
+@pytest.mark.parametrize("chunk", [4096, 16])
+def test_align_by_slot_and_expert_matches_reference(chunk):
+    num_tokens, top_k, num_experts, block_m = 11, 2, 4, 4
+    gen = torch.Generator(DEV).manual_seed(3)
+    _, ids = _route(num_tokens, num_experts, top_k, gen)
+    ranks = torch.tensor([2, 0, 4], dtype=torch.int32, device=DEV)  # slot 1 is empty
+    slots = torch.tensor([0, -1, 2, 1, 0, 2, -1, 0, 2, 2, 1], dtype=torch.int32, device=DEV)
+    ours = moe_align(ids, num_experts, block_m, slots, ranks, chunk=chunk)
+    ref = moe_align_ref(ids, num_experts, block_m, slots, ranks)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    groups = []
+    for p, e in enumerate(ids.flatten().tolist()):
+        s = slots[p // top_k].item()
+        groups.append(s * num_experts + e if s >= 0 and ranks[s].item() > 0 else None)
+    _check_alignment_invariants(ref, ids, groups, 3 * num_experts, block_m)
+
+
+# --------------------------------------------------------------------------------------------
+# fused MoE (+ LoRA), CPU fp32
+
+
+def _moe_problem(num_tokens, top_k, num_experts, hidden, inter, seed, dtype=torch.float32,
+                 std=0.1, device=DEV, empty_expert=None):
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) * std).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen, device=device) * std).to(dtype)
+    weights, ids = _route(num_tokens, num_experts, top_k, gen, device, empty_expert)
+    return gen, x, w13, w2, weights, ids
+
+
+SHAPES = [  # (T, K, E, H, I)
+    (5, 2, 8, 64, 32),  # odd T, block-aligned H and I
+    (3, 2, 4, 48, 40),  # H and I not multiples of the K block: masked tails
+]
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}K{}E{}H{}I{}".format(*s))
+def test_fused_moe_matches_reference(shape, decode):
+    num_tokens, top_k, num_experts, hidden, inter = shape
+    _, x, w13, w2, weights, ids = _moe_problem(*shape, seed=1, empty_expert=2)
+    out = fused_moe(x, w13, w2, weights, ids, decode=decode)
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
+def test_fused_moe_skips_pairs_routed_elsewhere(decode):
+    _, x, w13, w2, weights, ids = _moe_problem(4, 2, 4, 32, 32, seed=2)
+    ids[1, 0] = -1
+    ids[3, 1] = 4  # == E: not an expert of this layer
+    out = fused_moe(x, w13, w2, weights, ids, decode=decode)
+    assert _rel(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-5
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}K{}E{}H{}I{}".format(*s))
+def test_fused_moe_lora_matches_reference(shape, decode):
+    num_tokens, top_k, num_experts, hidden, inter = shape
+    gen, x, w13, w2, weights, ids = _moe_problem(*shape, seed=4)
+    # pool of max rank 8: ranks 2 and 4, an empty slot, a full-rank slot; tokens without adapter
+    ranks, (ga, gb, da, db) = _lora_pool(4, num_experts, hidden, inter, 8, [2, 4, 0, 8], gen,
+                                         std=0.3)
+    slots = torch.tensor([0, -1, 1, 2, 3][:num_tokens], dtype=torch.int32, device=DEV)
+    lora = MoELoRAArgs(slots, ranks, ga, gb, da, db)
+    out = fused_moe(x, w13, w2, weights, ids, lora, decode=decode)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, lora)
+    assert _rel(out, ref) < 1e-5
+    # the delta itself, not only the sum: LoRA-on minus LoRA-off against the same in the reference
+    base = fused_moe(x, w13, w2, weights, ids, decode=decode)
+    ref_base = fused_moe_ref(x, w13, w2, weights, ids)
+    assert _rel(ref - ref_base, ref_base) > 0.1, "the test adapters must matter"
+    assert _rel(out - base, ref - ref_base) < 1e-4
+    # tokens without an adapter (slot -1, empty slot 2) are bitwise the base output
+    for t, s in enumerate(slots.tolist()):
+        if s < 0 or ranks[s] == 0:
+            assert torch.equal(out[t], base[t])
+
+
+def test_fused_moe_lora_ignores_columns_beyond_rank():
+    """Ranks are read in the kernels: columns >= rank never contribute, even if nonzero."""
+    gen, x, w13, w2, weights, ids = _moe_problem(3, 2, 4, 32, 32, seed=5)
+    ranks, pool = _lora_pool(2, 4, 32, 32, 8, [2, 4], gen, std=0.3)
+    slots = torch.tensor([0, 1, 0], dtype=torch.int32, device=DEV)
+    lora = MoELoRAArgs(slots, ranks, *pool)
+    dirty = [w.clone() for w in pool]
+    for w in dirty:  # garbage in the unused rank columns of both slots
+        if w.shape[2] == 8:
+            w[0, :, 2:] = 7.0
+            w[1, :, 4:] = 7.0
+        else:
+            w[0, ..., 2:] = 7.0
+            w[1, ..., 4:] = 7.0
+    lora_dirty = MoELoRAArgs(slots, ranks, *dirty)
+    for decode in (True, False):
+        clean = fused_moe(x, w13, w2, weights, ids, lora, decode=decode)
+        assert torch.equal(fused_moe(x, w13, w2, weights, ids, lora_dirty, decode=decode), clean)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: bf16 at Qwen3-30B-A3B decode shapes
+
+QWEN3_MOE = dict(hidden=2048, inter=768, num_experts=128, top_k=8)
+
+
+def _qwen3_problem(num_tokens, seed, with_lora):
+    q = QWEN3_MOE
+    gen, x, w13, w2, weights, ids = _moe_problem(
+        num_tokens, q["top_k"], q["num_experts"], q["hidden"], q["inter"], seed,
+        dtype=torch.bfloat16, std=0.02, device="cuda")
+    lora = None
+    if with_lora:
+        # 8 slots of max rank 64; 4 active rank-16 adapters; token 0 has none
+        ranks, pool = _lora_pool(8, q["num_experts"], q["hidden"], q["inter"], 64,
+                                 [16, 16, 16, 16, 0, 0, 0, 0], gen, std=0.07,
+                                 dtype=torch.bfloat16, device="cuda")
+        slots = (torch.arange(num_tokens, device="cuda") % 4).to(torch.int32)
+        slots[0] = -1
+        lora = MoELoRAArgs(slots, ranks, *pool)
+    return x, w13, w2, weights, ids, lora
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256])
+def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
+    x, w13, w2, weights, ids, lora = _qwen3_problem(num_tokens, 10 + num_tokens, with_lora)
+    ref = fused_moe_ref(x, w13, w2, weights, ids, lora)
+    for decode in (None, True, False) if num_tokens <= 8 else (None,):
+        out = fused_moe(x, w13, w2, weights, ids, lora, decode=decode)
+        assert out.dtype == torch.bfloat16
+        assert torch.isfinite(out).all()
+        assert _rel(out, ref) < 1e-2, decode
+        if with_lora:
+            base = fused_moe(x, w13, w2, weights, ids, decode=decode)
+            ref_base = fused_moe_ref(x, w13, w2, weights, ids)
+            assert _rel(ref - ref_base, ref_base) > 0.3
+            assert _rel(out - base, ref - ref_base) < 2e-2
+            assert torch.equal(out[0], base[0])  # token 0 has no adapter
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [512, 2048])
+def test_gpu_align_matches_reference_at_scale(num_tokens):
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    _, ids = _route(num_tokens, 128, 8, gen, device="cuda")
+    for chunk in (4096, 1024):
+        for block_m in (16, 64):
+            ours = moe_align(ids, 128, block_m, chunk=chunk)
+            for a, b in zip(ours, moe_align_ref(ids, 128, block_m)):
+                assert torch.equal(a, b)
+    ranks = torch.tensor([16, 8, 0, 64, 16, 16, 0, 32], dtype=torch.int32, device="cuda")
+    slots = torch.randint(-1, 8, (num_tokens,), generator=gen, device="cuda").to(torch.int32)
+    ours = moe_align(ids, 128, 16, slots, ranks)
+    for a, b in zip(ours, moe_align_ref(ids, 128, 16, slots, ranks)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [4, 64])
+def test_gpu_fused_moe_cuda_graph_replay(num_tokens):
+    """Capture once, replay with new inputs, routing and adapter slots."""
+    x, w13, w2, weights, ids, lora = _qwen3_problem(num_tokens, 99, with_lora=True)
+    static = dict(x=x.clone(), weights=weights.clone(), ids=ids.clone(),
+                  slots=lora.token_slots.clone())
+    static_lora = MoELoRAArgs(static["slots"], lora.slot_ranks, lora.gate_up_a, lora.gate_up_b,
+                              lora.down_a, lora.down_b)
+
+    def run(with_lora):
+        return fused_moe(static["x"], w13, w2, static["weights"], static["ids"],
+                         static_lora if with_lora else None)
+
+    graphs = {}
+    for with_lora in (False, True):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run(with_lora)  # compile and warm up outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(with_lora)
+        graphs[with_lora] = (graph, out)
+
+    for seed in (1, 2):
+        x2, _, _, weights2, ids2, lora2 = _qwen3_problem(num_tokens, 1000 + seed, with_lora=True)
+        slots2 = lora2.token_slots.roll(seed)
+        static["x"].copy_(x2)
+        static["weights"].copy_(weights2)
+        static["ids"].copy_(ids2)
+        static["slots"].copy_(slots2)
+        for with_lora in (True, False):  # alternate variants
+            graph, out = graphs[with_lora]
+            graph.replay()
+            lora_now = static_lora if with_lora else None
+            eager = fused_moe(x2, w13, w2, weights2, ids2, lora_now)
+            torch.testing.assert_close(out, eager, rtol=0, atol=0)
+            ref = fused_moe_ref(x2, w13, w2, weights2, ids2, lora_now)
+            assert _rel(out, ref) < 1e-2
