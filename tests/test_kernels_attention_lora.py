@@ -157,8 +157,9 @@ def int_bits(t):
 
 
 @pytest.mark.parametrize("slice_sizes", [(20,), (24, 8, 8)])
-@pytest.mark.parametrize("k_splits", [1, 2])
-def test_dense_lora_matches_ref(slice_sizes, k_splits):
+@pytest.mark.parametrize("k_splits,lanes", [(1, 1), (2, 1), (1, 3), (2, 4)])
+def test_dense_lora_matches_ref(slice_sizes, k_splits, lanes):
+    """k_splits: partial sums over `in` that expand adds up; lanes: a tile's slots spread over programs."""
     gen = torch.Generator().manual_seed(len(slice_sizes) * 10 + k_splits)
     T, in_features, max_rank = 21, 48, 32  # two token tiles
     ranks = [8, 0, 32, 4]  # slot 1 is inactive (rank 0)
@@ -175,7 +176,7 @@ def test_dense_lora_matches_ref(slice_sizes, k_splits):
     want = out.clone()
     dense_lora_ref(x, a, b, slots, slot_ranks, slice_sizes, want)
 
-    _dense_lora(x, a, b, slots, slot_ranks, slice_sizes, out, k_splits=k_splits)
+    _dense_lora(x, a, b, slots, slot_ranks, slice_sizes, out, k_splits=k_splits, lanes=lanes)
 
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     untouched = (slots < 0) | (slots == 1)
@@ -271,14 +272,18 @@ def test_gpu_dense_lora_qwen3_bf16(T):
     a, b, slot_ranks = make_lora_pool(8, QKV_SIZES, 64, QWEN3["hidden"], ranks, torch.bfloat16, "cuda", gen)
     x = torch.randn(T, QWEN3["hidden"], generator=gen, device="cuda").bfloat16()
     slots = torch.randint(-1, 8, (T,), generator=gen, device="cuda", dtype=torch.int32)
-    out = torch.zeros(T, sum(QKV_SIZES), dtype=torch.bfloat16, device="cuda")
     want = torch.zeros(T, sum(QKV_SIZES), dtype=torch.float32, device="cuda")
     dense_lora_ref(x, a, b, slots, slot_ranks, QKV_SIZES, want)
-    dense_lora(x, a, b, slots, slot_ranks, QKV_SIZES, out)
     active = (slots >= 0) & (slot_ranks[slots.clamp_min(0).long()] > 0)
-    if active.any():
-        assert rel_err(out, want) < 1e-2
-    assert torch.equal(out[~active], torch.zeros_like(out[~active]))
+    for lanes in (None, 1, 8):
+        out = torch.zeros(T, sum(QKV_SIZES), dtype=torch.bfloat16, device="cuda")
+        if lanes is None:
+            dense_lora(x, a, b, slots, slot_ranks, QKV_SIZES, out)
+        else:
+            _dense_lora(x, a, b, slots, slot_ranks, QKV_SIZES, out, lanes=lanes)
+        if active.any():
+            assert rel_err(out, want) < 1e-2, lanes
+        assert torch.equal(out[~active], torch.zeros_like(out[~active])), lanes
 
 
 @gpu

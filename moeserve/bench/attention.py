@@ -62,12 +62,14 @@ def copies_for(bytes_per_copy: int, cap: int = 16) -> int:
     return max(2, min(cap, math.ceil(L2_FLUSH_BYTES / max(1, bytes_per_copy))))
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a 1 GiB device copy (read + write counted)."""
+def bandwidths() -> tuple[float, float]:
+    """Bytes/s of a 1 GiB device copy (read + write counted) and of a 1 GiB sum (read)."""
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    us = graph_time_us([lambda: dst.copy_(src)] * 4)
-    return 2 * src.numel() * 2 / (us * 1e-6)
+    acc = torch.empty((), dtype=torch.float32, device="cuda")
+    copy_us = graph_time_us([lambda: dst.copy_(src)] * 4)
+    read_us = graph_time_us([lambda: torch.sum(src, dtype=torch.float32, out=acc)] * 4)
+    return 2 * src.numel() * 2 / (copy_us * 1e-6), src.numel() * 2 / (read_us * 1e-6)
 
 
 # ----------------------------------------------------------------------------- decode attention
@@ -169,7 +171,7 @@ def bench_lora(T: int, proj: str, pattern: str, gen, variants: list[dict], num_s
     lora_bytes = adapters * rank * (len(slice_sizes) * in_features + n_total) * 2 + T * (in_features + 2 * n_total) * 2
     rows = []
     for var in variants:
-        cfg = {k: var[k] for k in ("block_t", "block_k", "block_n", "k_splits", "num_warps") if k in var}
+        cfg = {k: var[k] for k in ("block_t", "block_k", "block_n", "k_splits", "lanes", "num_warps") if k in var}
         fns = [lambda s=s: _dense_lora(s[0], s[1], s[2], slots, ranks, slice_sizes, s[3], **cfg) for s in sets]
         us = graph_time_us(fns)
         rows.append(dict(kernel="dense_lora", proj=proj, T=T, pattern=pattern, rank=rank, max_rank=max_rank,
@@ -179,10 +181,11 @@ def bench_lora(T: int, proj: str, pattern: str, gen, variants: list[dict], num_s
     return rows
 
 
-DECODE_SWEEP = [dict(name=f"bn{bn}_w{w}_s{st}", block_n=bn, num_warps=w, num_stages=st)
-                for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-LORA_SWEEP = [dict(name=f"bk{bk}_bn{bn}_ks{ks}", block_k=bk, block_n=bn, k_splits=ks)
-              for bk in (128, 256, 512) for bn in (64, 128) for ks in (1, 4)]
+# Tile configs were swept once (block_n 32/64/128 x warps 4/8 x stages 2/3; LoRA block_k
+# 128/256/512 x block_n 64/128 x k_splits 1/4): the defaults were best or within 3 %.
+# What stays swept: the split count around its default, and LoRA slot lanes.
+DECODE_SWEEP = [dict(name="splits_x0.5", num_splits=-1), dict(name="splits_x2", num_splits=-2)]
+LORA_SWEEP = [dict(name=f"lanes{n}", lanes=n) for n in (1, 2, 4, 8)]
 
 
 def main():
@@ -193,14 +196,14 @@ def main():
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
-    copy_bw = copy_bandwidth()
+    copy_bw, read_bw = bandwidths()
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     def save():  # after every shape, so a run cut short still leaves its numbers
         result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                      triton=__import__("triton").__version__, copy_bw_gbps=copy_bw / 1e9,
+                      triton=__import__("triton").__version__, copy_bw_gbps=copy_bw / 1e9, read_bw_gbps=read_bw / 1e9,
                       seconds=time.time() - t0, rows=rows)
         (out / "attention_bench.json").write_text(json.dumps(result, indent=1))
         return result
@@ -208,9 +211,8 @@ def main():
     for batch in (1, 8, 32, 64, 128, 256):
         for ctx in (512, 2048):
             variants = [dict(default=True)]
-            if not args.quick and ctx == 2048 and batch in (1, 32, 256):
-                variants += DECODE_SWEEP
-                variants += [dict(name="splits_x0.5", num_splits=-1), dict(name="splits_x2", num_splits=-2)]
+            if not args.quick and batch <= 64:
+                variants += [dict(v) for v in DECODE_SWEEP]
             for var in variants:  # split multiples are resolved against the default
                 if var.get("num_splits", 0) < 0:
                     d = default_num_splits(batch, N_KV, MAX_MODEL_LEN // BLOCK_SIZE, BLOCK_SIZE, torch.device("cuda"))
@@ -224,7 +226,7 @@ def main():
                 if proj == "o" and pattern != "mixed4":
                     continue
                 variants = [dict()]
-                if not args.quick and proj == "qkv" and pattern == "mixed4" and T in (8, 256):
+                if not args.quick and proj == "qkv" and pattern != "half_none" and T in (8, 64, 256):
                     variants += LORA_SWEEP
                 rows += bench_lora(T, proj, pattern, gen, variants)
                 save()
@@ -233,7 +235,7 @@ def main():
     result = save()
 
     print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  "
-          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read+write)")
+          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (read+write), read bandwidth {read_bw / 1e9:.0f} GB/s")
     print("\ndecode attention (bf16, 32 q / 4 kv heads x 128, block 16): default config vs SDPA on a contiguous cache")
     print(f"{'B':>4} {'ctx':>5} {'splits':>6} {'us':>8} {'GB/s':>7} {'eff':>5} {'sdpa us':>8}")
     for r in rows:
@@ -241,16 +243,16 @@ def main():
             sd = next((x for x in rows if x["kernel"] == "sdpa_contiguous_gqa" and x["batch"] == r["batch"]
                        and x["ctx"] == r["ctx"] and "us" in x), None)
             print(f"{r['batch']:>4} {r['ctx']:>5} {r['num_splits']:>6} {r['us']:>8.1f} {r['gbps']:>7.0f} "
-                  f"{r['gbps'] * 1e9 / copy_bw:>5.2f} {sd['us'] if sd else float('nan'):>8.1f}")
+                  f"{r['gbps'] * 1e9 / read_bw:>5.2f} {sd['us'] if sd else float('nan'):>8.1f}")
     sweep = [r for r in rows if r["kernel"] == "decode_attention" and r["variant"] != "default"]
     if sweep:
-        print("\ndecode sweep (ctx 2048): best variants per batch")
-        for batch in sorted({r["batch"] for r in sweep}):
-            best = sorted((r for r in sweep if r["batch"] == batch), key=lambda r: r["us"])[:4]
-            dflt = next(r for r in rows if r["kernel"] == "decode_attention" and r["batch"] == batch
-                        and r["ctx"] == 2048 and r["variant"] == "default")
-            print(f"  B={batch}: default {dflt['us']:.1f} us; " +
-                  ", ".join(f"{r['variant']}/sp{r['num_splits']} {r['us']:.1f}" for r in best))
+        print("\ndecode: split count around the default (us)")
+        for r in rows:
+            if r["kernel"] == "decode_attention" and r["variant"] == "default":
+                others = [x for x in sweep if x["batch"] == r["batch"] and x["ctx"] == r["ctx"]]
+                if others:
+                    print(f"  B={r['batch']:>3} ctx={r['ctx']:>4}: splits {r['num_splits']} {r['us']:.1f}; " +
+                          ", ".join(f"splits {x['num_splits']} {x['us']:.1f}" for x in others))
     print("\ndense LoRA (bf16, rank 16 in a rank-64 pool of 8 slots): default config vs the base GEMM")
     print(f"{'proj':>4} {'T':>5} {'pattern':>9} {'us':>8} {'base us':>8} {'ratio':>6}")
     for r in rows:
@@ -259,10 +261,10 @@ def main():
                   f"{r['ratio_to_base']:>6.2f}")
     lsweep = [r for r in rows if r["kernel"] == "dense_lora" and r["variant"] != "default"]
     if lsweep:
-        print("\ndense LoRA sweep (qkv, mixed4): best variants per T")
-        for T in sorted({r["T"] for r in lsweep}):
-            best = sorted((r for r in lsweep if r["T"] == T), key=lambda r: r["us"])[:4]
-            print(f"  T={T}: " + ", ".join(f"{r['variant']} {r['us']:.1f}" for r in best))
+        print("\ndense LoRA (qkv): slot lanes (us)")
+        for key in sorted({(r["T"], r["pattern"]) for r in lsweep}):
+            print(f"  T={key[0]:>4} {key[1]:>8}: " + ", ".join(
+                f"{r['variant']} {r['us']:.1f}" for r in lsweep if (r["T"], r["pattern"]) == key))
     print(f"\n{result['seconds']:.0f} s")
 
 

@@ -8,8 +8,10 @@ folded into B, columns >= the slot's rank are zero). Two launches:
   across programs (more parallelism at small T); expand sums the partials, so no atomics
   and no zero-filled scratch are needed.
 - expand: scratch @ B.T added in place into out.
-Each program takes a tile of tokens and walks the distinct slots present in it (one pass
-when the tile is uniform), so no sorting and no host sync. Rank loops stop at the slot's
+Each program takes a tile of tokens and walks the distinct slots present in it, so no
+sorting and no host sync. With `lanes` > 1 the distinct slots of a tile are dealt round-robin
+to that many programs (each slot owns disjoint rows, so they never write the same element):
+a decode tile mixing 4 adapters then costs one pass, not four in a row. Rank loops stop at the slot's
 rank rounded up to RANK_BLOCK: a rank-8 adapter in a rank-64 pool does not pay for 64.
 Rows with slot -1, or with a slot of rank 0, are left bitwise untouched.
 """
@@ -48,17 +50,32 @@ def _active_slots(slots_ptr, ranks_ptr, t, T):
 
 
 @triton.jit
+def _next_slot(slots, cur):
+    """Smallest slot of the tile above `cur` (_NO_SLOT when none is left)."""
+    return tl.min(tl.where(slots > cur, slots, _NO_SLOT), 0)
+
+
+@triton.jit
+def _first_slot_of_lane(slots, lane):
+    cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT), 0)
+    for _ in range(lane):
+        cur = _next_slot(slots, cur)
+    return cur
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, slots_ptr, ranks_ptr, scratch_ptr,
     T, IN, R_MAX, K_PER_SPLIT,
     stride_xt,
     stride_al, stride_as, stride_ar,
     stride_sk, stride_ss, stride_st,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    sl = tl.program_id(1)  # slice of the fused projection
+    sl = tl.program_id(1) // LANES  # slice of the fused projection
+    lane = tl.program_id(1) % LANES
     ks = tl.program_id(2)  # split of the `in` dimension
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     slots = _active_slots(slots_ptr, ranks_ptr, t, T)
@@ -66,7 +83,7 @@ def _shrink_kernel(
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, IN)
     x_rows = x_ptr + t.to(tl.int64)[:, None] * stride_xt
 
-    cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT), 0)
+    cur = _first_slot_of_lane(slots, lane)
     while cur < _NO_SLOT:
         rows = slots == cur
         rank = tl.load(ranks_ptr + cur)
@@ -84,7 +101,8 @@ def _shrink_kernel(
                 acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
             tl.store(scratch_ptr + ks * stride_sk + sl * stride_ss + t[:, None] * stride_st + r[None, :],
                      acc, mask=rows[:, None] & r_mask[None, :])
-        cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT), 0)
+        for _ in tl.static_range(LANES):
+            cur = _next_slot(slots, cur)
 
 
 @triton.jit
@@ -97,7 +115,7 @@ def _expand_kernel(
     SIZE0: tl.constexpr, SIZE1: tl.constexpr, SIZE2: tl.constexpr, SIZE3: tl.constexpr,
     TILE1: tl.constexpr, TILE2: tl.constexpr, TILE3: tl.constexpr,
     K_SPLITS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -114,9 +132,11 @@ def _expand_kernel(
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     slots = _active_slots(slots_ptr, ranks_ptr, t, T)
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    cur = tl.min(tl.where(slots >= 0, slots, _NO_SLOT), 0)
+    mine = tl.zeros([BLOCK_T], tl.int32)  # rows of the slots this lane handled
+    cur = _first_slot_of_lane(slots, tl.program_id(2))
     while cur < _NO_SLOT:
         rows = slots == cur
+        mine = tl.where(rows, 1, mine)
         rank = tl.load(ranks_ptr + cur)
         b_slot = b_ptr + cur.to(tl.int64) * stride_bl
         for r0 in range(0, rank, BLOCK_R):
@@ -130,10 +150,11 @@ def _expand_kernel(
             b = tl.load(b_slot + n[None, :] * stride_bn + r[:, None] * stride_br,
                         mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(COMPUTE)
             acc += tl.dot(s.to(COMPUTE), b, input_precision=DOT_PRECISION)
-        cur = tl.min(tl.where(slots > cur, slots, _NO_SLOT), 0)
+        for _ in tl.static_range(LANES):
+            cur = _next_slot(slots, cur)
 
     o_ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_ot + n[None, :] * stride_on
-    o_mask = (slots >= 0)[:, None] & n_mask[None, :]
+    o_mask = (mine > 0)[:, None] & n_mask[None, :]
     o = tl.load(o_ptrs, mask=o_mask, other=0.0)
     tl.store(o_ptrs, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -159,7 +180,7 @@ def dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes: tuple[in
 
 
 def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
-                block_t=None, block_k=None, block_n=None, k_splits=None, num_warps=4):
+                block_t=None, block_k=None, block_n=None, k_splits=None, lanes=None, num_warps=4):
     T, in_features = x.shape
     num_slots, num_slices, max_rank, a_in = lora_a.shape
     n_total = out.shape[1]
@@ -177,6 +198,10 @@ def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
         block_n = 16 if _INTERPRET else 128
     block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
     num_token_tiles = triton.cdiv(T, block_t)
+    if lanes is None:
+        # Decode-sized batches mix adapters within a tile; large (prefill) tiles are mostly uniform.
+        lanes = min(4, num_slots) if T <= 1024 else 1
+    lanes = max(1, min(lanes, num_slots, block_t))
     if k_splits is None:
         k_splits = _default_k_splits(num_token_tiles, num_slices, in_features, block_k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(in_features, k_splits), block_k) * block_k
@@ -186,13 +211,13 @@ def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
     precision = _dot_precision(x.dtype)
     # Entries are written only for (token, rank block) pairs that expand reads.
     scratch = torch.empty((k_splits, num_slices, T, max_rank), dtype=torch.float32, device=x.device)
-    _shrink_kernel[(num_token_tiles, num_slices, k_splits)](
+    _shrink_kernel[(num_token_tiles, num_slices * lanes, k_splits)](
         x, lora_a, token_slots, slot_ranks, scratch,
         T, in_features, max_rank, k_per_split,
         x.stride(0),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         scratch.stride(0), scratch.stride(1), scratch.stride(2),
-        BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_R=RANK_BLOCK,
+        BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_R=RANK_BLOCK, LANES=lanes,
         COMPUTE=compute, DOT_PRECISION=precision,
         num_warps=num_warps,
     )
@@ -201,7 +226,7 @@ def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
     for size in sizes:
         tile_starts.append(tile_starts[-1] + triton.cdiv(size, block_n))
     num_col_tiles = tile_starts[num_slices]
-    _expand_kernel[(num_token_tiles, num_col_tiles)](
+    _expand_kernel[(num_token_tiles, num_col_tiles, lanes)](
         scratch, lora_b, token_slots, slot_ranks, out,
         T, max_rank,
         scratch.stride(0), scratch.stride(1), scratch.stride(2),
@@ -210,7 +235,7 @@ def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
         SIZE0=sizes[0], SIZE1=sizes[1], SIZE2=sizes[2], SIZE3=sizes[3],
         TILE1=tile_starts[1], TILE2=tile_starts[2], TILE3=tile_starts[3],
         K_SPLITS=k_splits,
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=RANK_BLOCK,
+        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=RANK_BLOCK, LANES=lanes,
         COMPUTE=compute, DOT_PRECISION=precision,
         num_warps=num_warps,
     )

@@ -30,7 +30,7 @@ _LOG2E = 1.4426950408889634
 DECODE_BLOCK_N = 16 if _INTERPRET else 64  # KV tokens per inner step
 PREFILL_BLOCK_M = 16 if _INTERPRET else 128  # rows (query tokens x heads of a group) per program
 PREFILL_BLOCK_N = 16 if _INTERPRET else 64
-MAX_DECODE_SPLITS = 32
+MAX_DECODE_SPLITS = 64
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -58,10 +58,11 @@ def _sm_count(device: torch.device) -> int:
 
 def default_num_splits(batch: int, n_kv_heads: int, max_blocks: int, block_size: int,
                        device: torch.device, block_n: int = DECODE_BLOCK_N) -> int:
-    """Splits per (sequence, kv head), from static shapes only: enough programs to fill the
-    GPU about twice, never more splits than the longest possible context has tiles."""
+    """Splits per (sequence, kv head), from static shapes only: about three programs per SM
+    (short splits hide the latency of the block-table -> K/V gathers), never more splits than
+    the longest possible context has tiles."""
     programs = max(1, batch * n_kv_heads)
-    want = triton.cdiv(2 * _sm_count(device), programs)
+    want = triton.cdiv(3 * _sm_count(device), programs)
     max_tiles = max(1, triton.cdiv(max_blocks * block_size, block_n))
     return max(1, min(want, max_tiles, MAX_DECODE_SPLITS))
 
