@@ -116,8 +116,8 @@ def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: 
 
 
 def _redraw_weights(model, seed: int) -> dict:
-    """Re-draw every parameter from a seeded generator in name order, independent of how the
-    installed transformers initializes: N(0, 0.02) for matrices and biases, 1 + N(0, 0.1) for norm
+    """Draw every parameter of `model` afresh from a seeded generator in name order, independent of
+    how the installed transformers initializes: N(0, 0.02) for matrices and biases, 1 + N(0, 0.1) for norm
     weights (so q/k norms are not identities), N(0, 0.1) for routers (so routing spreads)."""
     import torch
 
@@ -131,13 +131,11 @@ def _redraw_weights(model, seed: int) -> dict:
             w = 0.1 * noise
         else:
             w = 0.02 * noise
-        with torch.no_grad():
-            p.copy_(w)
         state[name] = w
     return state
 
 
-def _moe_prefix_and_router(name: str) -> tuple[str, str] | None:
+def _fused_expert_tensor(name: str) -> tuple[str, str] | None:
     """'model.layers.3.mlp.experts.gate_up_proj' -> ('model.layers.3', 'gate_up_proj')."""
     for block in (".mlp.experts.", ".block_sparse_moe.experts."):
         if block in name:
@@ -159,7 +157,7 @@ def _to_per_expert(state: dict, family: str, cfg) -> dict:
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     out = {}
     for name, w in state.items():
-        hit = _moe_prefix_and_router(name)
+        hit = _fused_expert_tensor(name)
         if hit is None:
             if mixtral:  # router and any other MoE-block tensor live under block_sparse_moe on disk
                 name = name.replace(".mlp.", f".{block}.")
