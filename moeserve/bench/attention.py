@@ -68,7 +68,7 @@ def bandwidths() -> tuple[float, float]:
     dst = torch.empty_like(src)
     acc = torch.empty((), dtype=torch.float32, device="cuda")
     copy_us = graph_time_us([lambda: dst.copy_(src)] * 4)
-    read_us = graph_time_us([lambda: torch.sum(src, dtype=torch.float32, out=acc)] * 4)
+    read_us = graph_time_us([lambda: torch.sum(src, dim=0, dtype=torch.float32, out=acc)] * 4)
     return 2 * src.numel() * 2 / (copy_us * 1e-6), src.numel() * 2 / (read_us * 1e-6)
 
 
