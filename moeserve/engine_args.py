@@ -1,0 +1,107 @@
+"""Command-line flags for every EngineConfig field (vLLM spelling), shared by serve/generate/demo."""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import MISSING, fields
+
+from moeserve.config import BACKENDS, DTYPES, EngineConfig
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _default(name: str):
+    f = next(f for f in fields(EngineConfig) if f.name == name)
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MB', '1e9' or a plain integer -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MB, 1000000)")
+    try:
+        return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per EngineConfig field; dest is always the field name."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="HF model folder (config.json + safetensors); omitted: the embedded demo model")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    g.add_argument("--device", default=_default("device"), help="auto | cpu | cuda | cuda:N (default: auto)")
+    g.add_argument("--dtype", default=_default("dtype"), choices=("auto", *DTYPES),
+                   help="weight/activation dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--seed", type=int, default=_default("seed"),
+                   help="seed of the sampler for requests that give no seed of their own")
+
+    g = parser.add_argument_group("memory and batching")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: min(max_position_embeddings, 4096))")
+    g.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"),
+                   help="most sequences running at once (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=_default("max_num_batched_tokens"),
+                   help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=_default("enable_chunked_prefill"),
+                   help="split long prompts across steps (default: on)")
+    g.add_argument("--block-size", type=int, default=_default("block_size"),
+                   help="tokens per KV-cache block, a power of two (default: %(default)s)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=_default("gpu_memory_utilization"),
+                   help="fraction of free GPU memory given to the KV cache (default: %(default)s)")
+    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   help="explicit KV-cache budget, e.g. 8GiB; overrides --gpu-memory-utilization")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="explicit number of KV-cache blocks; overrides both memory flags")
+    g.add_argument("--max-queue-len", type=int, default=_default("max_queue_len"),
+                   help="waiting requests beyond this are refused with HTTP 503 (default: %(default)s)")
+
+    g = parser.add_argument_group("backends")
+    g.add_argument("--moe-backend", default=_default("moe_backend"), choices=BACKENDS,
+                   help="routed-expert kernels; auto = triton on CUDA, torch on CPU")
+    g.add_argument("--attention-backend", default=_default("attention_backend"), choices=BACKENDS,
+                   help="attention kernels; auto = triton on CUDA, torch on CPU")
+
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--enable-lora", action="store_true", default=_default("enable_lora"),
+                   help="serve LoRA adapters (implied by --lora-modules)")
+    g.add_argument("--max-loras", type=int, default=_default("max_loras"),
+                   help="adapters resident on the device at once (default: %(default)s)")
+    g.add_argument("--max-lora-rank", type=int, default=_default("max_lora_rank"),
+                   help="largest adapter rank accepted (default: %(default)s)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="parsed adapters kept in host memory (default: max(max_loras, 16))")
+    g.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module, default=None,
+                   metavar="NAME=PATH", help="adapters loaded at start, each served under NAME")
+    g.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
+                   help="modules that may carry LoRA (default: inferred from the adapters)")
+
+    g = parser.add_argument_group("CUDA graphs")
+    g.add_argument("--enforce-eager", "--disable-cuda-graph", dest="enforce_eager", action="store_true",
+                   default=_default("enforce_eager"), help="run every step eagerly, capture no CUDA graphs")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=_default("cuda_graph_max_bs"),
+                   help="largest decode batch replayed from a graph (default: %(default)s)")
+    g.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, metavar="BS",
+                   help="explicit decode batch-size buckets to capture, e.g. 1 2 4 8 16")
+    g.add_argument("--record-nolora-graph", action=argparse.BooleanOptionalAction,
+                   default=_default("record_nolora_graph"),
+                   help="with LoRA on, also capture a graph with no LoRA work per batch size, replayed for "
+                        "batches without adapters (default: on)")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kwargs = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+    kwargs["lora_modules"] = dict(kwargs.get("lora_modules") or [])
+    return EngineConfig(**kwargs)
