@@ -24,6 +24,10 @@ def _rel(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def _size_ratio(a, b):
+    return (a.float().norm() / b.float().norm()).item()
+
+
 def _route(num_tokens, num_experts, top_k, gen, device=DEV, empty_expert=None):
     logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
     if empty_expert is not None:
@@ -174,7 +178,7 @@ def test_fused_moe_lora_matches_reference(shape, decode):
     # the delta itself, not only the sum: LoRA-on minus LoRA-off against the same in the reference
     base = fused_moe(x, w13, w2, weights, ids, decode=decode)
     ref_base = fused_moe_ref(x, w13, w2, weights, ids)
-    assert _rel(ref - ref_base, ref_base) > 0.1, "the test adapters must matter"
+    assert _size_ratio(ref - ref_base, ref_base) > 0.3, "the test adapters must matter"
     assert _rel(out - base, ref - ref_base) < 1e-4
     # tokens without an adapter (slot -1, empty slot 2) are bitwise the base output
     for t, s in enumerate(slots.tolist()):
@@ -215,12 +219,13 @@ def _qwen3_problem(num_tokens, seed, with_lora):
         dtype=torch.bfloat16, std=0.02, device="cuda")
     lora = None
     if with_lora:
-        # 8 slots of max rank 64; 4 active rank-16 adapters; token 0 has none
+        # 8 slots of max rank 64; 4 active rank-16 adapters; the last token has none (T > 1)
         ranks, pool = _lora_pool(8, q["num_experts"], q["hidden"], q["inter"], 64,
                                  [16, 16, 16, 16, 0, 0, 0, 0], gen, std=0.07,
                                  dtype=torch.bfloat16, device="cuda")
         slots = (torch.arange(num_tokens, device="cuda") % 4).to(torch.int32)
-        slots[0] = -1
+        if num_tokens > 1:
+            slots[-1] = -1
         lora = MoELoRAArgs(slots, ranks, *pool)
     return x, w13, w2, weights, ids, lora
 
@@ -240,9 +245,10 @@ def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
         if with_lora:
             base = fused_moe(x, w13, w2, weights, ids, decode=decode)
             ref_base = fused_moe_ref(x, w13, w2, weights, ids)
-            assert _rel(ref - ref_base, ref_base) > 0.3
+            assert _size_ratio(ref - ref_base, ref_base) > 0.3
             assert _rel(out - base, ref - ref_base) < 2e-2
-            assert torch.equal(out[0], base[0])  # token 0 has no adapter
+            if num_tokens > 1:
+                assert torch.equal(out[-1], base[-1])  # the token without an adapter
 
 
 @pytest.mark.gpu

@@ -30,6 +30,7 @@ from moeserve.kernels.fused_moe import GemmTile, MoELoRAArgs, MoEPlan, default_p
 from moeserve.kernels.moe_align import moe_align, moe_align_ref
 
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
+DEVICE = "cuda"
 NUM_SETS = 4  # weight/input sets one timed graph rotates through (each >> L2)
 LORA_SLOTS, LORA_MAX_RANK = 8, 64
 LORA_CASES = {  # name -> (rank of each slot, adapters in use)
@@ -69,12 +70,11 @@ def graph_time_us(fns, reps: int = 15) -> float:
 
 def read_bandwidth() -> dict:
     """GB/s of a 4 GiB copy (read + write) and of a 4 GiB read-only sum."""
-    src = torch.empty(1 << 30, dtype=torch.float32, device="cuda").normal_()
+    src = torch.empty(1 << 30, dtype=torch.float32, device=DEVICE).normal_()
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
     copy_us = graph_time_us([lambda: dst.copy_(src)] * 3, reps=7)
-    sink = torch.empty((), device="cuda")
-    sum_us = graph_time_us([lambda: torch.sum(src, out=sink)] * 3, reps=7)
+    sum_us = graph_time_us([lambda: torch.sum(src)] * 3, reps=7)
     del src, dst
     torch.cuda.empty_cache()
     return {"copy_gbps": 2 * nbytes / copy_us / 1e3, "read_gbps": nbytes / sum_us / 1e3}
@@ -87,7 +87,7 @@ def touched_bytes(batch: int) -> float:
 
 def make_weights(gen):
     def normal(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+        return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.bfloat16) * 0.02
 
     return normal(NUM_EXPERTS, 2 * INTER, HIDDEN), normal(NUM_EXPERTS, HIDDEN, INTER)
 
@@ -95,7 +95,7 @@ def make_weights(gen):
 def make_lora_pool(gen):
     """Full-size pool; slot ranks decide which columns the kernels read."""
     def normal(*shape):
-        return torch.randn(LORA_SLOTS, NUM_EXPERTS, *shape, generator=gen, device="cuda",
+        return torch.randn(LORA_SLOTS, NUM_EXPERTS, *shape, generator=gen, device=DEVICE,
                            dtype=torch.bfloat16) * 0.02
 
     return (normal(LORA_MAX_RANK, HIDDEN), normal(2 * INTER, LORA_MAX_RANK),
@@ -103,16 +103,16 @@ def make_lora_pool(gen):
 
 
 def make_inputs(batch: int, gen):
-    x = torch.randn(batch, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(batch, NUM_EXPERTS, generator=gen, device="cuda")
+    x = torch.randn(batch, HIDDEN, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+    logits = torch.randn(batch, NUM_EXPERTS, generator=gen, device=DEVICE)
     weights, ids = torch.softmax(logits, -1).topk(TOP_K, -1)
     return x, weights, ids.to(torch.int32)
 
 
 def lora_args(pool, batch: int, case: str) -> MoELoRAArgs:
     ranks, in_use = LORA_CASES[case]
-    slots = (torch.arange(batch, device="cuda") % in_use).to(torch.int32)
-    return MoELoRAArgs(slots, torch.tensor(ranks, dtype=torch.int32, device="cuda"), *pool)
+    slots = (torch.arange(batch, device=DEVICE) % in_use).to(torch.int32)
+    return MoELoRAArgs(slots, torch.tensor(ranks, dtype=torch.int32, device=DEVICE), *pool)
 
 
 def time_moe(weights, inputs, loras=None, **kw) -> float:
@@ -124,34 +124,70 @@ def time_moe(weights, inputs, loras=None, **kw) -> float:
     return graph_time_us(fns)
 
 
-SWEEP_TILES = [  # sorted path: (block_m, block_n, block_k, num_warps, num_stages)
-    (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 32, 256, 4, 4),
-    (32, 64, 128, 4, 4), (32, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 8, 3),
+SWEEP_TILES = [  # sorted path: gate_up and down (block_m, block_n, block_k, num_warps, num_stages)
+    ((16, 64, 128, 4, 4),) * 2, ((16, 128, 128, 4, 3),) * 2, ((16, 64, 256, 4, 3),) * 2,
+    ((16, 32, 256, 4, 4),) * 2, ((16, 64, 128, 4, 4), (16, 64, 256, 4, 3)),
+    ((16, 128, 128, 4, 4), (16, 32, 256, 4, 3)),
+    ((32, 64, 128, 4, 4),) * 2, ((32, 128, 64, 4, 4),) * 2,
+    ((64, 64, 64, 4, 4),) * 2, ((64, 128, 64, 8, 3),) * 2,
 ]
-SWEEP_GEMV = [(16, 256, 4), (8, 512, 4), (32, 128, 4), (16, 512, 8), (4, 512, 4)]
+SWEEP_GEMV = [  # decode path: (block_n, block_k, num_warps, num_stages)
+    (16, 256, 4, 1), (16, 256, 4, 3), (8, 512, 4, 1), (32, 128, 4, 1), (16, 512, 8, 1),
+    (4, 512, 4, 1),
+]
+
+
+def _tile_label(row: dict) -> str:
+    def one(t):
+        if len(t) == 4:
+            return "n{}k{}w{}s{}".format(*t)
+        return "m{}n{}k{}w{}s{}".format(*t)
+
+    if row["path"] == "decode":
+        return "gemv:" + one(row["tile"])
+    gate_up, down = row["tile"]
+    return one(gate_up) if gate_up == down else one(gate_up) + "|" + one(down)
+
+
+def _try_time(rows: list, label: dict, *args, **kw) -> None:
+    try:
+        rows.append({**label, "us": time_moe(*args, **kw)})
+    except Exception as exc:  # a candidate that does not compile is skipped, not fatal
+        print(f"  sweep {label} failed: {exc!r}"[:300], flush=True)
 
 
 def sweep(batch: int, weights, inputs) -> list[dict]:
     rows = []
     if batch * TOP_K <= 256:
-        for bn, bk, nw in SWEEP_GEMV:
-            tile = GemmTile(block_n=bn, block_k=bk, num_warps=nw, num_stages=1)
-            plan = MoEPlan(True, tile, tile)
-            try:
-                rows.append({"path": "decode", "tile": [bn, bk, nw],
-                             "us": time_moe(weights, inputs, plan=plan)})
-            except Exception as exc:
-                print(f"  sweep gemv {(bn, bk, nw)} failed: {exc!r}"[:300], flush=True)
-    for bm, bn, bk, nw, ns in SWEEP_TILES:
-        if bm > 16 and batch * TOP_K < 512:
+        for bn, bk, nw, ns in SWEEP_GEMV:
+            tile = GemmTile(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            _try_time(rows, {"path": "decode", "tile": [bn, bk, nw, ns]}, weights, inputs,
+                      plan=MoEPlan(True, tile, tile))
+    for gate_up, down in SWEEP_TILES:
+        if gate_up[0] > 16 and batch * TOP_K < 512:
             continue
-        tile = GemmTile(bm, bn, bk, nw, ns)
-        plan = MoEPlan(False, tile, tile)
-        try:
-            rows.append({"path": "sorted", "tile": [bm, bn, bk, nw, ns],
-                         "us": time_moe(weights, inputs, plan=plan)})
-        except Exception as exc:  # a candidate that does not compile is skipped, not fatal
-            print(f"  sweep tile {(bm, bn, bk, nw, ns)} failed: {exc!r}"[:300], flush=True)
+        plan = MoEPlan(False, GemmTile(*gate_up), GemmTile(*down))
+        _try_time(rows, {"path": "sorted", "tile": [gate_up, down]}, weights, inputs, plan=plan)
+    return rows
+
+
+def sweep_lora(batch: int, weights, inputs, pools) -> list[dict]:
+    """4 rank-16 adapters on both paths and with taller LoRA blocks: (MoE + LoRA) / MoE."""
+    loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
+    plans = {"sorted_lbm16": default_plan(batch, TOP_K, decode=False)}
+    if batch * TOP_K <= 256:
+        plans["decode"] = default_plan(batch, TOP_K, decode=True)
+    if batch * TOP_K >= 512:
+        p = plans["sorted_lbm16"]
+        plans["sorted_lbm32"] = MoEPlan(False, p.gate_up, p.down, lora_block_m=32)
+    rows = []
+    for name, plan in plans.items():
+        base, lora = [], []
+        _try_time(base, {}, weights, inputs, plan=plan)
+        _try_time(lora, {}, weights, inputs, loras, plan=plan)
+        if base and lora:
+            rows.append({"variant": name, "base_us": base[0]["us"], "lora_us": lora[0]["us"],
+                         "ratio": lora[0]["us"] / base[0]["us"]})
     return rows
 
 
@@ -168,7 +204,12 @@ def profile(batch: int, weights, inputs, pool) -> str:
                 fused_moe(x, w13, w2, tw, ti, None)
                 fused_moe(x, w13, w2, tw, ti, loras[i])
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14)
+    lines = []
+    for evt in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total):
+        if evt.self_device_time_total > 0:
+            lines.append(f"  {evt.count:>5} x {evt.self_device_time_total / evt.count:>8.1f} us  "
+                         f"{evt.key[:70]}")
+    return f"per-kernel (batch {batch}, 5 rounds x {NUM_SETS} sets, base + lora4):\n" + "\n".join(lines[:16])
 
 
 def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -> None:
@@ -199,8 +240,13 @@ def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -
         rows = sweep(batch, weights, inputs)
         report["sweep"][batch] = rows
         best = min(rows, key=lambda r: r["us"])
-        print(f"  sweep best: {best['path']} {best['tile']} {best['us']:.1f} us  | "
-              + " ".join(f"{r['path'][0]}{r['tile']}={r['us']:.0f}" for r in rows), flush=True)
+        print(f"  sweep best: {_tile_label(best)} {best['us']:.1f} us  | "
+              + " ".join(f"{_tile_label(r)}={r['us']:.0f}" for r in rows), flush=True)
+        lora_rows = sweep_lora(batch, weights, inputs, pools)
+        report["sweep_lora"][batch] = lora_rows
+        print("  lora4 sweep: " + "  ".join(
+            f"{r['variant']} {r['base_us']:.0f}->{r['lora_us']:.0f} us x{r['ratio']:.3f}"
+            for r in lora_rows), flush=True)
     if args.profile and batch in (8, 64, 256):
         table = profile(batch, weights, inputs, pools)
         report["profile"][batch] = table
@@ -221,7 +267,7 @@ def main(argv=None):
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    gen = torch.Generator("cuda").manual_seed(0)
+    gen = torch.Generator(DEVICE).manual_seed(0)
     device = torch.cuda.get_device_name()
     bw = read_bandwidth()
     print(f"{device}: copy {bw['copy_gbps']:.0f} GB/s (read+write), "
@@ -230,7 +276,8 @@ def main(argv=None):
     pools = [make_lora_pool(gen) for _ in range(NUM_SETS)]
     report = {"device": device, "shape": dict(hidden=HIDDEN, inter=INTER, experts=NUM_EXPERTS,
                                               top_k=TOP_K),
-              "bandwidth": bw, "batches": [], "sweep": {}, "profile": {}}
+              "bandwidth": bw, "batches": [], "sweep": {}, "sweep_lora": {},
+              "profile": {}}
 
     def save():
         (out_dir / "kernels_bench.json").write_text(json.dumps(report, indent=1))
