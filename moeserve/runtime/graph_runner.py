@@ -133,7 +133,9 @@ class StaticBuffers:
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.slot_mapping[:n].copy_(batch.attn.slot_mapping)
-        self.block_tables[:n].copy_(batch.attn.block_tables)
+        width = batch.attn.block_tables.shape[1]
+        self.block_tables[:n, width:].zero_()
+        self.block_tables[:n, :width].copy_(batch.attn.block_tables)
         self.context_lens[:n].copy_(batch.attn.context_lens)
         if batch.lora is not None:
             self.token_slots[:n].copy_(batch.lora.token_slots)

@@ -76,6 +76,7 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, slots, token_lora, block_tables = [], [], [], [], []
         qsl, seq_lens = [0], []
+        width = max(len(s.block_table) for s in sb.seqs)  # eager attention reads only this many blocks
         for seq, n in zip(sb.seqs, sb.num_new_tokens):
             start = seq.num_computed_tokens
             ids.extend(seq.tokens_slice(start, start + n))
@@ -83,7 +84,7 @@ class ModelRunner:
                 pos.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
             token_lora.extend([seq.lora_slot] * n)
-            block_tables.append(seq.block_table + [0] * (self.max_blocks_per_seq - len(seq.block_table)))
+            block_tables.append(seq.block_table + [0] * (width - len(seq.block_table)))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
         dev = self.device

@@ -1,0 +1,154 @@
+"""`moeserve` command line: demo, generate, make-tiny, serve, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+DEMO_QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 3?",
+    "Write one sentence about the ocean.",
+]
+
+
+def _demo(args) -> int:
+    from moeserve import Engine, SamplingParams
+    from moeserve.engine_args import engine_config_from_args
+    from moeserve.lora.demo import demo_adapters
+    from moeserve.models.upcycle import demo_model_path
+
+    cfg = engine_config_from_args(args)
+    if cfg.model is None:
+        print("Building (first run only) or reusing the embedded demo model: SmolLM2-135M-Instruct "
+              "upcycled into a 4-expert top-2 Mixtral MoE")
+        cfg.model = str(demo_model_path(progress=True))
+    adapters = demo_adapters(cfg.model) if not args.no_lora else {}
+    if adapters:
+        cfg.enable_lora = True
+        cfg.lora_modules = {**adapters, **cfg.lora_modules}
+        cfg.max_lora_rank = max(cfg.max_lora_rank, 8)
+    engine = Engine(cfg, progress=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
+    loras = [None] * len(prompts)
+    if adapters:  # the same first question through each adapter, in the same batch as the base rows
+        names = list(adapters)
+        prompts += [prompts[0]] * len(names)
+        loras += names
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, lora=loras)
+    dt = time.perf_counter() - t0
+    questions = DEMO_QUESTIONS + [DEMO_QUESTIONS[0]] * (len(prompts) - len(DEMO_QUESTIONS))
+    for q, lora, o in zip(questions, loras, outs):
+        tag = f"[adapter {lora}]" if lora else "[base]"
+        print(f"\n{tag} Q: {q}\n  A: {o.text.strip()}")
+    ntok = sum(len(o.token_ids) for o in outs)
+    print(f"\n{len(outs)} requests in one continuous batch, {ntok} tokens in {dt:.2f} s "
+          f"= {ntok / dt:.1f} tokens/s on {cfg.device} ({cfg.dtype})")
+    return 0
+
+
+def _generate(args) -> int:
+    from moeserve import Engine, SamplingParams
+    from moeserve.engine_args import engine_config_from_args
+
+    engine = Engine(engine_config_from_args(args), progress=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sample_seed)
+    prompts = [engine.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
+    outs = engine.generate(prompts, params, lora=args.lora)
+    for p, o in zip(args.prompt, outs):
+        if args.json:
+            print(json.dumps({"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}))
+        else:
+            print(f"--- {p}\n{o.text}")
+    return 0
+
+
+def _make_tiny(args) -> int:
+    from moeserve.models.tiny import make_tiny
+
+    path = make_tiny(args.family, args.out, expert_layout=args.expert_layout, seed=args.seed)
+    print(f"wrote tiny {args.family} model to {path}")
+    return 0
+
+
+def _serve(args) -> int:
+    from moeserve.server.app import serve_main
+
+    return serve_main(args) or 0
+
+
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    from moeserve.engine_args import add_engine_args
+    from moeserve.models.tiny import TINY_FAMILIES
+
+    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="answer a few chat prompts with the embedded demo MoE (base + two adapters)")
+    add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--no-lora", action="store_true", help="base model only")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("generate", help="generate completions for prompts given on the command line")
+    add_engine_args(p)
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--lora", default=None, help="adapter name (from --lora-modules) for every prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--sample-seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("make-tiny", help="write a tiny random model (with tokenizer) of a family")
+    p.add_argument("--family", required=True, choices=TINY_FAMILIES)
+    p.add_argument("--out", required=True)
+    p.add_argument("--expert-layout", default="per_expert", choices=("per_expert", "fused"))
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_tiny)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    if "serve" in (argv or sys.argv[1:]):  # the server's imports (fastapi, uvicorn) only when serving
+        from moeserve.server.app import add_serve_args
+
+        add_serve_args(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("bench", help="benchmarks (GPU): kernels | decode")
+    p.add_argument("which", choices=("kernels", "decode", "attention"))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def _bench(args) -> int:
+    import importlib
+
+    mod = importlib.import_module(f"moeserve.bench.{args.which}")
+    return mod.main(args.rest) or 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
