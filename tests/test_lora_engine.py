@@ -1,0 +1,196 @@
+"""Multi-LoRA serving against PEFT: per-family adapters, mixed batches, eviction, hot load, bad adapters."""
+import pytest
+import torch
+
+from moeserve import Engine, EngineConfig, SamplingParams
+from moeserve.lora.adapter import LoRAAdapterError
+from moeserve.lora.manager import LoRAInUseError, UnknownLoRAError
+from moeserve.models.tiny import TINY_FAMILIES
+from moeserve.runtime.scheduler import ScheduledBatch
+from moeserve.runtime.sequence import Sequence
+from peft_fixtures import MALFORMED_MAX_RANK, make_malformed_adapters, make_peft_adapter, save_base_checkpoint
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompts_for(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def make_engine(base, **kw):
+    kw.setdefault("max_lora_rank", 16)
+    return Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", block_size=4, **kw))
+
+
+def engine_logits(engine, ids, lora=None):
+    seq = Sequence("probe", None, ids, SamplingParams(max_tokens=1), lora)
+    if lora is not None:
+        assert engine.lora_manager.acquire(seq)
+    assert engine.allocator.grow(seq.block_table, len(ids))
+    try:
+        batch = engine.runner.prepare(ScheduledBatch([seq], [len(ids)]))
+        with torch.inference_mode():
+            return engine.runner.model.compute_logits(engine.runner.model(batch))
+    finally:
+        engine.allocator.release(seq.block_table)
+        if engine.lora_manager is not None:
+            engine.lora_manager.release(seq)
+
+
+def peft_greedy(pm, prompt, n):
+    with torch.no_grad():
+        out = pm.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+CASES = [(f, "target_parameters") for f in TINY_FAMILIES] + [("mixtral", "per-expert"), ("qwen3_moe", "per-expert")]
+
+
+@pytest.mark.parametrize("family,expert_format", CASES)
+def test_attention_and_expert_lora_match_peft(tmp_path, family, expert_format):
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path, pm = make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1, expert_format=expert_format)
+    engine = make_engine(base, lora_modules={"ad": str(path)})
+    prompt = prompts_for([13], seed=2)[0]
+    ours = engine_logits(engine, prompt, "ad")
+    with torch.no_grad():
+        theirs = pm(input_ids=torch.tensor([prompt])).logits[0].float()
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    out = engine.generate([prompt], SamplingParams(max_tokens=16, **GREEDY), lora="ad")[0]
+    assert out.token_ids == peft_greedy(pm, prompt, 16)
+
+
+@pytest.mark.parametrize("family,kind,lora_kw", [
+    ("qwen3_moe", "attn+experts", dict(rank_pattern={"v_proj": 2}, alpha_pattern={"q_proj": 3.0})),
+    ("mixtral", "attn+experts", dict(use_rslora=True)),
+    ("olmoe", "attn+experts", dict(shared_outer=True)),
+    ("qwen2_moe", "shared-expert", {}),
+    ("qwen3_moe", "dense-mlp", {}),
+])
+def test_scaling_variants_shared_outer_shared_and_dense_mlp_match_peft(tmp_path, family, kind, lora_kw):
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path, pm = make_peft_adapter(family, tmp_path / "ad", kind=kind, rank=4, seed=3, **lora_kw)
+    engine = make_engine(base, lora_modules={"ad": str(path)})
+    prompt = prompts_for([10], seed=4)[0]
+    with torch.no_grad():
+        theirs = pm(input_ids=torch.tensor([prompt])).logits[0].float()
+        base_logits = engine_logits(engine, prompt)
+    ours = engine_logits(engine, prompt, "ad")
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert (ours - base_logits).abs().max().item() > 1e-3  # the adapter really changes the output
+
+
+def test_mixed_batch_rows_equal_single_runs_and_base_rows_are_bitwise(tmp_path):
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=5)
+    b, _ = make_peft_adapter(family, tmp_path / "b", rank=8, seed=6)
+    engine = make_engine(base, lora_modules={"A": str(a), "B": str(b)})
+    plain = make_engine(base)
+    loras = [None, "A", "B", "A", None]
+    prompts = prompts_for([6, 11, 4, 9, 13], seed=7)
+    sp = SamplingParams(max_tokens=10, logprobs=2, **GREEDY)
+    mixed = engine.generate(prompts, sp, lora=loras)
+    for p, lo, out in zip(prompts, loras, mixed):
+        single = engine.generate([p], sp, lora=lo)[0]
+        assert out.token_ids == single.token_ids
+    base_rows = plain.generate(prompts, sp)  # the same batch shapes with LoRA disabled
+    # None rows: identical tokens and bitwise-identical logprobs
+    for out, ref in zip([mixed[0], mixed[4]], [base_rows[0], base_rows[4]]):
+        assert out.token_ids == ref.token_ids
+        assert [x.logprob for x in out.logprobs] == [x.logprob for x in ref.logprobs]
+    # and a full batch of base rows through the LoRA engine equals the LoRA-disabled engine bitwise
+    lo = engine_logits(engine, prompts[2])
+    assert torch.equal(lo, engine_logits(plain, prompts[2]))
+
+
+def test_eviction_with_two_slots_and_five_adapters_staggered(tmp_path):
+    family = "mixtral"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    paths = {f"ad{i}": str(make_peft_adapter(family, tmp_path / f"ad{i}", rank=2 + i % 3, seed=10 + i)[0])
+             for i in range(5)}
+    engine = make_engine(base, max_loras=2, lora_modules=paths)
+    reference = make_engine(base, max_loras=1, lora_modules=paths)
+    names = [None] + list(paths)
+    prompts = prompts_for([5 + (i * 5) % 17 for i in range(20)], seed=11)
+    loras = [names[(i * 7) % 6] for i in range(20)]
+    max_tokens = [3 + i % 6 for i in range(20)]
+    want = [reference.generate([p], SamplingParams(max_tokens=m, **GREEDY), lora=lo)[0].token_ids
+            for p, lo, m in zip(prompts, loras, max_tokens)]
+    ids, final, step, pending = {}, {}, 0, list(range(20))
+    max_distinct = 0
+    while pending or engine.has_unfinished():
+        for i in [i for i in pending if i // 2 <= step]:
+            ids[i] = engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i], **GREEDY), lora=loras[i])
+            pending.remove(i)
+        running = {s.lora_name for s in engine.scheduler.running if s.lora_name}
+        max_distinct = max(max_distinct, len(running))
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+        step += 1
+    assert [final[ids[i]].token_ids for i in range(20)] == want
+    assert max_distinct <= 2
+    assert engine.stats()["lora_evictions_total"] > 0
+
+
+def test_hot_load_unload_while_requests_run(tmp_path):
+    family = "olmoe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=20)
+    b, pm_b = make_peft_adapter(family, tmp_path / "b", rank=4, seed=21)
+    engine = make_engine(base, enable_lora=True, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
+    engine.load_lora("A", str(a))
+    prompt = prompts_for([8], seed=22)[0]
+    ra = engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), lora="A")
+    engine.step()
+    engine.load_lora("B", str(b))  # loaded while A's request runs
+    rb = engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), lora="B")
+    with pytest.raises(LoRAInUseError, match="'A'"):
+        engine.unload_lora("A")
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert outs[rb].token_ids == peft_greedy(pm_b, prompt, 12)
+    engine.unload_lora("A")  # free now
+    with pytest.raises(UnknownLoRAError, match="'A'"):
+        engine.add_request(prompt, SamplingParams(max_tokens=2), lora="A")
+    assert "A" not in engine.list_loras() and "B" in engine.list_loras()
+    with pytest.raises(LoRAAdapterError, match="already loaded"):
+        engine.load_lora("B", str(b))
+
+
+def test_malformed_adapters_fail_by_name_and_leave_the_engine_unchanged(tmp_path):
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    good, pm = make_peft_adapter(family, tmp_path / "good", rank=4, seed=30)
+    corpus = make_malformed_adapters(good, tmp_path / "bad")
+    assert len(corpus) >= 12
+    engine = make_engine(base, enable_lora=True, max_lora_rank=MALFORMED_MAX_RANK, max_loras=2)
+    engine.load_lora("good", str(good))
+    prompt = prompts_for([7], seed=31)[0]
+    before = engine.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), lora="good")[0].token_ids
+    slots_before = list(engine.lora_manager.slot_name)
+    for case, (path, expected) in corpus.items():
+        with pytest.raises(LoRAAdapterError) as err:
+            engine.load_lora(f"bad-{case}", str(path))
+        assert expected in str(err.value), (case, str(err.value))
+        assert engine.list_loras() == ["good"]
+        assert engine.lora_manager.slot_name == slots_before
+    after = engine.generate([prompt], SamplingParams(max_tokens=8, **GREEDY), lora="good")[0].token_ids
+    assert after == before == peft_greedy(pm, prompt, 8)
+
+
+def test_adapter_rank_above_the_engine_limit_and_unsupported_target(tmp_path):
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    big, _ = make_peft_adapter(family, tmp_path / "big", rank=32, seed=40)
+    attn_only_engine = make_engine(base, enable_lora=True, max_lora_rank=64, lora_target_modules=["q_proj", "v_proj"])
+    with pytest.raises(LoRAAdapterError, match="experts|k_proj|o_proj"):
+        attn_only_engine.load_lora("big", str(big))
+    small_engine = make_engine(base, enable_lora=True, max_lora_rank=16)
+    with pytest.raises(LoRAAdapterError, match="rank 32"):
+        small_engine.load_lora("big", str(big))
