@@ -118,6 +118,13 @@ def chat_ids(ref: Engine, content: str) -> list[int]:
     return ref.chat_prompt([{"role": "user", "content": content}])
 
 
+def wait_until(cond, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def sse_events(text: str) -> list:
     events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -292,6 +299,39 @@ def test_stop_strings(server, ref):
     assert r.choices[0].text == expected
 
 
+def test_raw_sse_wire_format(server, ref):
+    want = ref_one(ref, chat_ids(ref, "hi"), max_tokens=4, temperature=0)
+    r = server.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 4, "temperature": 0, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert {e["object"] for e in events} == {"chat.completion.chunk"} and len({e["id"] for e in events}) == 1
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want.text
+    assert events[-1]["choices"][0]["finish_reason"] == want.finish_reason
+
+
+def test_engine_fault_is_reported_and_server_keeps_serving(server):
+    runner = server.engine.runner
+    orig_run = runner.run
+
+    def broken_run(batch):
+        raise RuntimeError("simulated device fault")
+
+    runner.run = broken_run
+    try:
+        r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 500 and "simulated device fault" in r.json()["error"]["message"]
+        r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True})
+        assert r.status_code == 200  # the fault comes after the response started: reported in-band
+        events = sse_events(r.text)
+        assert "simulated device fault" in events[-1]["error"]["message"]
+    finally:
+        runner.run = orig_run
+    s = server.wait_idle()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
+
+
 def test_models_and_health(server):
     models = server.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -427,7 +467,7 @@ def test_queue_full_is_503(server):
             threads = [threading.Thread(target=post) for _ in range(5)]
             for t in threads:
                 t.start()
-            time.sleep(0.5)  # all five are now waiting for the engine thread to take their add commands
+            wait_until(lambda: server.aengine.num_pending_commands == 5)  # five adds queued, none taken
         for t in threads:
             t.join(30)
     finally:
@@ -459,9 +499,9 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
                     if got == 3:
                         break
             assert server.stats()["kv_blocks_free"] < before["kv_blocks_total"]  # it holds blocks now
-            with server.engine_paused():  # no progress until the disconnect has been seen
+            with server.engine_paused():  # no progress until the server has seen the disconnect
                 r.close()
-                time.sleep(0.3)
+                wait_until(lambda: server.aengine.num_pending_commands == 1)  # the abort
     after = server.wait_idle()
     assert after["kv_blocks_free"] == after["kv_blocks_total"]
     assert after["aborted_total"] == before["aborted_total"] + 1
@@ -634,3 +674,159 @@ def test_serve_main_subprocess(model_dir):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# ---------------------------------------------------------------------------------------------
+# many adapters: routing by `model`, hot load/unload while traffic runs
+# ---------------------------------------------------------------------------------------------
+
+def _lora_missing() -> str | None:
+    try:
+        import peft  # noqa: F401
+
+        from moeserve.lora.manager import LoRAManager  # noqa: F401
+        from peft_fixtures import make_peft_adapter  # noqa: F401
+    except ImportError as e:
+        return f"multi-adapter serving needs the LoRA manager and tests/peft_fixtures.py: {e}"
+    return None
+
+
+LORA_KW = dict(ENGINE_KW, enable_lora=True, max_loras=2, max_lora_rank=8)  # 2 slots for 3+ adapters: evictions
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    if (reason := _lora_missing()) is not None:
+        pytest.skip(reason)
+    from peft_fixtures import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    kinds = {"a": "attn+experts", "b": "experts", "c": "attn"}
+    return {name: str(make_peft_adapter("qwen3_moe", root / name, kind=kind, rank=4, seed=i + 1)[0])
+            for i, (name, kind) in enumerate(kinds.items())}
+
+
+@pytest.fixture(scope="module")
+def lora_ref(model_dir, adapters):
+    return Engine(EngineConfig(model=str(model_dir), lora_modules=dict(adapters), **LORA_KW))
+
+
+@pytest.fixture
+def lora_server(model_dir, adapters):
+    s = RunningServer(Engine(EngineConfig(model=str(model_dir), lora_modules={"a": adapters["a"],
+                                                                              "b": adapters["b"]}, **LORA_KW)))
+    yield s
+    s.close()
+
+
+def test_lora_64_clients_mixing_three_adapters(lora_server, lora_ref, adapters):
+    s = lora_server
+    r = s.http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": adapters["c"]})
+    assert r.status_code == 200, r.text
+    models = {m.id: m.model_extra["parent"] for m in s.client.models.list().data}
+    assert models == {MODEL: None, "a": MODEL, "b": MODEL, "c": MODEL}
+
+    # `model` picks the adapter: its name, or base:name; the base name means no adapter
+    names = [MODEL, "a", "b", "c", f"{MODEL}:a", f"{MODEL}:c"]
+    jobs = [(f"{PROMPTS[i % len(PROMPTS)]} {i}", names[i % len(names)], i % 2 == 0) for i in range(64)]
+    adapter_of = {MODEL: None, "a": "a", "b": "b", "c": "c", f"{MODEL}:a": "a", f"{MODEL}:c": "c"}
+    want = lora_ref.generate([p for p, _, _ in jobs], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                             lora=[adapter_of[m] for _, m, _ in jobs])
+    base = lora_ref.generate([p for p, _, _ in jobs], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for name in ("a", "b", "c"):  # each adapter really changes what the model says
+        assert any(w.token_ids != b.token_ids for (_, m, _), w, b in zip(jobs, want, base) if adapter_of[m] == name)
+
+    client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    async def one(prompt, model, stream):
+        r = await client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0, stream=stream,
+                                            extra_body={"ignore_eos": True})
+        if stream:
+            return "".join([c.choices[0].text async for c in r])
+        return r.choices[0].text
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(*j) for j in jobs))
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == [w.text for w in want]
+    st = s.wait_idle()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    m = _metrics(s)
+    assert m[("moeserve_lora_loads_total", ())] >= 3 and m[("moeserve_lora_evictions_total", ())] >= 1
+    assert m[("moeserve_lora_adapters", ())] == 3
+
+
+def test_lora_load_unload_while_traffic_runs(lora_server, lora_ref, adapters):
+    s = lora_server
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    base_want = lora_ref.generate(PROMPTS, params)
+    b_want = lora_ref.generate(PROMPTS, params, lora="b")
+    c_want = lora_ref.generate(PROMPTS, params, lora="c")
+    stop = threading.Event()
+    errors, done = [], []
+
+    def traffic(model, want):
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        i = 0
+        while not stop.is_set():
+            k = i % len(PROMPTS)
+            try:
+                r = client.completions.create(model=model, prompt=PROMPTS[k], max_tokens=5, temperature=0,
+                                              extra_body={"ignore_eos": True})
+                if r.choices[0].text != want[k].text:
+                    errors.append((model, k, r.choices[0].text, want[k].text))
+                done.append(model)
+            except Exception as e:  # noqa: BLE001
+                errors.append((model, repr(e)))
+            i += 1
+
+    threads = [threading.Thread(target=traffic, args=a) for a in ((MODEL, base_want), ("b", b_want))]
+    for t in threads:
+        t.start()
+    try:
+        # hot-load under traffic: the new name serves at once, with the adapter's own outputs
+        r = s.http.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": adapters["c"]})
+        assert r.status_code == 200, r.text
+        for k, prompt in enumerate(PROMPTS):
+            got = s.client.completions.create(model="d", prompt=prompt, max_tokens=5, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            assert got.choices[0].text == c_want[k].text
+        # a duplicate name is refused
+        r = s.http.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": adapters["c"]})
+        assert r.status_code == 400
+
+        # unloading an adapter a running request uses is refused with 409
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            body = {"model": "a", "prompt": "hello", "max_tokens": 100, "stream": True, "ignore_eos": True}
+            with c.stream("POST", "/v1/completions", json=body) as stream:
+                assert stream.status_code == 200
+                lines = stream.iter_lines()  # held: dropping a half-read iterator closes the connection
+                first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+                assert first["choices"][0]["finish_reason"] is None, first
+                r = s.http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+                assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_in_use"
+                assert [line for line in lines if line][-1] == "data: [DONE]"
+        deadline = time.time() + 20
+        while (r := s.http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})).status_code == 409:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert r.status_code == 200, r.text
+        with pytest.raises(openai.NotFoundError):
+            s.client.completions.create(model="a", prompt="x", max_tokens=2)
+        r = s.http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]})
+        assert r.status_code == 200  # the name is free again
+        r = s.http.post("/v1/unload_lora_adapter", json={"lora_name": "d"})
+        assert r.status_code == 200
+        assert {m.id for m in s.client.models.list().data} == {MODEL, "a", "b"}
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors[:3]
+    assert done.count(MODEL) >= 1 and done.count("b") >= 1
+    st = s.wait_idle()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]

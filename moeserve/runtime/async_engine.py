@@ -144,6 +144,11 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def num_pending_commands(self) -> int:
+        """Commands the engine thread has not taken yet (approximate: it may be taking one right now)."""
+        return self._commands.qsize()
+
     # ---- plumbing ---------------------------------------------------------------------------------
     def _post(self, fn, *args, future: concurrent.futures.Future | None = None) -> None:
         self._commands.put((fn, args, future))

@@ -23,8 +23,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moeserve.runtime.async_engine import (AsyncEngine, ChatPrompt, EngineDeadError, QueueFullError,
-                                           RequestStream)
+from moeserve.runtime.async_engine import (AsyncEngine, ChatPrompt, EngineDeadError, EngineStepError,
+                                           QueueFullError, RequestStream)
 from moeserve.runtime.sequence import RequestOutput, TokenLogprobs
 from moeserve.sampling_params import SamplingParams
 from moeserve.server.metrics import ServerMetrics
@@ -85,10 +85,6 @@ class ServerState:
         return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) if self.tokenizer else ""
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.moeserve
-
-
 # ---------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +104,8 @@ def engine_error(e: BaseException, prompt_param: str) -> OpenAIError:
         first = msg.split(" ", 1)[0]
         param = first if first in _SAMPLING_FIELDS else prompt_param
         return OpenAIError(400, msg, param=param, code="invalid_value")
-    logger.error("internal error", exc_info=e)
+    if not isinstance(e, EngineStepError):  # already logged by the engine thread
+        logger.error("internal error", exc_info=e)
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
                        code="internal_error")
 
@@ -245,7 +242,10 @@ async def collect(state: ServerState, request: Request, streams: list[RequestStr
         merged.close()
     if work not in done:
         raise ClientGone()
-    return work.result()
+    try:
+        return work.result()
+    except Exception as e:  # noqa: BLE001 - e.g. EngineStepError: answered as a 500 in the OpenAI shape
+        raise engine_error(e, "prompt") from e
 
 
 def _finite(x: float) -> float:
