@@ -96,6 +96,18 @@ class CudaGraph:
     def replay(self):
         self.graph.replay()
 
+    def num_kernels(self) -> int | None:
+        """Kernel nodes recorded in the graph (None where cuda-python is unavailable)."""
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            return None
+        handle = self.graph.raw_cuda_graph()
+        err, _, n = cudart.cudaGraphGetNodes(handle, 0)
+        err, nodes, n = cudart.cudaGraphGetNodes(handle, n)
+        kernel = cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel
+        return sum(1 for node in nodes if cudart.cudaGraphNodeGetType(node)[1] == kernel)
+
 
 class EagerGraph:
     """Stand-in with the same interface for CPU: 'replay' re-runs the forward on the static buffers,
@@ -191,31 +203,35 @@ class GraphRunner:
     def keys(self) -> list[GraphKey]:
         return [GraphKey(bs, v) for bs in sorted(self.sizes, reverse=True) for v in self.variants]
 
-    @torch.inference_mode()
     def capture_all(self, progress: bool = False) -> None:
         """Largest size first (later, smaller graphs reuse the pool), both variants per size."""
         keys = self.keys()
-        it = keys
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(keys, desc="capturing decode graphs", unit="graph")
-        on_cuda = self.graph_factory is CudaGraph
-        for key in it:
-            mem0 = torch.cuda.memory_reserved() if on_cuda else 0
-            t0 = time.perf_counter()
-            batch = self.buffers.batch_for(key, self.slot_ranks)
-            graph = self.graph_factory(self.pool)
-            out = graph.capture(lambda b=batch: self.forward(b))
-            if on_cuda:
-                torch.cuda.synchronize()
-            self.capture_seconds[key.variant] += time.perf_counter() - t0
-            self.pool_bytes[key.variant] += (torch.cuda.memory_reserved() - mem0) if on_cuda else 0
-            self.graphs[key], self.batches[key], self.outputs[key] = graph, batch, out
-            self.replays[key] = 0
+            keys = tqdm(keys, desc="capturing decode graphs", unit="graph")
+        for key in keys:
+            self.capture(key)
         for v in self.variants:
             logger.info("captured %d %s graphs in %.1f s, pool +%.1f MiB", len(self.sizes), v,
                         self.capture_seconds[v], self.pool_bytes[v] / 2**20)
+
+    @torch.inference_mode()
+    def capture(self, key: GraphKey) -> None:
+        """Capture one key; everything it prepares is stored under that key only."""
+        on_cuda = self.graph_factory is CudaGraph
+        mem0 = torch.cuda.memory_reserved() if on_cuda else 0
+        t0 = time.perf_counter()
+        batch = self.buffers.batch_for(key, self.slot_ranks)
+        graph = self.graph_factory(self.pool)
+        out = graph.capture(lambda: self.forward(batch))
+        if on_cuda:
+            torch.cuda.synchronize()
+        self.capture_seconds[key.variant] = self.capture_seconds.get(key.variant, 0.0) + time.perf_counter() - t0
+        self.pool_bytes[key.variant] = self.pool_bytes.get(key.variant, 0) + (
+            torch.cuda.memory_reserved() - mem0 if on_cuda else 0)
+        self.graphs[key], self.batches[key], self.outputs[key] = graph, batch, out
+        self.replays[key] = 0
 
     def can_run(self, sb, batch: ForwardBatch) -> bool:
         return batch.attn.is_decode and pick_bucket(self.sizes, batch.num_tokens) is not None
