@@ -11,9 +11,17 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any module with @triton.jit is imported
 
+from dataclasses import replace  # noqa: E402
+
 import pytest  # noqa: E402
 
-from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref  # noqa: E402
+from moeserve.kernels import moe_lora  # noqa: E402
+from moeserve.kernels.fused_moe import (  # noqa: E402
+    MoELoRAArgs,
+    default_plan,
+    fused_moe,
+    fused_moe_ref,
+)
 from moeserve.kernels.moe_align import align_max_blocks, moe_align, moe_align_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,9 +66,21 @@ def _lora_pool(num_slots, num_experts, hidden, inter, max_rank, ranks, gen, std,
 # alignment
 
 
+def _assert_same_alignment(ours, ref, num_pairs):
+    """Equal up to the order of pairs inside each group (the kernel claims rows with atomics)."""
+    assert torch.equal(ours.num_padded, ref.num_padded)
+    assert torch.equal(ours.block_groups, ref.block_groups)
+    a, b = ours.sorted_ids.cpu().long(), ref.sorted_ids.cpu().long()
+    block_m = a.numel() // ref.block_groups.numel()
+    row_group = ref.block_groups.cpu().long().repeat_interleave(block_m)
+    assert torch.equal(a == num_pairs, b == num_pairs)  # the same padding rows
+    key = num_pairs + 1
+    assert torch.equal((row_group * key + a).sort().values, (row_group * key + b).sort().values)
+
+
 def _check_alignment_invariants(aligned, topk_ids, groups, num_groups, block_m):
     """Independent of both implementations: every valid pair exactly once, blocks of one group,
-    group members in pair order, padding = sentinel, sizes as counted directly."""
+    padding = sentinel, valid rows first in each group, sizes as counted directly."""
     num_pairs = topk_ids.numel()
     sorted_ids = aligned.sorted_ids.cpu().tolist()
     block_groups = aligned.block_groups.cpu().tolist()
@@ -79,10 +99,10 @@ def _check_alignment_invariants(aligned, topk_ids, groups, num_groups, block_m):
             continue
         real = [p for p in rows if p != num_pairs]
         assert real, "a block in use holds at least one pair"
+        assert rows[:len(real)] == real, "padding only after a group's pairs"
         assert all(groups[p] == g for p in real)
         seen += real
-    expected = sorted((g, p) for p, g in enumerate(groups) if g is not None)
-    assert [p for _, p in expected] == seen
+    assert sorted(seen) == [p for p, g in enumerate(groups) if g is not None]
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,chunk", [
@@ -97,8 +117,10 @@ def test_align_by_expert_matches_reference(num_tokens, top_k, num_experts, block
     ids[0, 0] = -1  # not routed here (e.g. another expert-parallel rank): belongs to no block
     ours = moe_align(ids, num_experts, block_m, chunk=chunk)
     ref = moe_align_ref(ids, num_experts, block_m)
-    for a, b in zip(ours, ref):
-        assert torch.equal(a, b)
+    _assert_same_alignment(ours, ref, ids.numel())
+    _check_alignment_invariants(ours, ids, [e if 0 <= e < num_experts else None
+                                            for e in ids.flatten().tolist()],
+                                num_experts, block_m)
     flat = ids.flatten().tolist()
     groups = [e if 0 <= e < num_experts else None for e in flat]
     _check_alignment_invariants(ref, ids, groups, num_experts, block_m)
@@ -113,13 +135,13 @@ def test_align_by_slot_and_expert_matches_reference(chunk):
     slots = torch.tensor([0, -1, 2, 1, 0, 2, -1, 0, 2, 2, 1], dtype=torch.int32, device=DEV)
     ours = moe_align(ids, num_experts, block_m, slots, ranks, chunk=chunk)
     ref = moe_align_ref(ids, num_experts, block_m, slots, ranks)
-    for a, b in zip(ours, ref):
-        assert torch.equal(a, b)
+    _assert_same_alignment(ours, ref, ids.numel())
     groups = []
     for p, e in enumerate(ids.flatten().tolist()):
         s = slots[p // top_k].item()
         groups.append(s * num_experts + e if s >= 0 and ranks[s].item() > 0 else None)
     _check_alignment_invariants(ref, ids, groups, 3 * num_experts, block_m)
+    _check_alignment_invariants(ours, ids, groups, 3 * num_experts, block_m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,21 +184,28 @@ def test_fused_moe_skips_pairs_routed_elsewhere(decode):
     assert _rel(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-5
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}K{}E{}H{}I{}".format(*s))
-def test_fused_moe_lora_matches_reference(shape, decode):
+def test_fused_moe_lora_matches_reference(shape, decode, split, monkeypatch):
+    """`split`: shrinks split along H / I into several programs (partial sums) and LoRA
+    expands over several N tiles, as they are at real sizes."""
     num_tokens, top_k, num_experts, hidden, inter = shape
+    plan = default_plan(num_tokens, top_k, decode)
+    if split:
+        monkeypatch.setattr(moe_lora, "SHRINK_TILE", 256)  # 16 columns per shrink step
+        plan = replace(plan, lora_gate_up_block_n=16, lora_down_block_n=16)
     gen, x, w13, w2, weights, ids = _moe_problem(*shape, seed=4)
     # pool of max rank 8: ranks 2 and 4, an empty slot, a full-rank slot; tokens without adapter
     ranks, (ga, gb, da, db) = _lora_pool(4, num_experts, hidden, inter, 8, [2, 4, 0, 8], gen,
                                          std=0.3)
     slots = torch.tensor([0, -1, 1, 2, 3][:num_tokens], dtype=torch.int32, device=DEV)
     lora = MoELoRAArgs(slots, ranks, ga, gb, da, db)
-    out = fused_moe(x, w13, w2, weights, ids, lora, decode=decode)
+    out = fused_moe(x, w13, w2, weights, ids, lora, plan=plan)
     ref = fused_moe_ref(x, w13, w2, weights, ids, lora)
     assert _rel(out, ref) < 1e-5
     # the delta itself, not only the sum: LoRA-on minus LoRA-off against the same in the reference
-    base = fused_moe(x, w13, w2, weights, ids, decode=decode)
+    base = fused_moe(x, w13, w2, weights, ids, plan=plan)
     ref_base = fused_moe_ref(x, w13, w2, weights, ids)
     assert _size_ratio(ref - ref_base, ref_base) > 0.3, "the test adapters must matter"
     assert _rel(out - base, ref - ref_base) < 1e-4
@@ -257,16 +286,14 @@ def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
 def test_gpu_align_matches_reference_at_scale(num_tokens):
     gen = torch.Generator("cuda").manual_seed(num_tokens)
     _, ids = _route(num_tokens, 128, 8, gen, device="cuda")
-    for chunk in (4096, 1024):
+    for chunk in (4096, 1024, 256):
         for block_m in (16, 64):
             ours = moe_align(ids, 128, block_m, chunk=chunk)
-            for a, b in zip(ours, moe_align_ref(ids, 128, block_m)):
-                assert torch.equal(a, b)
+            _assert_same_alignment(ours, moe_align_ref(ids, 128, block_m), ids.numel())
     ranks = torch.tensor([16, 8, 0, 64, 16, 16, 0, 32], dtype=torch.int32, device="cuda")
     slots = torch.randint(-1, 8, (num_tokens,), generator=gen, device="cuda").to(torch.int32)
     ours = moe_align(ids, 128, 16, slots, ranks)
-    for a, b in zip(ours, moe_align_ref(ids, 128, 16, slots, ranks)):
-        assert torch.equal(a, b)
+    _assert_same_alignment(ours, moe_align_ref(ids, 128, 16, slots, ranks), ids.numel())
 
 
 @pytest.mark.gpu

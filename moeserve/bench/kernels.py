@@ -21,7 +21,7 @@ import json
 import statistics
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -125,15 +125,14 @@ def time_moe(weights, inputs, loras=None, **kw) -> float:
 
 
 SWEEP_TILES = [  # sorted path: gate_up and down (block_m, block_n, block_k, num_warps, num_stages)
-    ((16, 64, 128, 4, 4),) * 2, ((16, 128, 128, 4, 3),) * 2, ((16, 64, 256, 4, 3),) * 2,
-    ((16, 32, 256, 4, 4),) * 2, ((16, 64, 128, 4, 4), (16, 64, 256, 4, 3)),
-    ((16, 128, 128, 4, 4), (16, 32, 256, 4, 3)),
-    ((32, 64, 128, 4, 4),) * 2, ((32, 128, 64, 4, 4),) * 2,
-    ((64, 64, 64, 4, 4),) * 2, ((64, 128, 64, 8, 3),) * 2,
+    ((16, 128, 128, 4, 3),) * 2, ((16, 64, 128, 4, 4),) * 2, ((16, 128, 128, 4, 4),) * 2,
+    ((16, 128, 64, 4, 4),) * 2, ((16, 128, 128, 4, 3), (16, 256, 64, 8, 3)),
+    ((32, 128, 128, 4, 3),) * 2, ((32, 128, 64, 4, 4),) * 2,
+    ((64, 128, 64, 8, 3),) * 2, ((64, 128, 128, 8, 3),) * 2,
+    ((64, 128, 64, 8, 3), (64, 256, 64, 8, 3)),
 ]
 SWEEP_GEMV = [  # decode path: (block_n, block_k, num_warps, num_stages)
-    (16, 256, 4, 1), (16, 256, 4, 3), (8, 512, 4, 1), (32, 128, 4, 1), (16, 512, 8, 1),
-    (4, 512, 4, 1),
+    (16, 256, 4, 1), (32, 128, 4, 1), (16, 128, 4, 1), (32, 256, 8, 1),
 ]
 
 
@@ -172,14 +171,16 @@ def sweep(batch: int, weights, inputs) -> list[dict]:
 
 
 def sweep_lora(batch: int, weights, inputs, pools) -> list[dict]:
-    """4 rank-16 adapters on both paths and with taller LoRA blocks: (MoE + LoRA) / MoE."""
+    """4 rank-16 adapters: both paths, LoRA tile widths, taller LoRA blocks; (MoE + LoRA) / MoE."""
     loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
-    plans = {"sorted_lbm16": default_plan(batch, TOP_K, decode=False)}
+    sorted_plan = default_plan(batch, TOP_K, decode=False)
+    plans = {"sorted": sorted_plan,
+             "sorted_gu64": replace(sorted_plan, lora_gate_up_block_n=64),
+             "sorted_d256": replace(sorted_plan, lora_down_block_n=256)}
     if batch * TOP_K <= 256:
         plans["decode"] = default_plan(batch, TOP_K, decode=True)
-    if batch * TOP_K >= 512:
-        p = plans["sorted_lbm16"]
-        plans["sorted_lbm32"] = MoEPlan(False, p.gate_up, p.down, lora_block_m=32)
+    if batch * TOP_K >= 1024:
+        plans["sorted_lbm32"] = replace(sorted_plan, lora_block_m=32)
     rows = []
     for name, plan in plans.items():
         base, lora = [], []

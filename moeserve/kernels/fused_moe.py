@@ -59,29 +59,31 @@ class MoEPlan:
     decode: bool
     gate_up: GemmTile
     down: GemmTile
-    lora_block_m: int = 16
+    lora_block_m: int = 16  # sorted path: rows per (slot, expert) block
+    lora_gate_up_block_n: int = 128  # I columns per LoRA expand program
+    lora_down_block_n: int = 128  # H columns per LoRA down-expand program
 
 
-# Pairs at or below this run the alignment-free GEMV path.
+# Pairs at or below this run the alignment-free GEMV path (H200, Qwen3-30B-A3B shapes:
+# GEMV wins up to T=8 at top-8, the sorted path from T=16).
 DECODE_MAX_PAIRS = 64
 
 
 def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoEPlan:
-    """Block sizes by problem size (a static table; weights are read once per block, so
-    larger T wants taller blocks). `decode` forces a path."""
+    """Block sizes by problem size: a static table from the H200 sweep of
+    `python -m moeserve.bench.kernels --sweep`. `decode` forces a path."""
     num_pairs = num_tokens * top_k
     if decode is None:
         decode = num_pairs <= DECODE_MAX_PAIRS
     if decode:
-        return MoEPlan(True, GemmTile(block_n=16, block_k=256, num_warps=4),
-                       GemmTile(block_n=16, block_k=256, num_warps=4))
-    if num_pairs <= 1024:
-        tile = GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    elif num_pairs <= 2048:
-        tile = GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
+        tile = (GemmTile(block_n=16, block_k=256, num_warps=4, num_stages=1) if num_pairs <= 16
+                else GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1))
+        return MoEPlan(True, tile, tile)
+    if num_pairs <= 2048:  # few rows per expert: short blocks, wide N tiles
+        tile = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
     else:
-        tile = GemmTile(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
-    return MoEPlan(False, tile, tile, lora_block_m=16)
+        tile = GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return MoEPlan(False, tile, tile)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,15 +181,21 @@ def _moe_down_kernel(
 @triton.jit
 def _lora_expand_rows(
     slots_ptr, ranks_ptr, b_ptr, shrunk_ptr, pair, token, expert, rows,
-    stride_bl, stride_be, stride_bn, stride_shrunk, BLOCK_R: tl.constexpr,
+    stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """B[slot, expert][rows, :rank] @ shrunk[pair, :rank]; zero when the token has no adapter."""
+    """B[slot, expert][rows, :rank] @ (sum over splits of shrunk[pair, split, :rank]);
+    zero when the token has no adapter."""
     slot = tl.load(slots_ptr + token).to(tl.int32)
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
     rank = tl.where(slot >= 0, rank, 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    shrunk = tl.load(shrunk_ptr + pair * stride_shrunk + offs_r, mask=r_ok, other=0.0)
+    offs_s = tl.arange(0, BLOCK_S)
+    partials = tl.load(shrunk_ptr + pair.to(tl.int64) * stride_sp + offs_s[:, None] * stride_ss
+                       + offs_r[None, :],
+                       mask=(offs_s < num_splits)[:, None] & r_ok[None, :], other=0.0)
+    shrunk = tl.sum(partials, 0)
     b_ptrs = (b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
               + rows.to(tl.int64)[:, None] * stride_bn + offs_r[None, :])
     b = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
@@ -200,9 +208,9 @@ def _gemv_gate_up_kernel(
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
     num_experts, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_gu,
-    stride_bl, stride_be, stride_bn, stride_shrunk,
+    stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
     HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """gu[pair, tile] = W13_e[tile] @ x[token] (+ LoRA expand), fp32; one program per (pair, tile)."""
     pair = tl.program_id(0)
@@ -217,6 +225,11 @@ def _gemv_gate_up_kernel(
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
     x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_k
+    delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_LORA:  # issued before the main loop so its loads overlap the weight stream
+        delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, token,
+                                  expert, rows, stride_bl, stride_be, stride_bn, stride_sp,
+                                  stride_ss, num_splits, BLOCK_R, BLOCK_S)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -231,8 +244,7 @@ def _gemv_gate_up_kernel(
         x_ptrs += BLOCK_K
     out = tl.sum(acc, 1)
     if HAS_LORA:
-        out += _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, token, expert,
-                                 rows, stride_bl, stride_be, stride_bn, stride_shrunk, BLOCK_R)
+        out += delta
     tl.store(gu_ptr + pair.to(tl.int64) * stride_gu + offs_n, out, mask=offs_n < N)
 
 
@@ -242,9 +254,9 @@ def _gemv_down_kernel(
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
     num_experts, top_k, N, K,
     stride_gu, stride_we, stride_wn, stride_y,
-    stride_bl, stride_be, stride_bn, stride_shrunk,
+    stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
     HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """y[pair, tile] = w[pair] * (W2_e[tile] @ silu(g) * u (+ LoRA expand)), fp32."""
     pair = tl.program_id(0)
@@ -258,6 +270,11 @@ def _gemv_down_kernel(
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
     gate_ptrs = gu_ptr + pair.to(tl.int64) * stride_gu + offs_k
+    delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_LORA:
+        delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair,
+                                  pair // top_k, expert, rows, stride_bl, stride_be, stride_bn,
+                                  stride_sp, stride_ss, num_splits, BLOCK_R, BLOCK_S)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -274,9 +291,7 @@ def _gemv_down_kernel(
         gate_ptrs += BLOCK_K
     out = tl.sum(acc, 1)
     if HAS_LORA:
-        out += _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, pair // top_k,
-                                 expert, rows, stride_bl, stride_be, stride_bn, stride_shrunk,
-                                 BLOCK_R)
+        out += delta
     out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
     tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, out, mask=offs_n < N)
 
@@ -329,27 +344,29 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
     if has_lora:
         shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False)
         gu_b = lora.gate_up_b
-        gu_b_strides = (gu_b.stride(0), gu_b.stride(1), gu_b.stride(2), shrunk_gu.stride(0))
+        gu_b_args = (*gu_b.stride()[:3], *shrunk_gu.stride()[:2], shrunk_gu.shape[1])
         gu_lora = (lora.token_slots, lora.slot_ranks, gu_b, shrunk_gu)
+        gu_splits = triton.next_power_of_2(shrunk_gu.shape[1])
     else:
-        gu_b_strides = (0, 0, 0, 0)
+        gu_b_args, gu_splits = (0, 0, 0, 0, 0, 0), 1
         gu_lora = (topk_ids, topk_ids, x, x)  # unused placeholders
 
     t = plan.gate_up
     _gemv_gate_up_kernel[(num_pairs, triton.cdiv(two_i, t.block_n))](
         x, w13, gu, topk_ids, *gu_lora,
         num_experts, top_k, two_i, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *gu_b_strides,
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *gu_b_args,
         HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
-        EVEN_K=hidden % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+        BLOCK_S=gu_splits, EVEN_K=hidden % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
 
     if has_lora:
         shrunk_d = lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True)
         d_b = lora.down_b
-        d_b_strides = (d_b.stride(0), d_b.stride(1), d_b.stride(2), shrunk_d.stride(0))
+        d_b_args = (*d_b.stride()[:3], *shrunk_d.stride()[:2], shrunk_d.shape[1])
         d_lora = (lora.token_slots, lora.slot_ranks, d_b, shrunk_d)
+        d_splits = triton.next_power_of_2(shrunk_d.shape[1])
     else:
-        d_b_strides = (0, 0, 0, 0)
+        d_b_args, d_splits = (0, 0, 0, 0, 0, 0), 1
         d_lora = (topk_ids, topk_ids, x, x)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
@@ -357,9 +374,9 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
     _gemv_down_kernel[(num_pairs, triton.cdiv(hidden, t.block_n))](
         gu, w2, y, topk_weights, topk_ids, *d_lora,
         num_experts, top_k, hidden, inter,
-        gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *d_b_strides,
+        gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *d_b_args,
         HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
-        EVEN_K=inter % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+        BLOCK_S=d_splits, EVEN_K=inter % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
     return _topk_sum(y, topk_ids, num_experts, x.dtype)
 
 
@@ -383,7 +400,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         EVEN_K=hidden % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
 
     if lora is not None:
-        lora_aligned, shrunk_d = lora_sorted_gate_up(x, gu, topk_ids, lora, plan.lora_block_m)
+        lora_aligned, shrunk_d = lora_sorted_gate_up(x, gu, topk_ids, lora, plan.lora_block_m,
+                                                     plan.lora_gate_up_block_n)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
@@ -397,7 +415,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         EVEN_K=inter % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
 
     if lora is not None:
-        lora_sorted_down(y, shrunk_d, lora_aligned, topk_weights, lora, plan.lora_block_m)
+        lora_sorted_down(y, shrunk_d, lora_aligned, topk_weights, lora, plan.lora_block_m,
+                         plan.lora_down_block_n)
     return _topk_sum(y, topk_ids, num_experts, x.dtype)
 
 

@@ -9,8 +9,9 @@ are laid out contiguously and each group is padded to a multiple of `block_m`:
     num_padded   [1]                    int32  rows in use
 
 Everything is sized from static maxima (num_pairs, number of groups, block_m), so the
-result can be computed inside a CUDA graph with no host sync. Within a group, pairs keep
-their original order, so the Triton kernel and the torch reference agree exactly.
+result can be computed inside a CUDA graph with no host sync. The Triton kernel places the
+pairs of a group in any order (atomics); the torch reference keeps pair order. Nothing
+downstream depends on the order within a group: every row is computed independently.
 
 Groups are experts, or `slot * num_experts + expert` when token slots are given (the
 LoRA delta kernels need each block to share one adapter and one expert). Pairs with an
@@ -64,8 +65,8 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, LOG2_BINS: tl.constexpr,
     CHUNK: tl.constexpr, FILL: tl.constexpr, BLOCK_B: tl.constexpr, BY_SLOT: tl.constexpr,
 ):
-    # One program. Scratch (global, int32 [3 * NUM_BINS]) passes per-group values between
-    # threads: [0, NB) next free row, [NB, 2NB) first sorted position in the chunk, [2NB, 3NB) ends.
+    # One program. Scratch (global, int32 [2 * NUM_BINS]) passes per-group values between
+    # threads: [0, NB) next free row of each group, [NB, 2NB) group ends.
     bins = tl.arange(0, NUM_BINS)
     lane = tl.arange(0, CHUNK)
 
@@ -80,7 +81,8 @@ def _moe_align_kernel(
     ends = tl.cumsum(padded, 0)
     total = tl.sum(padded, 0)
     tl.store(num_padded_ptr, total)
-    tl.store(scratch_ptr + 2 * NUM_BINS + bins, ends)
+    tl.store(scratch_ptr + bins, ends - padded)
+    tl.store(scratch_ptr + NUM_BINS + bins, ends)
 
     # 2. every row starts as padding (the sentinel pair index)
     num_rows = max_blocks * BLOCK_M
@@ -98,27 +100,19 @@ def _moe_align_kernel(
         pos = tl.zeros([BLOCK_B], dtype=tl.int32)
         for i in tl.static_range(LOG2_BINS):
             step = NUM_BINS >> (i + 1)
-            end = tl.load(scratch_ptr + 2 * NUM_BINS + pos + step - 1)
+            end = tl.load(scratch_ptr + NUM_BINS + pos + step - 1)
             pos = tl.where(end <= first_row, pos + step, pos)
         tl.store(block_groups_ptr + blocks, tl.where(first_row < total, pos, -1),
                  mask=blocks < max_blocks)
 
-    # 4. scatter pairs into their group's rows; sorting (group, lane) keys keeps pair order
-    next_row = ends - padded
+    # 4. each pair claims the next free row of its group. The order of pairs inside a group
+    #    is not fixed (atomics), which changes nothing downstream: rows are independent.
     for start in range(0, num_pairs, CHUNK):
         groups = _pair_groups(ids_ptr, slots_ptr, ranks_ptr, start + lane, num_pairs, top_k,
                               num_experts, num_groups, BY_SLOT)
-        chunk_counts = tl.histogram(groups, NUM_BINS)
-        keys = tl.sort(groups * CHUNK + lane)
-        sorted_groups = keys // CHUNK
-        tl.store(scratch_ptr + bins, next_row)
-        tl.store(scratch_ptr + NUM_BINS + bins, tl.cumsum(chunk_counts, 0) - chunk_counts)
-        tl.debug_barrier()
-        row = (tl.load(scratch_ptr + sorted_groups) + lane
-               - tl.load(scratch_ptr + NUM_BINS + sorted_groups))
-        tl.store(sorted_ids_ptr + row, start + keys % CHUNK, mask=sorted_groups < num_groups)
-        next_row += chunk_counts
-        tl.debug_barrier()  # the next chunk rewrites scratch that this one just read
+        valid = groups < num_groups
+        row = tl.atomic_add(scratch_ptr + groups, 1, mask=valid)
+        tl.store(sorted_ids_ptr + row, start + lane, mask=valid)
 
 
 def moe_align(
@@ -127,7 +121,7 @@ def moe_align(
     block_m: int,
     token_slots: torch.Tensor | None = None,
     slot_ranks: torch.Tensor | None = None,
-    chunk: int = 4096,
+    chunk: int = 1024,
 ) -> AlignedBlocks:
     """Align pairs of `topk_ids [T, K]` into expert groups (or (slot, expert) groups when
     `token_slots [T]` and `slot_ranks [L]` are given). One Triton launch, no host sync."""
@@ -142,7 +136,7 @@ def moe_align(
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_groups = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    scratch = torch.empty(3 * num_bins, dtype=torch.int32, device=dev)
+    scratch = torch.empty(2 * num_bins, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous()
     _moe_align_kernel[(1,)](
         ids, token_slots if by_slot else ids, slot_ranks if by_slot else ids,
@@ -150,7 +144,7 @@ def moe_align(
         num_pairs, top_k, num_experts, num_groups, max_blocks,
         BLOCK_M=block_m, NUM_BINS=num_bins, LOG2_BINS=num_bins.bit_length() - 1,
         CHUNK=chunk, FILL=1024, BLOCK_B=128, BY_SLOT=by_slot,
-        num_warps=4 if chunk <= 1024 else 8,
+        num_warps=4,
     )
     return AlignedBlocks(sorted_ids, block_groups, num_padded)
 
