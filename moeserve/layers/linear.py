@@ -13,7 +13,7 @@ from torch import nn
 from moeserve.runtime.context import LoRABatch
 
 
-def dense_lora_torch(out, x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes) -> None:
+def dense_lora_torch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out) -> None:
     """Plain-torch multi-LoRA: out[t, slice i] += (x[t] A_i[s]^T) B_i[s]^T for s = token_slots[t] >= 0.
 
     Sync-free and shape-static (loops over the static slot count), rows without an adapter are
@@ -53,5 +53,5 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a is not None:
-            self.lora_fn(y, x, self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes)
+            self.lora_fn(x, self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes, y)
         return y

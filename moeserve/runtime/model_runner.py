@@ -36,7 +36,7 @@ class ModelRunner:
         self.spec = spec
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        lora_backend = "triton" if (config.moe_backend == "triton" and self.device.type == "cuda") else "torch"
+        lora_backend = config.moe_backend  # dense LoRA kernels travel with the MoE backend choice
         self.model = load_model(model_dir, spec, self.device, self.dtype, config.attention_backend,
                                 config.moe_backend, lora_backend, progress=progress)
         self.block_size = config.block_size
