@@ -14,6 +14,7 @@ import torch
 from moeserve.config import EngineConfig
 from moeserve.layers.sampler import compute_logprobs, sample
 from moeserve.models.loader import load_model
+from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.spec import ModelSpec
 from moeserve.runtime.context import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
@@ -31,14 +32,17 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, model_dir: str, progress: bool = False):
+    def __init__(self, config: EngineConfig, spec: ModelSpec, model_dir: str | None, progress: bool = False,
+                 model: MoEForCausalLM | None = None):
+        """Loads the checkpoint at model_dir, or adopts a prebuilt `model` (benchmarks with random weights)."""
         self.config = config
         self.spec = spec
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         lora_backend = config.moe_backend  # dense LoRA kernels travel with the MoE backend choice
-        self.model = load_model(model_dir, spec, self.device, self.dtype, config.attention_backend,
-                                config.moe_backend, lora_backend, progress=progress)
+        self.model = model if model is not None else load_model(
+            model_dir, spec, self.device, self.dtype, config.attention_backend, config.moe_backend, lora_backend,
+            progress=progress)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.lora_pool = None  # set by the engine when LoRA is enabled (before graph capture)

@@ -1,0 +1,292 @@
+"""Decode throughput by LoRA mode: base, idle-single, idle-dual, active, mixed, eager.
+
+Protocol (DESIGN.md §7): random bf16 weights N(0, 0.02) in real shapes built on the GPU; B sequences
+with a 512-token context already in the KV cache (prefill excluded); 128 timed decode steps, each the
+engine's own step minus scheduling: batch construction, graph replay (or eager forward), logits,
+greedy pick and the host read of the tokens. tokens/s = B * steps / time, median of repeats.
+Roofline floor per step = bytes that must be read (attention + router + expected touched experts
++ lm_head + KV + LoRA bytes touched) / read bandwidth measured in the same run.
+
+    python -m moeserve.bench.decode --preset qwen3-30b-a3b --batches 1,8,32,64,128,256,512
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moeserve.config import EngineConfig
+from moeserve.lora.manager import LoRASlotPool
+from moeserve.models.moe_decoder import MoEForCausalLM
+from moeserve.models.spec import ModelSpec
+from moeserve.runtime.graph_runner import LORA, NOLORA, CudaGraph, GraphRunner
+from moeserve.runtime.model_runner import ModelRunner
+from moeserve.runtime.scheduler import ScheduledBatch
+from moeserve.runtime.sequence import Sequence
+from moeserve.sampling_params import SamplingParams
+
+PRESETS = {
+    "qwen3-30b-a3b": dict(family="qwen3_moe", hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                          head_dim=128, num_experts=128, top_k=8, moe_intermediate_size=768,
+                          intermediate_size=6144, norm_topk_prob=True, vocab_size=151936, qk_norm="head"),
+    "olmoe-1b-7b": dict(family="olmoe", hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=16,
+                        head_dim=128, num_experts=64, top_k=8, moe_intermediate_size=1024, intermediate_size=1024,
+                        norm_topk_prob=False, vocab_size=50304, qk_norm="full"),
+    "qwen1.5-moe-a2.7b": dict(family="qwen2_moe", hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=16,
+                              head_dim=128, num_experts=60, top_k=4, moe_intermediate_size=1408,
+                              intermediate_size=5632, shared_expert_intermediate_size=5632, norm_topk_prob=False,
+                              vocab_size=151936, qkv_bias=True),
+}
+MODES = ("base", "idle-single", "idle-dual", "active", "mixed", "eager")
+PROMPT, NUM_ADAPTERS, RANK = 512, 4, 16
+
+
+def preset_spec(name: str, num_layers: int | None = None) -> ModelSpec:
+    p = dict(PRESETS[name])
+    if num_layers:
+        p["num_layers"] = num_layers
+    p["sparse_layers"] = tuple(True for _ in range(p["num_layers"]))
+    return ModelSpec(max_position_embeddings=4096, **p)
+
+
+def random_model(spec: ModelSpec, device, dtype, seed: int = 0, backend: str = "triton") -> MoEForCausalLM:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = MoEForCausalLM(spec, backend, backend, backend).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def read_bandwidth(device) -> float:
+    """Bytes/s of a large read-only reduction (best of a few), measured in this run."""
+    x = torch.empty(2 << 30, dtype=torch.bfloat16, device=device).normal_()  # 4 GiB
+    best = 0.0
+    for _ in range(5):
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        x.sum(dtype=torch.float32)
+        e.record()
+        e.synchronize()
+        best = max(best, x.numel() * 2 / (s.elapsed_time(e) / 1e3))
+    del x
+    return best
+
+
+def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> float:
+    """Bytes a decode step must read: weights touched + KV + LoRA touched (bf16)."""
+    H, E, k, inter = spec.hidden_size, spec.num_experts, spec.top_k, spec.moe_intermediate_size
+    attn = H * (spec.q_size + 2 * spec.kv_size) + spec.q_size * H
+    touched = E * (1 - (1 - k / E) ** B)
+    experts = touched * 3 * H * inter
+    shared = 3 * H * spec.shared_expert_intermediate_size
+    per_layer = attn + E * H + experts + shared
+    kv = B * ctx * 2 * spec.kv_size
+    lora = 0.0
+    for n in lora_tokens:  # tokens per active adapter
+        lora += RANK * (3 * H + spec.q_size + 2 * spec.kv_size + spec.q_size + H)  # q/k/v/o A and B
+        lora += E * (1 - (1 - k / E) ** n) * RANK * (H + 2 * inter + inter + H)
+    return 2 * (spec.num_layers * (per_layer + kv + lora) + spec.vocab_size * H)
+
+
+class DecodeBench:
+    def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
+                 backend: str = "triton", graph_factory=CudaGraph):
+        self.spec, self.steps, self.device = spec, steps, torch.device(device)
+        self.dtype, self.graph_factory = dtype, graph_factory
+        self.max_len = PROMPT + steps + 16
+        self.cfg = EngineConfig(model="random", device=device, dtype=str(dtype).split(".")[-1],
+                                max_model_len=self.max_len, max_num_seqs=max_bs, block_size=16,
+                                moe_backend=backend, attention_backend=backend).resolve()
+        self.model = random_model(spec, self.device, dtype, backend=backend)
+        self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
+        blocks = max_bs * -(-self.max_len // 16) + 2
+        self.runner.allocate_kv_cache(blocks)
+        for k_cache, v_cache in self.model.kv_caches:  # prompt context: random K/V (prefill excluded)
+            k_cache.normal_()
+            v_cache.normal_()
+        self.pool = None
+
+    def attach_lora_pool(self) -> None:
+        targets = {"q_proj", "k_proj", "v_proj", "o_proj", "experts"}
+        self.pool = LoRASlotPool(self.spec, self.model, NUM_ADAPTERS, RANK, targets, self.device, self.dtype)
+        g = torch.Generator(device=self.device).manual_seed(1)
+        with torch.no_grad():  # 4 random rank-16 adapters straight into the slots
+            for layer in self.model.layers:
+                bufs = [layer.self_attn.qkv_proj.lora_a, layer.self_attn.qkv_proj.lora_b,
+                        layer.self_attn.o_proj.lora_a, layer.self_attn.o_proj.lora_b]
+                b = layer.mlp.lora_bufs
+                bufs += [b.gate_up_a, b.gate_up_b, b.down_a, b.down_b]
+                for t in bufs:
+                    t.normal_(0.0, 0.02, generator=g)
+        self.pool.slot_ranks.fill_(RANK)
+        self.runner.lora_pool = self.pool
+
+    def sequences(self, B: int, slots: list[int]) -> list[Sequence]:
+        seqs, bs = [], 16
+        for i in range(B):
+            s = Sequence(f"b{i}", None, [1] * PROMPT, SamplingParams(max_tokens=self.steps + 8))
+            s.block_table = [1 + i * -(-self.max_len // bs) + j for j in range(-(-self.max_len // bs))]
+            s.num_computed_tokens = PROMPT - 1
+            s.lora_slot = slots[i]
+            seqs.append(s)
+        return seqs
+
+    def graphs(self, sizes: list[int], variants: list[str]) -> GraphRunner:
+        gr = GraphRunner(self.model, sizes, variants, self.runner.max_blocks_per_seq, self.device,
+                         self.pool.slot_ranks if self.pool is not None else None,
+                         graph_factory=self.graph_factory,
+                         pool=torch.cuda.graph_pool_handle() if self.graph_factory is CudaGraph else None)
+        gr.capture_all()
+        return gr
+
+    @torch.inference_mode()
+    def time_decode(self, B: int, slots: list[int], graph_runner: GraphRunner | None, repeats: int) -> float:
+        """Median seconds for `steps` decode steps."""
+        self.runner.graph_runner = graph_runner
+        times = []
+        for _ in range(repeats):
+            seqs = self.sequences(B, slots)
+            sb = ScheduledBatch(seqs, [1] * B)
+            for step in range(self.steps + 3):
+                if step == 3:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                batch = self.runner.prepare(sb)
+                if graph_runner is not None and graph_runner.can_run(sb, batch):
+                    hidden = graph_runner.run(sb, batch)
+                else:
+                    hidden = self.model(batch)
+                tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+                for s, t in zip(seqs, tokens):
+                    s.output_token_ids.append(t)
+                    s.num_computed_tokens += 1
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def slots_for(mode: str, B: int) -> list[int]:
+    if mode == "active":
+        return [i % NUM_ADAPTERS for i in range(B)]
+    if mode == "mixed":
+        return [(i // 2) % NUM_ADAPTERS if i % 2 == 0 else -1 for i in range(B)]
+    return [-1] * B
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="moeserve bench decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the preset (memory)")
+    ap.add_argument("--batches", default="1,8,32,64,128,256,512")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench decode needs a CUDA device")
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    spec = preset_spec(args.preset, args.layers)
+    bench = DecodeBench(spec, max(batches), args.steps)
+    bw = read_bandwidth(bench.device)
+    print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results: dict[str, dict[int, float]] = {m: {} for m in modes}
+    capture: dict[str, dict] = {}
+    plan = {  # mode -> (needs LoRA pool, graph variants or None for eager)
+        "base": (False, [NOLORA]), "idle-single": (True, [LORA]), "idle-dual": (True, [LORA, NOLORA]),
+        "active": (True, [LORA, NOLORA]), "mixed": (True, [LORA, NOLORA]), "eager": (True, None),
+    }
+    dual_runner = None
+    for mode in modes:
+        needs_pool, variants = plan[mode]
+        if needs_pool and bench.pool is None:
+            bench.attach_lora_pool()
+        if variants is None:
+            gr = None
+        elif variants == [LORA, NOLORA] and dual_runner is not None:
+            gr = dual_runner  # idle-dual, active and mixed share one set of dual graphs
+        else:
+            gr = bench.graphs(batches, variants)
+            capture[mode] = gr.capture_report()
+            if variants == [LORA, NOLORA]:
+                dual_runner = gr
+        for B in batches:
+            t = bench.time_decode(B, slots_for(mode, B), gr, args.repeats)
+            results[mode][B] = t
+            print(f"  {mode:12s} B={B:4d}  {B * args.steps / t:10.1f} tok/s  {t / args.steps * 1e3:7.2f} ms/step",
+                  flush=True)
+        if gr is not None and gr is not dual_runner:
+            del gr
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    rows = []
+    for B in batches:
+        row = {"batch": B}
+        for mode in modes:
+            step = results[mode][B] / args.steps
+            slots = slots_for(mode, B)
+            per_adapter = [sum(1 for s in slots if s == a) for a in range(NUM_ADAPTERS)]
+            fb = floor_bytes(spec, B, PROMPT + args.steps // 2, [n for n in per_adapter if n])
+            row[mode] = {"tok_s": B / step, "step_ms": step * 1e3, "efficiency": fb / bw / step}
+        rows.append(row)
+    ratios = {"idle-dual/base": ("idle-dual", "base"), "idle-dual/idle-single": ("idle-dual", "idle-single"),
+              "active/base": ("active", "base"), "mixed/base": ("mixed", "base")}
+    for row in rows:
+        row["ratios"] = {name: row[a]["tok_s"] / row[b]["tok_s"] for name, (a, b) in ratios.items()
+                         if a in row and b in row}
+
+    print(f"\nDecode tokens/s ({args.preset}, {spec.num_layers} layers, {args.steps} steps, context {PROMPT}, "
+          f"read BW {bw / 1e12:.2f} TB/s; eff = roofline floor / step)")
+    head = f"{'B':>5} " + " ".join(f"{m:>20s}" for m in modes) + " " + " ".join(f"{r:>22s}" for r in ratios)
+    print(head)
+    for row in rows:
+        cells = [f"{row[m]['tok_s']:9.0f} {row[m]['step_ms']:5.2f}ms {row[m]['efficiency']:3.0%}" for m in modes]
+        rats = [f"{row['ratios'][r]:22.3f}" if r in row["ratios"] else f"{'-':>22s}" for r in ratios]
+        print(f"{row['batch']:>5} " + " ".join(f"{c:>20s}" for c in cells) + " " + " ".join(rats))
+    for mode, rep in capture.items():
+        print(f"capture {mode}: " + ", ".join(f"{v}: {rep['capture_seconds'][v]:.1f} s, "
+                                              f"{rep['pool_bytes'][v] / 2**20:.0f} MiB" for v in rep["variants"]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
+               "read_bandwidth": bw, "gpu": torch.cuda.get_device_name(), "rows": rows, "capture": capture,
+               "date": time.strftime("%Y-%m-%d")}
+    (out / f"decode_{args.preset}.json").write_text(json.dumps(payload, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for mode in modes:
+            ax.plot(batches, [results[mode][B] and B * args.steps / results[mode][B] for B in batches], marker="o",
+                    label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"moeserve decode, {args.preset} ({spec.num_layers} layers)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"decode_{args.preset}.png", dpi=120)
+    except ImportError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
