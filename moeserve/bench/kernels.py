@@ -175,7 +175,7 @@ def sweep_lora(batch: int, weights, inputs, pools) -> list[dict]:
     loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
     sorted_plan = default_plan(batch, TOP_K, decode=False)
     plans = {"sorted": sorted_plan,
-             "sorted_gu64": replace(sorted_plan, lora_gate_up_block_n=64),
+             "sorted_gu128": replace(sorted_plan, lora_gate_up_block_n=128),
              "sorted_d256": replace(sorted_plan, lora_down_block_n=256)}
     if batch * TOP_K <= 256:
         plans["decode"] = default_plan(batch, TOP_K, decode=True)

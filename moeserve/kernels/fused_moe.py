@@ -60,8 +60,8 @@ class MoEPlan:
     gate_up: GemmTile
     down: GemmTile
     lora_block_m: int = 16  # sorted path: rows per (slot, expert) block
-    lora_gate_up_block_n: int = 128  # I columns per LoRA expand program
-    lora_down_block_n: int = 128  # H columns per LoRA down-expand program
+    lora_gate_up_block_n: int = 64  # sorted LoRA: I columns per expand step
+    lora_down_block_n: int = 128  # sorted LoRA: H columns per down-expand step
 
 
 # Pairs at or below this run the alignment-free GEMV path (H200, Qwen3-30B-A3B shapes:
@@ -81,9 +81,9 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoE
         return MoEPlan(True, tile, tile)
     if num_pairs <= 2048:  # few rows per expert: short blocks, wide N tiles
         tile = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
-    else:
-        tile = GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    return MoEPlan(False, tile, tile)
+        return MoEPlan(False, tile, tile)
+    return MoEPlan(False, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
+                   GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3))
 
 
 # ---------------------------------------------------------------------------------------------

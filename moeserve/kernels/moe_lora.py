@@ -7,20 +7,19 @@ Ranks differ per slot inside a pool of max rank R: every kernel reads the slot's
 masks rank columns beyond it, so a rank-8 adapter in a rank-64 pool reads 8 columns of
 each weight (the rank tile is R rounded up to a power of two, >= 16 for tl.dot).
 
-Shrinks are split along their reduction dimension into many small programs that write
-fp32 partial sums [pairs, splits, R]; whoever consumes a shrink adds its partials up. So
-each program is short and the few adapter-expert weights are streamed by many programs.
-
-- decode path: `lora_shrink_pairs`, programs per ((token, k) pair, split); the matching
-  expands are fused into the fused_moe GEMV epilogues.
+- decode path: `lora_shrink_pairs` runs one program per ((token, k) pair, K split), each
+  writing fp32 partial sums [pairs, splits, R] (short programs: a whole-row shrink per
+  program was latency-bound, 12 us per launch at T=1 on H200); the matching expands, which
+  add the partials up, are fused into the fused_moe GEMV epilogues.
 - sorted path: pairs are aligned into (slot, expert) blocks, so each block shares one
-  adapter-expert weight set and each touched set is read about once per step:
-  `lora_sorted_gate_up` = shrink of x (a few H splits per block), then per I tile: expand
-  into gate and up, SiLU*up and the partial down shrink; `lora_sorted_down` = weighted
-  down expand per H tile into the per-pair outputs.
+  adapter-expert weight set and each touched set is read about once per step.
+  `lora_sorted_gate_up` does shrink, expand into gate_up, SiLU*up and the down shrink in
+  one program per block; `lora_sorted_down` adds the weighted down expand. (Splitting these
+  over N tiles with partial sums measured slower on H200: more dependent round trips per
+  program than it saved.)
 
 Pairs without an adapter (slot -1, rank 0) fall in no block or exit at once; their rows of
-the partial buffers are never written and never read.
+the shrink buffers are never written and never read.
 """
 
 import torch
@@ -107,33 +106,22 @@ def lora_shrink_pairs(src: torch.Tensor, a: torch.Tensor, topk_ids: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# sorted path: (slot, expert) blocks
+# sorted path: one program per (slot, expert) block
 
 
 @triton.jit
-def _sum_partials(partial_ptr, pairs, pair_ok, r_ok, stride_pp, stride_ps,
-                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """[BLOCK_M, BLOCK_R] fp32 sum over splits of partial[pairs, split, :]; unrolled, so the
-    loads are independent and all in flight at once."""
-    ptrs = partial_ptr + pairs.to(tl.int64)[:, None] * stride_pp + tl.arange(0, BLOCK_R)[None, :]
-    mask = pair_ok[:, None] & r_ok[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        acc += tl.load(ptrs + split * stride_ps, mask=mask, other=0.0)
-    return acc
-
-
-@triton.jit
-def _lora_shrink_blocks_kernel(
-    x_ptr, a_ptr, partial_ptr, ranks_ptr, sorted_ids_ptr, block_groups_ptr,
-    num_pairs, top_k, num_experts, K, num_splits, split_cols,
-    stride_xt, stride_al, stride_ae, stride_ar, stride_pp, stride_ps,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+def _lora_gate_up_blocks_kernel(
+    x_ptr, gu_ptr, shrunk_d_ptr, a_ptr, b_ptr, da_ptr, ranks_ptr,
+    sorted_ids_ptr, block_groups_ptr,
+    num_pairs, top_k, num_experts, H, I,
+    stride_xt, stride_gu, stride_sd,
+    stride_al, stride_ae, stride_ar,
+    stride_bl, stride_be, stride_bn,
+    stride_dal, stride_dae, stride_dar,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """partial[pair, split] = x[token, split cols] @ A[slot, expert][:rank, split cols]^T."""
-    pid = tl.program_id(0)
-    blk = pid // num_splits
-    split = pid % num_splits
+    """For one (slot, expert) block: gu += B (A x); then shrunk_d = down_A @ silu(g)*u."""
+    blk = tl.program_id(0)
     group = tl.load(block_groups_ptr + blk)
     if group < 0:
         return
@@ -145,84 +133,59 @@ def _lora_shrink_blocks_kernel(
     tokens = (pairs // top_k).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
+    dtype = x_ptr.dtype.element_ty
+
+    # shrink: [M, R] = x[tokens] @ A^T
     a_base = a_ptr + slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
-    part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, split_cols, BLOCK_K):
-        offs_k = split * split_cols + k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        xa = tl.load(x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        xa = tl.load(x_ptr + tokens[:, None] * stride_xt + (k0 + offs_k)[None, :],
                      mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
+        at = tl.load(a_base + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None],
                      mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        part = tl.dot(xa, at.to(xa.dtype), part)
-    tl.store(partial_ptr + pairs.to(tl.int64)[:, None] * stride_pp + split * stride_ps
-             + offs_r[None, :], part, mask=pair_ok[:, None] & r_ok[None, :])
+        acc = tl.dot(xa.to(dtype), at.to(dtype), acc)
+    shrunk = acc.to(dtype)
 
-
-@triton.jit
-def _lora_gate_up_blocks_kernel(
-    gu_ptr, partial_gu_ptr, partial_d_ptr, b_ptr, da_ptr, ranks_ptr,
-    sorted_ids_ptr, block_groups_ptr,
-    num_pairs, num_experts, I, num_n,
-    stride_gu, stride_gpp, stride_gps, stride_dpp, stride_dps,
-    stride_bl, stride_be, stride_bn,
-    stride_dal, stride_dae, stride_dar,
-    K_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """One (slot, expert) block, one tile of I columns: gate and up += B @ shrunk; then
-    partial_d[pair, tile] = down_A[:, tile] @ silu(gate) * up (of exactly what is stored)."""
-    pid = tl.program_id(0)
-    blk = pid // num_n
-    tile = pid % num_n
-    group = tl.load(block_groups_ptr + blk)
-    if group < 0:
-        return
-    slot = group // num_experts
-    expert = group % num_experts
-    rank = tl.load(ranks_ptr + slot)
-    pairs = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    dtype = b_ptr.dtype.element_ty
-    shrunk = _sum_partials(partial_gu_ptr, pairs, pair_ok, r_ok, stride_gpp, stride_gps,
-                           K_SPLITS, BLOCK_M, BLOCK_R).to(dtype)
-
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < I
+    # expand into gate and up, activation, down shrink -- I columns at a time
     b_base = b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
-    b_mask = r_ok[:, None] & n_ok[None, :]
-    bg = tl.load(b_base + cols[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
-    bu = tl.load(b_base + (cols + I)[None, :] * stride_bn + offs_r[:, None], mask=b_mask,
-                 other=0.0)
-    da = tl.load(da_ptr + slot.to(tl.int64) * stride_dal + expert.to(tl.int64) * stride_dae
-                 + offs_r[None, :] * stride_dar + cols[:, None],
-                 mask=r_ok[None, :] & n_ok[:, None], other=0.0)
-    io_mask = pair_ok[:, None] & n_ok[None, :]
-    gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + cols[None, :]
-    gate = tl.load(gate_ptrs, mask=io_mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + I, mask=io_mask, other=0.0).to(tl.float32)
-    gate = (gate + tl.dot(shrunk, bg)).to(gu_ptr.dtype.element_ty)
-    up = (up + tl.dot(shrunk, bu)).to(gu_ptr.dtype.element_ty)
-    tl.store(gate_ptrs, gate, mask=io_mask)
-    tl.store(gate_ptrs + I, up, mask=io_mask)
-    h = _silu_mul(gate.to(tl.float32), up.to(tl.float32))
-    part = tl.dot(h.to(dtype), da)
-    tl.store(partial_d_ptr + pairs.to(tl.int64)[:, None] * stride_dpp + tile * stride_dps
-             + offs_r[None, :], part, mask=pair_ok[:, None] & r_ok[None, :])
+    da_base = da_ptr + slot.to(tl.int64) * stride_dal + expert.to(tl.int64) * stride_dae
+    offs_n = tl.arange(0, BLOCK_N)
+    shrunk_d = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for n0 in range(0, I, BLOCK_N):
+        cols = n0 + offs_n
+        n_ok = cols < I
+        b_mask = r_ok[:, None] & n_ok[None, :]
+        bg = tl.load(b_base + cols[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
+        bu = tl.load(b_base + (cols + I)[None, :] * stride_bn + offs_r[:, None], mask=b_mask,
+                     other=0.0)
+        io_mask = pair_ok[:, None] & n_ok[None, :]
+        gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + cols[None, :]
+        gate = tl.load(gate_ptrs, mask=io_mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptrs + I, mask=io_mask, other=0.0).to(tl.float32)
+        gate = (gate + tl.dot(shrunk, bg.to(dtype))).to(gu_ptr.dtype.element_ty)
+        up = (up + tl.dot(shrunk, bu.to(dtype))).to(gu_ptr.dtype.element_ty)
+        tl.store(gate_ptrs, gate, mask=io_mask)
+        tl.store(gate_ptrs + I, up, mask=io_mask)
+        # the activation of exactly what the down GEMM will read back
+        h = _silu_mul(gate.to(tl.float32), up.to(tl.float32))
+        da = tl.load(da_base + offs_r[None, :] * stride_dar + cols[:, None],
+                     mask=r_ok[None, :] & n_ok[:, None], other=0.0)
+        shrunk_d = tl.dot(h.to(dtype), da.to(dtype), shrunk_d)
+    tl.store(shrunk_d_ptr + pairs.to(tl.int64)[:, None] * stride_sd + offs_r[None, :], shrunk_d,
+             mask=pair_ok[:, None])
 
 
 @triton.jit
 def _lora_down_blocks_kernel(
-    y_ptr, partial_d_ptr, db_ptr, topk_weights_ptr, ranks_ptr, sorted_ids_ptr, block_groups_ptr,
-    num_pairs, num_experts, H, num_n,
-    stride_y, stride_dpp, stride_dps, stride_dbl, stride_dbe, stride_dbn,
-    K_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    y_ptr, shrunk_d_ptr, db_ptr, topk_weights_ptr, ranks_ptr, sorted_ids_ptr, block_groups_ptr,
+    num_pairs, num_experts, H,
+    stride_y, stride_sd, stride_dbl, stride_dbe, stride_dbn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """One (slot, expert) block, one tile of H: y[pair, tile] += w[pair] * down_B @ shrunk_d."""
-    pid = tl.program_id(0)
-    blk = pid // num_n
-    tile = pid % num_n
+    """For one (slot, expert) block: y[pair] += w[pair] * down_B @ shrunk_d[pair]."""
+    blk = tl.program_id(0)
     group = tl.load(block_groups_ptr + blk)
     if group < 0:
         return
@@ -234,80 +197,58 @@ def _lora_down_blocks_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     dtype = db_ptr.dtype.element_ty
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < H
-    db = tl.load(db_ptr + slot.to(tl.int64) * stride_dbl + expert.to(tl.int64) * stride_dbe
-                 + cols[None, :] * stride_dbn + offs_r[:, None],
-                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    shrunk = tl.load(shrunk_d_ptr + pairs.to(tl.int64)[:, None] * stride_sd + offs_r[None, :],
+                     mask=pair_ok[:, None] & r_ok[None, :], other=0.0).to(dtype)
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
-    shrunk = _sum_partials(partial_d_ptr, pairs, pair_ok, r_ok, stride_dpp, stride_dps,
-                           K_SPLITS, BLOCK_M, BLOCK_R).to(dtype)
-    delta = tl.dot(shrunk, db)
-    y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + cols[None, :]
-    io_mask = pair_ok[:, None] & n_ok[None, :]
-    y = tl.load(y_ptrs, mask=io_mask, other=0.0)
-    tl.store(y_ptrs, y + weights[:, None] * delta, mask=io_mask)
-
-
-SHRINK_SPLITS = 4  # programs per block along H for the x shrink (each loops over its columns)
+    db_base = db_ptr + slot.to(tl.int64) * stride_dbl + expert.to(tl.int64) * stride_dbe
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, H, BLOCK_N):
+        cols = n0 + offs_n
+        n_ok = cols < H
+        db = tl.load(db_base + cols[None, :] * stride_dbn + offs_r[:, None],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        delta = tl.dot(shrunk, db)
+        y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + cols[None, :]
+        io_mask = pair_ok[:, None] & n_ok[None, :]
+        y = tl.load(y_ptrs, mask=io_mask, other=0.0)
+        tl.store(y_ptrs, y + weights[:, None] * delta, mask=io_mask)
 
 
 def lora_sorted_gate_up(x: torch.Tensor, gu: torch.Tensor, topk_ids: torch.Tensor, lora,
-                        block_m: int = 16, block_n: int = 128) -> tuple[AlignedBlocks, torch.Tensor]:
+                        block_m: int = 16, block_n: int = 64) -> tuple[AlignedBlocks, torch.Tensor]:
     """Adds the gate_up delta into gu [pairs, 2I] in place; returns the (slot, expert)
-    alignment and the down-shrink partials [pairs, I tiles, rank block] for `lora_sorted_down`."""
+    alignment and the down shrink [pairs, rank block] (fp32) for `lora_sorted_down`."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     num_experts = lora.gate_up_a.shape[1]
     hidden = x.shape[1]
     inter = gu.shape[1] // 2
     aligned = moe_align(topk_ids, num_experts, block_m, lora.token_slots, lora.slot_ranks)
-    num_blocks = aligned.block_groups.numel()
     block_r = lora_rank_block(lora)
-    dev = x.device
-
-    a = lora.gate_up_a
-    block_k = min(shrink_block_k(block_r), triton.next_power_of_2(hidden))
-    k_splits = min(SHRINK_SPLITS, triton.cdiv(hidden, block_k))
-    split_cols = triton.cdiv(triton.cdiv(hidden, k_splits), block_k) * block_k
-    k_splits = triton.cdiv(hidden, split_cols)
-    partial_gu = torch.empty(num_pairs, k_splits, block_r, dtype=torch.float32, device=dev)
-    _lora_shrink_blocks_kernel[(num_blocks * k_splits,)](
-        x, a, partial_gu, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
-        num_pairs, top_k, num_experts, hidden, k_splits, split_cols,
-        x.stride(0), a.stride(0), a.stride(1), a.stride(2),
-        partial_gu.stride(0), partial_gu.stride(1),
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, num_warps=4)
-
-    b, da = lora.gate_up_b, lora.down_a
-    block_n = min(block_n, triton.next_power_of_2(inter))
-    n_tiles = triton.cdiv(inter, block_n)
-    partial_d = torch.empty(num_pairs, n_tiles, block_r, dtype=torch.float32, device=dev)
-    _lora_gate_up_blocks_kernel[(num_blocks * n_tiles,)](
-        gu, partial_gu, partial_d, b, da, lora.slot_ranks, aligned.sorted_ids,
-        aligned.block_groups,
-        num_pairs, num_experts, inter, n_tiles,
-        gu.stride(0), partial_gu.stride(0), partial_gu.stride(1),
-        partial_d.stride(0), partial_d.stride(1),
+    shrunk_d = torch.empty(num_pairs, block_r, dtype=torch.float32, device=x.device)
+    a, b, da = lora.gate_up_a, lora.gate_up_b, lora.down_a
+    _lora_gate_up_blocks_kernel[(aligned.block_groups.numel(),)](
+        x, gu, shrunk_d, a, b, da, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
+        num_pairs, top_k, num_experts, hidden, inter,
+        x.stride(0), gu.stride(0), shrunk_d.stride(0),
+        a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         da.stride(0), da.stride(1), da.stride(2),
-        K_SPLITS=k_splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)
-    return aligned, partial_d
+        BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(inter)),
+        BLOCK_K=min(shrink_block_k(block_r), triton.next_power_of_2(hidden)), BLOCK_R=block_r,
+        num_warps=4)
+    return aligned, shrunk_d
 
 
-def lora_sorted_down(y: torch.Tensor, partial_d: torch.Tensor, aligned: AlignedBlocks,
+def lora_sorted_down(y: torch.Tensor, shrunk_d: torch.Tensor, aligned: AlignedBlocks,
                      topk_weights: torch.Tensor, lora, block_m: int = 16,
                      block_n: int = 128) -> None:
     """y [pairs, H] (fp32, routing weight applied) += w * down delta, in place."""
     num_pairs, hidden = y.shape
     db = lora.down_b
-    block_n = min(block_n, triton.next_power_of_2(hidden))
-    n_tiles = triton.cdiv(hidden, block_n)
-    _lora_down_blocks_kernel[(aligned.block_groups.numel() * n_tiles,)](
-        y, partial_d, db, topk_weights, lora.slot_ranks, aligned.sorted_ids,
-        aligned.block_groups,
-        num_pairs, db.shape[1], hidden, n_tiles,
-        y.stride(0), partial_d.stride(0), partial_d.stride(1),
-        db.stride(0), db.stride(1), db.stride(2),
-        K_SPLITS=partial_d.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+    _lora_down_blocks_kernel[(aligned.block_groups.numel(),)](
+        y, shrunk_d, db, topk_weights, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
+        num_pairs, db.shape[1], hidden,
+        y.stride(0), shrunk_d.stride(0), db.stride(0), db.stride(1), db.stride(2),
+        BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(hidden)),
         BLOCK_R=lora_rank_block(lora), num_warps=4)
