@@ -262,7 +262,7 @@ def _qwen3_problem(num_tokens, seed, with_lora):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256, 512])
 def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
     x, w13, w2, weights, ids, lora = _qwen3_problem(num_tokens, 10 + num_tokens, with_lora)
     ref = fused_moe_ref(x, w13, w2, weights, ids, lora)
