@@ -83,7 +83,10 @@ class CudaGraph:
 
     def __init__(self, pool):
         self.pool = pool
-        self.graph = torch.cuda.CUDAGraph()
+        try:  # keep the cudaGraph_t so its kernel nodes can be counted (torch >= 2.8)
+            self.graph = torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:
+            self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, fn):
         for _ in range(2):  # warm-ups: Triton JIT, allocator, cuBLAS workspaces
@@ -91,6 +94,8 @@ class CudaGraph:
         torch.cuda.synchronize()
         with torch.cuda.graph(self.graph, pool=self.pool):
             out = fn()
+        if hasattr(self.graph, "instantiate"):
+            self.graph.instantiate()
         return out
 
     def replay(self):
@@ -220,6 +225,9 @@ class GraphRunner:
     def capture(self, key: GraphKey) -> None:
         """Capture one key; everything it prepares is stored under that key only."""
         on_cuda = self.graph_factory is CudaGraph
+        if on_cuda:  # capture empties the allocator cache; do it first so the delta is the pool's growth
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         mem0 = torch.cuda.memory_reserved() if on_cuda else 0
         t0 = time.perf_counter()
         batch = self.buffers.batch_for(key, self.slot_ranks)
