@@ -85,8 +85,10 @@ class CudaGraph:
         self.pool = pool
         try:  # keep the cudaGraph_t so its kernel nodes can be counted (torch >= 2.8)
             self.graph = torch.cuda.CUDAGraph(keep_graph=True)
+            self.kept = True
         except TypeError:
             self.graph = torch.cuda.CUDAGraph()
+            self.kept = False
 
     def capture(self, fn):
         for _ in range(2):  # warm-ups: Triton JIT, allocator, cuBLAS workspaces
@@ -94,7 +96,7 @@ class CudaGraph:
         torch.cuda.synchronize()
         with torch.cuda.graph(self.graph, pool=self.pool):
             out = fn()
-        if hasattr(self.graph, "instantiate"):
+        if self.kept:
             self.graph.instantiate()
         return out
 
@@ -106,6 +108,8 @@ class CudaGraph:
         try:
             from cuda.bindings import runtime as cudart
         except ImportError:
+            return None
+        if not self.kept:
             return None
         handle = self.graph.raw_cuda_graph()
         err, _, n = cudart.cudaGraphGetNodes(handle, 0)
