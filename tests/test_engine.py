@@ -277,3 +277,13 @@ def test_demo_model_answers_paris_and_matches_transformers(demo_dir):
     want = want[0, len(prompt):].tolist()
     assert out.token_ids == want[:len(out.token_ids)]
     assert len(out.token_ids) == 20 or out.finish_reason == "stop"
+
+
+def test_stop_token_ids_end_generation(tiny_models):
+    engine = engine_for(tiny_models["mixtral"])
+    prompt = random_prompts([8], seed=13)[0]
+    free = engine.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0].token_ids
+    stop_at = free[4]
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop_at], **GREEDY))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free[:free.index(stop_at) + 1]

@@ -2,8 +2,6 @@
 
 The graph object sits behind a small interface; on CPU a stand-in 'replays' by re-running the
 forward on the static buffers, so the buffer plumbing is checked against eager execution too."""
-import logging
-
 import pytest
 import torch
 
@@ -44,9 +42,13 @@ def test_variant_is_resolved_on_the_host_from_request_slots():
 
 def test_record_nolora_flag_plan_and_warning():
     def cfg(**kw):
-        return EngineConfig(model="x", device="cpu", **kw).resolve()
+        c = EngineConfig(model="x", device="cpu", **kw).resolve()
+        c.enforce_eager = False  # as on a CUDA device
+        return c
 
     assert dual_capture_plan(cfg()) == ([NOLORA], None)  # LoRA off: one graph per size, no warning
+    eager = EngineConfig(model="x", device="cpu", enable_lora=True, moe_backend="triton").resolve()
+    assert "CUDA graphs are disabled" in dual_capture_plan(eager)[1]
     c = cfg(enable_lora=True, moe_backend="triton")
     assert dual_capture_plan(c) == ([LORA, NOLORA], None)
     variants, warning = dual_capture_plan(cfg(enable_lora=True, moe_backend="torch"))
@@ -94,14 +96,15 @@ def _engine(base, loras, **kw):
                                lora_modules=loras, **kw))
 
 
-def test_padded_replay_equals_eager_for_mixed_traffic(lora_setup, caplog):
+def test_padded_replay_equals_eager_for_mixed_traffic(lora_setup):
     """batch 3 on bucket 4, alternating base -> lora -> mixed -> base under the stand-in graphs."""
     base, loras = lora_setup
     eager = _engine(base, loras)
     graphed = _engine(base, loras, cuda_graph_bs=[1, 2, 4])
-    with caplog.at_level(logging.WARNING, logger="moeserve"):
-        graphed.runner.graph_runner = GraphRunner.for_engine(graphed.runner, graphed.config)
-    assert "has no effect" in caplog.text  # torch MoE backend: single-graph baseline, warned once
+    graphed.config.enforce_eager = False  # as on a CUDA device; the stand-in graph replays on CPU
+    variants, warning = dual_capture_plan(graphed.config)
+    assert variants == [LORA] and "moe_backend='torch'" in warning  # single-graph baseline, warned
+    graphed.runner.graph_runner = GraphRunner.for_engine(graphed.runner, graphed.config)
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 7)]
     sp = SamplingParams(max_tokens=6, logprobs=1, **GREEDY)
     for loras_row in ([None] * 3, ["A", "B", "A"], [None, "B", None], [None] * 3):
@@ -144,3 +147,11 @@ def test_dual_variant_routing_with_fake_triton_flag(lora_setup, monkeypatch):
     want = eager.generate(prompts, sp, lora=["late", None, "late"])
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert gr.graphs == graphs_before
+
+
+def test_engine_warns_once_when_the_flag_cannot_take_effect(lora_setup, caplog):
+    base, loras = lora_setup
+    with caplog.at_level("WARNING", logger="moeserve"):
+        _engine(base, loras)
+    assert caplog.text.count("--record-nolora-graph has no effect") == 1
+    assert "CUDA graphs are disabled" in caplog.text

@@ -194,3 +194,19 @@ def test_adapter_rank_above_the_engine_limit_and_unsupported_target(tmp_path):
     small_engine = make_engine(base, enable_lora=True, max_lora_rank=16)
     with pytest.raises(LoRAAdapterError, match="rank 32"):
         small_engine.load_lora("big", str(big))
+
+
+def test_pinned_adapter_is_never_evicted(tmp_path):
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    paths = {n: str(make_peft_adapter(family, tmp_path / n, rank=2, seed=50 + i)[0]) for i, n in enumerate("PXY")}
+    engine = make_engine(base, enable_lora=True, max_loras=2)
+    engine.load_lora("P", paths["P"], pinned=True)
+    engine.load_lora("X", paths["X"])
+    engine.load_lora("Y", paths["Y"])
+    pinned_slot = engine.lora_manager.slot_name.index("P")
+    prompt = prompts_for([6], seed=51)[0]
+    for name in ("X", "Y", "X", "Y"):  # the one free slot churns; P's slot stays
+        engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY), lora=name)
+        assert engine.lora_manager.slot_name[pinned_slot] == "P"
+    assert engine.stats()["lora_evictions_total"] >= 3

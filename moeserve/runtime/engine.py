@@ -67,8 +67,12 @@ class Engine:
         self._ids = itertools.count()
         self.stats_counters = {"requests_total": 0, "requests_rejected": 0, "prompt_tokens_total": 0,
                                "generation_tokens_total": 0, "steps_total": 0, "aborted_total": 0}
+        from moeserve.runtime.graph_runner import GraphRunner, dual_capture_plan
+
+        _, warning = dual_capture_plan(cfg)
+        if warning:
+            logger.warning(warning)
         if not cfg.enforce_eager:
-            from moeserve.runtime.graph_runner import GraphRunner
 
             self.runner.graph_runner = GraphRunner.for_engine(self.runner, cfg, progress=progress)
 

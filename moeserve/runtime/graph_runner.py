@@ -59,6 +59,9 @@ def dual_capture_plan(config: EngineConfig) -> tuple[list[str], str | None]:
         return [NOLORA], None
     if not config.record_nolora_graph:
         return [LORA], None
+    if config.enforce_eager:
+        return [LORA], ("--record-nolora-graph has no effect: CUDA graphs are disabled "
+                        f"(--enforce-eager, or device={config.device!r})")
     if config.moe_backend != "triton":
         return [LORA], (f"--record-nolora-graph has no effect: moe_backend={config.moe_backend!r} is not one whose "
                         "dual capture is validated (triton); capturing one LoRA graph per batch size")
@@ -197,9 +200,7 @@ class GraphRunner:
 
     @classmethod
     def for_engine(cls, runner, config: EngineConfig, progress: bool = False) -> "GraphRunner":
-        variants, warning = dual_capture_plan(config)
-        if warning:
-            logger.warning(warning)
+        variants, _ = dual_capture_plan(config)  # the engine logs the plan's warning once
         sizes = graph_batch_sizes(min(config.cuda_graph_max_bs, config.max_num_seqs), config.cuda_graph_bs)
         on_cuda = runner.device.type == "cuda"
         gr = cls(runner.model, sizes, variants, runner.max_blocks_per_seq, runner.device,
