@@ -16,7 +16,7 @@ DEMO_QUESTIONS = [
 
 
 def _demo(args) -> int:
-    from moeserve import Engine, SamplingParams
+    from moeserve import Engine, EngineConfig, SamplingParams
     from moeserve.engine_args import engine_config_from_args
     from moeserve.lora.demo import demo_adapters
     from moeserve.models.upcycle import demo_model_path
@@ -30,19 +30,21 @@ def _demo(args) -> int:
     if adapters:
         cfg.enable_lora = True
         cfg.lora_modules = {**adapters, **cfg.lora_modules}
-        cfg.max_lora_rank = max(cfg.max_lora_rank, 8)
+        cfg.max_lora_rank = max(cfg.max_lora_rank, 16)  # per-expert gate+up stack: rank 8 + 8
+        if cfg.max_loras == EngineConfig().max_loras:  # not set by the user: as many slots as adapters
+            cfg.max_loras = len(cfg.lora_modules)
     engine = Engine(cfg, progress=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
     loras = [None] * len(prompts)
-    if adapters:  # the same first question through each adapter, in the same batch as the base rows
-        names = list(adapters)
-        prompts += [prompts[0]] * len(names)
-        loras += names
+    questions = list(DEMO_QUESTIONS)
+    for name in adapters:  # the first two questions again through each adapter, in the same batch
+        prompts += prompts[:2]
+        loras += [name, name]
+        questions += DEMO_QUESTIONS[:2]
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, lora=loras)
     dt = time.perf_counter() - t0
-    questions = DEMO_QUESTIONS + [DEMO_QUESTIONS[0]] * (len(prompts) - len(DEMO_QUESTIONS))
     for q, lora, o in zip(questions, loras, outs):
         tag = f"[adapter {lora}]" if lora else "[base]"
         print(f"\n{tag} Q: {q}\n  A: {o.text.strip()}")

@@ -13,15 +13,16 @@ from torch import nn
 from moeserve.runtime.context import LoRABatch
 
 
-def dense_lora_torch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out) -> None:
+def dense_lora_torch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, slots=None) -> None:
     """Plain-torch multi-LoRA: out[t, slice i] += (x[t] A_i[s]^T) B_i[s]^T for s = token_slots[t] >= 0.
 
-    Sync-free and shape-static (loops over the static slot count), rows without an adapter are
-    left bitwise untouched. Zero rank columns contribute exact zeros, so slot_ranks is not needed.
+    Sync-free and shape-static (loops over the static slot count, or the host-known `slots` of an
+    eager batch); rows without an adapter are left bitwise untouched. Zero rank columns contribute
+    exact zeros, so slot_ranks is not needed.
     """
     num_slots, num_slices, rank, in_dim = lora_a.shape
     x = x.to(lora_a.dtype)
-    for slot in range(num_slots):
+    for slot in (range(num_slots) if slots is None else slots):
         shrink = x @ lora_a[slot].reshape(num_slices * rank, in_dim).t()  # [T, S*R]
         parts, off = [], 0
         for i, n in enumerate(slice_sizes):
@@ -44,14 +45,18 @@ class LoRALinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.lora_a: torch.Tensor | None = None  # [L, S, R, in], set by the slot pool
         self.lora_b: torch.Tensor | None = None  # [L, N, R]
-        self.lora_fn = dense_lora_torch
-        if lora_backend == "triton":
+        self.use_triton = lora_backend == "triton"
+        if self.use_triton:
             from moeserve.kernels.lora_dense import dense_lora
 
-            self.lora_fn = dense_lora
+            self.triton_lora = dense_lora
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a is not None:
-            self.lora_fn(x, self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes, y)
+            args = (x, self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes, y)
+            if self.use_triton:
+                self.triton_lora(*args)
+            else:
+                dense_lora_torch(*args, slots=lora.active_slots)
         return y

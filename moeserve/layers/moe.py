@@ -26,10 +26,10 @@ class ExpertLoRABuffers:
     down_b: torch.Tensor  # [L, E, H, R]
 
 
-def _lora_delta(inp, a, b, token_slots):
-    """Sum over static slots of masked x A^T B^T; rows of other slots get exact zeros."""
+def _lora_delta(inp, a, b, token_slots, slots):
+    """Sum over slots of masked x A^T B^T; rows of other slots get exact zeros."""
     delta = None
-    for slot in range(a.shape[0]):
+    for slot in (range(a.shape[0]) if slots is None else slots):
         d = (inp @ a[slot].t()) @ b[slot].t()
         d = torch.where((token_slots == slot).unsqueeze(-1), d, torch.zeros_like(d))
         delta = d if delta is None else delta + d
@@ -39,24 +39,28 @@ def _lora_delta(inp, a, b, token_slots):
 def moe_experts_torch(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None,
                       lora_bufs: ExpertLoRABuffers | None) -> torch.Tensor:
     """Reference experts: a static loop over experts, each applied densely and weighted by the
-    routing weight (0 where not routed). Sync-free; expert order matches the HF reference sum."""
-    E = w13.shape[0]
+    routing weight (0 where not routed). Sync-free; expert order matches the HF reference sum.
+    Rows without an adapter take `where(False, ...)`, so they stay bitwise the no-LoRA result."""
     inter = w2.shape[2]
-    out = torch.zeros_like(x, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype)
+    out = torch.zeros_like(x)
     use_lora = lora is not None and lora_bufs is not None
-    for e in range(E):
+    if use_lora:
+        has_adapter = (lora.token_slots >= 0).unsqueeze(-1)
+        b = lora_bufs
+    for e in range(w13.shape[0]):
         weight = (topk_weights * (topk_ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
         gu = x @ w13[e].t()
         if use_lora:
-            d = _lora_delta(x.to(lora_bufs.gate_up_a.dtype), lora_bufs.gate_up_a[:, e], lora_bufs.gate_up_b[:, e], lora.token_slots)
-            gu = torch.where((lora.token_slots >= 0).unsqueeze(-1), gu + d.to(gu.dtype), gu)
+            d = _lora_delta(x.to(b.gate_up_a.dtype), b.gate_up_a[:, e], b.gate_up_b[:, e], lora.token_slots,
+                            lora.active_slots)
+            gu = torch.where(has_adapter, gu + d.to(gu.dtype), gu)
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
         y = h @ w2[e].t()
         if use_lora:
-            d = _lora_delta(h.to(lora_bufs.down_a.dtype), lora_bufs.down_a[:, e], lora_bufs.down_b[:, e], lora.token_slots)
-            y = torch.where((lora.token_slots >= 0).unsqueeze(-1), y + d.to(y.dtype), y)
-        out = out + (y * weight.to(y.dtype)).to(out.dtype)
-    return out.to(x.dtype)
+            d = _lora_delta(h.to(b.down_a.dtype), b.down_a[:, e], b.down_b[:, e], lora.token_slots, lora.active_slots)
+            y = torch.where(has_adapter, y + d.to(y.dtype), y)
+        out = out + y * weight.to(y.dtype)
+    return out
 
 
 class DenseMLP(nn.Module):

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from moeserve.models.spec import ModelSpec
 
 DEMO_ADAPTERS = {"demo-a": 1, "demo-b": 2}  # name -> seed
-RANK, ALPHA, STD = 8, 16, 0.02
+RANK, ALPHA, STD = 8, 16, 0.06
 
 
 def _write_adapter(spec: ModelSpec, out: Path, seed: int) -> None:

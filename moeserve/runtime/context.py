@@ -29,6 +29,9 @@ class AttentionMetadata:
 class LoRABatch:
     token_slots: torch.Tensor  # [T] int32 adapter slot per token; -1 = no adapter
     slot_ranks: torch.Tensor  # [max_loras] int32 (the pool's static buffer)
+    # host-known slots present in an eager batch (lets the torch reference skip absent slots);
+    # None in captured graphs, whose rows change between replays
+    active_slots: tuple[int, ...] | None = None
 
 
 @dataclass

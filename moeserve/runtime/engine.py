@@ -70,8 +70,8 @@ class Engine:
         from moeserve.runtime.graph_runner import GraphRunner, dual_capture_plan
 
         _, warning = dual_capture_plan(cfg)
-        if warning:
-            logger.warning(warning)
+        if warning:  # on CPU graphs never exist, so it is only worth a note
+            (logger.warning if cfg.device.startswith("cuda") else logger.info)(warning)
         if not cfg.enforce_eager:
 
             self.runner.graph_runner = GraphRunner.for_engine(self.runner, cfg, progress=progress)

@@ -105,7 +105,8 @@ class ModelRunner:
         )
         lora = None
         if self.lora_pool is not None and any(s >= 0 for s in token_lora):
-            lora = LoRABatch(torch.tensor(token_lora, dtype=torch.int32, device=dev), self.lora_pool.slot_ranks)
+            lora = LoRABatch(torch.tensor(token_lora, dtype=torch.int32, device=dev), self.lora_pool.slot_ranks,
+                             active_slots=tuple(sorted({s for s in token_lora if s >= 0})))
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(pos, dtype=torch.int64, device=dev),
