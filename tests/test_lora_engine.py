@@ -144,7 +144,7 @@ def test_hot_load_unload_while_requests_run(tmp_path):
     engine = make_engine(base, enable_lora=True, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
     engine.load_lora("A", str(a))
     prompt = prompts_for([8], seed=22)[0]
-    ra = engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), lora="A")
+    engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), lora="A")
     engine.step()
     engine.load_lora("B", str(b))  # loaded while A's request runs
     rb = engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), lora="B")

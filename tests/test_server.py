@@ -680,24 +680,11 @@ def test_serve_main_subprocess(model_dir):
 # many adapters: routing by `model`, hot load/unload while traffic runs
 # ---------------------------------------------------------------------------------------------
 
-def _lora_missing() -> str | None:
-    try:
-        import peft  # noqa: F401
-
-        from moeserve.lora.manager import LoRAManager  # noqa: F401
-        from peft_fixtures import make_peft_adapter  # noqa: F401
-    except ImportError as e:
-        return f"multi-adapter serving needs the LoRA manager and tests/peft_fixtures.py: {e}"
-    return None
-
-
 LORA_KW = dict(ENGINE_KW, enable_lora=True, max_loras=2, max_lora_rank=8)  # 2 slots for 3+ adapters: evictions
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    if (reason := _lora_missing()) is not None:
-        pytest.skip(reason)
     from peft_fixtures import make_peft_adapter
 
     root = tmp_path_factory.mktemp("adapters")

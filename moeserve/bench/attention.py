@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.kernels.lora_dense import _dense_lora
 from moeserve.kernels.paged_attention import (
     DECODE_BLOCK_N,
@@ -32,44 +32,8 @@ QKV_SIZES = (N_HEADS * HEAD_DIM, N_KV * HEAD_DIM, N_KV * HEAD_DIM)
 L2_FLUSH_BYTES = 256 << 20  # the copies one timed graph cycles through
 
 
-def graph_time_us(fns, reps: int = 7) -> float:
-    """Median µs per call of a CUDA graph that runs every fn in `fns` once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns[:2]:
-            fn()  # compile outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(fns))
-    del graph
-    return statistics.median(times)
-
-
 def copies_for(bytes_per_copy: int, cap: int = 16) -> int:
     return max(2, min(cap, math.ceil(L2_FLUSH_BYTES / max(1, bytes_per_copy))))
-
-
-def bandwidths() -> tuple[float, float]:
-    """Bytes/s of a 1 GiB device copy (read + write counted) and of a 1 GiB sum (read)."""
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    acc = torch.empty((), dtype=torch.float32, device="cuda")
-    copy_us = graph_time_us([lambda: dst.copy_(src)] * 4)
-    read_us = graph_time_us([lambda: torch.sum(src, dim=0, dtype=torch.float32, out=acc)] * 4)
-    return 2 * src.numel() * 2 / (copy_us * 1e-6), src.numel() * 2 / (read_us * 1e-6)
 
 
 # ----------------------------------------------------------------------------- decode attention
@@ -196,7 +160,7 @@ def main():
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
-    copy_bw, read_bw = bandwidths()
+    copy_bw, read_bw = bandwidths(1 << 30)
     rows = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.bench.common import bandwidths
 from moeserve.config import EngineConfig
 from moeserve.lora.manager import LoRASlotPool
 from moeserve.models.moe_decoder import MoEForCausalLM
@@ -65,22 +66,6 @@ def random_model(spec: ModelSpec, device, dtype, seed: int = 0, backend: str = "
             else:
                 p.normal_(0.0, 0.02)
     return model
-
-
-def read_bandwidth(device) -> float:
-    """Bytes/s of a large read-only reduction (best of a few), measured in this run."""
-    x = torch.empty(2 << 30, dtype=torch.bfloat16, device=device).normal_()  # 4 GiB
-    best = 0.0
-    for _ in range(5):
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        x.sum(dtype=torch.float32)
-        e.record()
-        e.synchronize()
-        best = max(best, x.numel() * 2 / (s.elapsed_time(e) / 1e3))
-    del x
-    return best
 
 
 def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> float:
@@ -201,7 +186,7 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     spec = preset_spec(args.preset, args.layers)
     bench = DecodeBench(spec, max(batches), args.steps)
-    bw = read_bandwidth(bench.device)
+    bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results: dict[str, dict[int, float]] = {m: {} for m in modes}
     capture: dict[str, dict] = {}

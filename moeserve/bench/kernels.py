@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.kernels.fused_moe import GemmTile, MoELoRAArgs, MoEPlan, default_plan, fused_moe
 from moeserve.kernels.moe_align import moe_align, moe_align_ref
 
@@ -41,43 +42,10 @@ LORA_CASES = {  # name -> (rank of each slot, adapters in use)
 }
 
 
-def graph_time_us(fns, reps: int = 15) -> float:
-    """Median µs per call of one CUDA graph that runs every fn once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()  # compile and allocate outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(fns))
-    del graph
-    return statistics.median(times)
-
-
 def read_bandwidth() -> dict:
     """GB/s of a 4 GiB copy (read + write) and of a 4 GiB read-only sum."""
-    src = torch.empty(1 << 30, dtype=torch.float32, device=DEVICE).normal_()
-    dst = torch.empty_like(src)
-    nbytes = src.numel() * 4
-    copy_us = graph_time_us([lambda: dst.copy_(src)] * 3, reps=7)
-    sum_us = graph_time_us([lambda: torch.sum(src)] * 3, reps=7)
-    del src, dst
-    torch.cuda.empty_cache()
-    return {"copy_gbps": 2 * nbytes / copy_us / 1e3, "read_gbps": nbytes / sum_us / 1e3}
+    copy_bps, read_bps = bandwidths()
+    return {"copy_gbps": copy_bps / 1e9, "read_gbps": read_bps / 1e9}
 
 
 def touched_bytes(batch: int) -> float:

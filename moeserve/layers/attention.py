@@ -17,7 +17,7 @@ class TorchAttentionBackend:
     prefill loops over sequences using host-side lengths (eager only)."""
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        B, nh, d = q.shape
+        nh = q.shape[1]
         nkv = k_cache.shape[2]
         k = k_cache[meta.block_tables].flatten(1, 2)  # [B, max_blocks*bs, nkv, d]
         v = v_cache[meta.block_tables].flatten(1, 2)
@@ -31,7 +31,7 @@ class TorchAttentionBackend:
         return torch.einsum("bhc,bhcd->bhd", probs, v.float()).to(q.dtype)
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        nh, d = q.shape[1], q.shape[2]
+        nh = q.shape[1]
         nkv, bs = k_cache.shape[2], k_cache.shape[1]
         out = torch.empty_like(q)
         starts = meta.query_start_loc_host

@@ -75,7 +75,7 @@ def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dty
     tensors = _Tensors(model_dir)
     with torch.device(device):
         model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend).to(dtype)
-    H, E, inter = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    H = spec.hidden_size
 
     def put(param: torch.Tensor, value: torch.Tensor):
         param.data.copy_(value.to(dtype))
@@ -141,7 +141,7 @@ def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
         put(moe.w13, tensors.get(q + "experts.gate_up_proj", (E, 2 * inter, H)))
         put(moe.w2, tensors.get(q + "experts.down_proj", (E, H, inter)))
     else:
-        mixtral = tensors.has(p + f"block_sparse_moe.experts.0.w1.weight")
+        mixtral = tensors.has(p + "block_sparse_moe.experts.0.w1.weight")
         for e in range(E):
             if mixtral:
                 q = p + f"block_sparse_moe.experts.{e}."

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from pathlib import Path
 
 from moeserve.config import EngineConfig
