@@ -4,7 +4,7 @@ import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.lora.manager import LoRAInUseError, UnknownLoRAError
+from moeserve.lora.manager import LoRAInUseError, LoRASlotPool, UnknownLoRAError
 from moeserve.models.tiny import TINY_FAMILIES
 from moeserve.runtime.scheduler import ScheduledBatch
 from moeserve.runtime.sequence import Sequence
@@ -210,3 +210,36 @@ def test_pinned_adapter_is_never_evicted(tmp_path):
         engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY), lora=name)
         assert engine.lora_manager.slot_name[pinned_slot] == "P"
     assert engine.stats()["lora_evictions_total"] >= 3
+
+
+def test_slot_buffers_never_move_and_unloaded_slots_are_zeroed(tmp_path):
+    family = "qwen2_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=60)
+    b, _ = make_peft_adapter(family, tmp_path / "b", rank=2, seed=61)
+    engine = make_engine(base, enable_lora=True, max_loras=1)
+    model = engine.runner.model
+
+    def buffers():
+        out = []
+        for layer in model.layers:
+            for lin in LoRASlotPool._linears(layer):  # attention, dense MLP, shared expert
+                out += [lin.lora_a, lin.lora_b]
+            bufs = getattr(layer.mlp, "lora_bufs", None)
+            if bufs is not None:
+                out += [bufs.gate_up_a, bufs.gate_up_b, bufs.down_a, bufs.down_b]
+        return [t for t in out if t is not None]
+
+    ptrs = [t.data_ptr() for t in buffers()]
+    prompt = prompts_for([5], seed=62)[0]
+    engine.load_lora("a", str(a))
+    engine.load_lora("b", str(b))
+    engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY), lora="a")
+    assert engine.lora_manager.pool.slot_ranks.tolist() == [4]
+    engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY), lora="b")  # evicts a from the one slot
+    assert engine.lora_manager.pool.slot_ranks.tolist() == [2]
+    q_rows = model.layers[0].self_attn.qkv_proj.lora_a[0, 0]
+    assert q_rows[2:].abs().sum() == 0 and q_rows[:2].abs().sum() > 0  # rank columns beyond 2 are zero
+    engine.unload_lora("b")
+    assert all(t[0].abs().sum() == 0 for t in buffers()) and engine.lora_manager.pool.slot_ranks.tolist() == [0]
+    assert [t.data_ptr() for t in buffers()] == ptrs
