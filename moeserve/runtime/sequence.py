@@ -61,12 +61,14 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
     def tokens_slice(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        """Token ids [start, end) of prompt + output, without copying the whole sequence (decode hot path)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def is_finished(self) -> bool:
