@@ -181,8 +181,12 @@ class LoRAManager:
         return list(self.paths)
 
     def check_known(self, name: str) -> None:
+        """Raise unless requests for `name` can be served (known, and a slot it could ever get)."""
         if name not in self.paths:
             raise UnknownLoRAError(f"unknown LoRA adapter {name!r}; loaded adapters: {sorted(self.paths) or 'none'}")
+        if name not in self.pinned and len(self.pinned) >= len(self.slot_name):
+            raise LoRAAdapterError(f"adapter {name!r} cannot be served: all {len(self.slot_name)} LoRA slots are "
+                                   f"pinned by {sorted(self.pinned)}")
 
     def register(self, name: str, path: str, pinned: bool = False) -> None:
         """Parse and validate now (errors leave every state unchanged), then make the name known."""
@@ -232,6 +236,10 @@ class LoRAManager:
         return adapter
 
     # ---- slots (called by the scheduler) ----------------------------------------------------
+    def _has_evictable_slot(self) -> bool:
+        return any(n is None or (self.slot_users[i] == 0 and n not in self.pinned)
+                   for i, n in enumerate(self.slot_name))
+
     def _free_slot(self) -> int | None:
         if None in self.slot_name:
             return self.slot_name.index(None)
@@ -256,10 +264,11 @@ class LoRAManager:
         if name in self.slot_name:
             slot = self.slot_name.index(name)
         else:
-            slot = self._free_slot()
-            if slot is None:
+            if not self._has_evictable_slot():
                 return False
-            self._load_into(slot, name, self._adapter(name))
+            adapter = self._adapter(name)  # may re-read from disk: fail before touching any slot
+            slot = self._free_slot()
+            self._load_into(slot, name, adapter)
         self.slot_users[slot] += 1
         self.slot_lru.move_to_end(slot)
         seq.lora_slot = slot

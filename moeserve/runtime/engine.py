@@ -120,10 +120,13 @@ class Engine:
                 self.lora_manager.check_known(lora)
             if len(self.scheduler.waiting) >= cfg.max_queue_len:
                 raise RequestError(f"queue is full ({cfg.max_queue_len} waiting requests); retry later")
-            request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-            if request_id in self.seqs:
+            if request_id is None:  # auto ids skip any a caller chose
+                request_id = f"req-{next(self._ids)}"
+                while request_id in self.seqs:
+                    request_id = f"req-{next(self._ids)}"
+            elif request_id in self.seqs:
                 raise RequestError(f"request id {request_id!r} is already in use")
-        except ValueError:
+        except (ValueError, LookupError):
             self.stats_counters["requests_rejected"] += 1
             raise
         seq = Sequence(request_id, text, ids, params, lora)
@@ -148,11 +151,11 @@ class Engine:
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sb = self.scheduler.schedule()
+        outputs = [self._fail(seq) for seq in list(self.scheduler.failed)]
         if sb is None:
-            return []
+            return outputs
         self.stats_counters["steps_total"] += 1
         result = self.runner.run(sb)
-        outputs = []
         for seq, n in zip(sb.seqs, sb.num_new_tokens):
             seq.num_computed_tokens += n
             if seq in result.prompt_logprobs:
@@ -164,32 +167,42 @@ class Engine:
             self.stats_counters["generation_tokens_total"] += 1
             if seq in result.logprobs:
                 seq.logprobs.append(result.logprobs[seq])
-            delta = self._detok(seq)
-            self._check_stop(seq, token)
+            text_before = len(seq.text)
+            self._detok(seq, final=False)
+            self._check_stop(seq, token, text_before)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self.seqs.pop(seq.request_id, None)
+                if seq.finish_reason != "stop" or not seq.params.stop:
+                    self._detok(seq, final=True)  # a trailing partial character is shown, not dropped
                 delta = self._flush_text(seq)
             else:
                 delta = self._stream_text(seq)
             outputs.append(self._output(seq, delta, [token]))
         return outputs
 
-    def _detok(self, seq: Sequence) -> str:
+    def _fail(self, seq: Sequence) -> RequestOutput:
+        """A request the scheduler could not admit (its error is in seq.error): end it, free everything."""
+        self.scheduler.finish(seq)
+        self.seqs.pop(seq.request_id, None)
+        seq.finish_reason = "error"
+        logger.warning("request %s failed: %s", seq.request_id, seq.error)
+        return self._output(seq, self._flush_text(seq), [])
+
+    def _detok(self, seq: Sequence, final: bool) -> str:
         if self.tokenizer is None:
             return ""
-        return detokenize_step(self.tokenizer, seq, seq.params.skip_special_tokens)
+        return detokenize_step(self.tokenizer, seq, seq.params.skip_special_tokens, final=final)
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int, text_before: int) -> None:
         p = seq.params
         if not p.ignore_eos and token in self.eos_ids:
             seq.finish_reason = "stop"
         elif token in p.stop_token_ids:
             seq.finish_reason = "stop"
         elif p.stop:
-            # search only the tail that could contain a new match
-            window = max(len(s) for s in p.stop) + 16
-            tail_start = max(0, len(seq.text) - window)
+            # a new match ends in the text added this step, so it starts at most len(stop)-1 chars earlier
+            tail_start = max(0, text_before - max(len(s) for s in p.stop) + 1)
             hits = [(i, s) for s in p.stop if (i := seq.text.find(s, tail_start)) >= 0]
             if hits:
                 i, _ = min(hits)
@@ -228,7 +241,14 @@ class Engine:
         loras = lora if isinstance(lora, list) else [lora] * n
         if len(params) != n or len(loras) != n:
             raise ValueError(f"got {n} prompts, {len(params)} sampling params and {len(loras)} adapters")
-        ids = [self.add_request(p, sp, lo) for p, sp, lo in zip(prompts, params, loras)]
+        ids = []
+        try:
+            for p, sp, lo in zip(prompts, params, loras):
+                ids.append(self.add_request(p, sp, lo))
+        except Exception:  # all or nothing: no orphaned requests keep computing
+            for rid in ids:
+                self.abort(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

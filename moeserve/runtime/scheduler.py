@@ -43,13 +43,21 @@ class Scheduler:
         self.lora_release = lora_release or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.failed: list[Sequence] = []  # refused during admission (e.g. adapter unreadable); engine reports them
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.failed)
+
+    def _chunk(self, need: int, budget: int) -> int:
+        """Tokens to compute this step. Without chunked prefill a sequence runs whole — unless it can never
+        fit one step's budget (a long prompt, or a recompute after preemption), which is then chunked."""
+        if self.chunked_prefill or need > self.max_tokens:
+            return min(need, budget)
+        return need
 
     def schedule(self) -> ScheduledBatch | None:
         budget = self.max_tokens
@@ -60,8 +68,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if budget <= 0:
                 break
-            need = seq.num_tokens - seq.num_computed_tokens
-            n = min(need, budget) if self.chunked_prefill else need
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if n > budget:
                 continue
             ok = True
@@ -78,37 +85,37 @@ class Scheduler:
         # admit waiting sequences (FIFO; one blocked on LoRA slots holds back new adapters)
         lora_blocked = False
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            need = seq.num_tokens - seq.num_computed_tokens
-            n = min(need, budget) if self.chunked_prefill else need
-            if n > budget:
-                skipped.append(seq)
-                break
-            if seq.lora_name is not None and (lora_blocked or not self.lora_acquire(seq)):
-                lora_blocked = True
-                skipped.append(seq)
-                continue
-            if not self.allocator.grow(seq.block_table, seq.num_computed_tokens + n):
-                self.lora_release(seq)
-                skipped.append(seq)
-                break
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            scheduled[seq] = n
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
+        try:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting.popleft()
+                n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+                if n > budget:
+                    skipped.append(seq)
+                    break
+                if seq.lora_name is not None:
+                    try:
+                        got_slot = not lora_blocked and self.lora_acquire(seq)
+                    except Exception as e:  # noqa: BLE001 - e.g. the adapter's files vanished: fail this request only
+                        seq.error = f"{type(e).__name__}: {e}"
+                        self.failed.append(seq)
+                        continue
+                    if not got_slot:
+                        lora_blocked = True
+                        skipped.append(seq)
+                        continue
+                if not self.allocator.grow(seq.block_table, seq.num_computed_tokens + n):
+                    self.lora_release(seq)
+                    skipped.append(seq)
+                    break
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                scheduled[seq] = n
+                budget -= n
+        finally:
+            self.waiting.extendleft(reversed(skipped))
         if not scheduled:
             return None
         return ScheduledBatch(list(scheduled), list(scheduled.values()))
-
-    def _grow_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
-        while not self.allocator.grow(seq.block_table, num_tokens):
-            victim = max(self.running, key=lambda s: s.arrival)
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -126,6 +133,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.failed:
+            self.failed.remove(seq)
         self.allocator.release(seq.block_table)
         self.lora_release(seq)
         seq.status = SeqStatus.FINISHED
