@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -27,7 +29,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS  # dividing logits by a tinier temperature overflows
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field; the engine rejects only this request."""
@@ -41,10 +43,11 @@ class SamplingParams:
             bad(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad(f"top_k must be -1 (off) or a non-negative integer, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k < 2**31:
+            bad(f"top_k must be -1 (off) or an integer in [0, 2^31), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -2**63 <= self.seed < 2**64):
+            bad(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 20):

@@ -16,11 +16,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     V = logits.shape[-1]
     ranks = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     drop = ranks >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     cum_before = probs.cumsum(dim=-1) - probs  # mass strictly above this token
-    drop |= cum_before >= top_p[:, None]
+    # rows with top_p = 1 keep everything (an fp32 cumsum can reach 1.0 before the tail)
+    drop |= (cum_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False  # always keep the best token
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, sorted_idx, sorted_logits)
@@ -37,7 +38,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     sub = logits[rows]
     dev = logits.device
     temp = torch.tensor([params[i].temperature for i in sampled_rows], device=dev, dtype=torch.float32)
-    top_k = torch.tensor([params[i].top_k for i in sampled_rows], device=dev)
+    top_k = torch.tensor([min(params[i].top_k, logits.shape[-1]) for i in sampled_rows], device=dev)
     top_p = torch.tensor([params[i].top_p for i in sampled_rows], device=dev, dtype=torch.float32)
     sub = sub / temp[:, None]
     if any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in sampled_rows):

@@ -8,16 +8,17 @@ from __future__ import annotations
 from moeserve.runtime.sequence import Sequence
 
 
-def detokenize_step(tokenizer, seq: Sequence, skip_special_tokens: bool) -> str:
-    """Append the newly decodable text of seq's output tokens to seq.text; return the new text."""
+def detokenize_step(tokenizer, seq: Sequence, skip_special_tokens: bool, final: bool = False) -> str:
+    """Append the newly decodable text of seq's output tokens to seq.text; return the new text.
+    `final`: the sequence ended, so an incomplete character is emitted (as U+FFFD) instead of held."""
     ids = seq.output_token_ids
-    if skip_special_tokens:
+    if skip_special_tokens and not final:
         special = tokenizer.all_special_ids_set
         if ids and ids[-1] in special:
             return ""
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
-    if len(full) <= len(prefix) or full.endswith("\ufffd"):
+    if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
         return ""
     new = full[len(prefix):]
     seq.text += new
