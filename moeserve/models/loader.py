@@ -141,15 +141,18 @@ def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
         put(moe.w13, tensors.get(q + "experts.gate_up_proj", (E, 2 * inter, H)))
         put(moe.w2, tensors.get(q + "experts.down_proj", (E, H, inter)))
     else:
-        mixtral = tensors.has(p + "block_sparse_moe.experts.0.w1.weight")
         for e in range(E):
-            if mixtral:
-                q = p + f"block_sparse_moe.experts.{e}."
-                g, u, d = q + "w1.weight", q + "w3.weight", q + "w2.weight"
+            for prefix in prefixes:  # Mixtral names its experts w1/w3/w2 (gate/up/down), under either prefix
+                q = prefix + f"experts.{e}."
+                if tensors.has(q + "w1.weight"):
+                    g, u, d = q + "w1.weight", q + "w3.weight", q + "w2.weight"
+                    break
+                if tensors.has(q + "gate_proj.weight"):
+                    g, u, d = q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"
+                    break
             else:
-                q = _first(tensors, [x + f"experts.{e}.gate_proj.weight" for x in prefixes])
-                q = q[: -len("gate_proj.weight")]
-                g, u, d = q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"
+                q = prefixes[0] + f"experts.{e}."
+                g, u, d = q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"  # reported missing
             moe.w13.data[e, :inter].copy_(tensors.get(g, (inter, H)))
             moe.w13.data[e, inter:].copy_(tensors.get(u, (inter, H)))
             moe.w2.data[e].copy_(tensors.get(d, (H, inter)))

@@ -5,6 +5,7 @@ scheduler, so one client's mistake cannot disturb anybody else's generation.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -27,7 +28,9 @@ class RequestError(ValueError):
 
 class Engine:
     def __init__(self, config: EngineConfig, progress: bool = False):
-        self.config = config.resolve() if isinstance(config, EngineConfig) else EngineConfig(**config).resolve()
+        # a private copy: the engine fills in "auto" values and defaults without touching the caller's config
+        self.config = (dataclasses.replace(config) if isinstance(config, EngineConfig)
+                       else EngineConfig(**config)).resolve()
         cfg = self.config
         if cfg.model is None:
             from moeserve.models.upcycle import demo_model_path
@@ -304,6 +307,4 @@ class Engine:
 
 
 def _copy_params(p: SamplingParams, **changes) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(p, **changes)
