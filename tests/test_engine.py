@@ -11,8 +11,9 @@ from moeserve.models.loader import CheckpointError
 from moeserve.models.spec import UnsupportedModelError
 from moeserve.models.tiny import TINY_FAMILIES, make_tiny
 from moeserve.runtime.detokenizer import detokenize_step
-from moeserve.runtime.scheduler import ScheduledBatch
 from moeserve.runtime.sequence import Sequence
+
+from engine_probe import prompt_logits
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -27,18 +28,6 @@ def engine_for(path, **kw) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", **kw))
 
 
-def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits of every prompt position through the engine's own batch construction and forward."""
-    seq = Sequence("probe", None, ids, SamplingParams(max_tokens=1))
-    assert engine.allocator.grow(seq.block_table, len(ids))
-    try:
-        batch = engine.runner.prepare(ScheduledBatch([seq], [len(ids)]))
-        with torch.inference_mode():
-            return engine.runner.model.compute_logits(engine.runner.model(batch))
-    finally:
-        engine.allocator.release(seq.block_table)
-
-
 def random_prompts(lengths, vocab=512, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
@@ -50,7 +39,7 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(tiny_models, family
     ref = hf_model(path)
     engine = engine_for(path)
     ids = random_prompts([23], seed=1)[0]
-    ours = prefill_logits(engine, ids)
+    ours = prompt_logits(engine, ids)
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0].float()
     assert (ours - theirs).abs().max().item() <= 1e-4
@@ -70,8 +59,8 @@ def test_expert_layouts_and_shards_load_to_the_same_logits(tmp_path, family):
     fused = make_tiny(family, tmp_path / "fused", expert_layout="fused", seed=3, shard_size="60KB")
     assert (fused / "model.safetensors.index.json").is_file()
     ids = random_prompts([11], seed=4)[0]
-    a = prefill_logits(engine_for(per_expert), ids)
-    b = prefill_logits(engine_for(fused), ids)
+    a = prompt_logits(engine_for(per_expert), ids)
+    b = prompt_logits(engine_for(fused), ids)
     assert torch.equal(a, b)
 
 

@@ -6,8 +6,8 @@ from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
 from moeserve.lora.manager import LoRAInUseError, LoRASlotPool, UnknownLoRAError
 from moeserve.models.tiny import TINY_FAMILIES
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import Sequence
+
+from engine_probe import prompt_logits
 from peft_fixtures import MALFORMED_MAX_RANK, make_malformed_adapters, make_peft_adapter, save_base_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -21,21 +21,6 @@ def prompts_for(lengths, seed=0):
 def make_engine(base, **kw):
     kw.setdefault("max_lora_rank", 16)
     return Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", block_size=4, **kw))
-
-
-def engine_logits(engine, ids, lora=None):
-    seq = Sequence("probe", None, ids, SamplingParams(max_tokens=1), lora)
-    if lora is not None:
-        assert engine.lora_manager.acquire(seq)
-    assert engine.allocator.grow(seq.block_table, len(ids))
-    try:
-        batch = engine.runner.prepare(ScheduledBatch([seq], [len(ids)]))
-        with torch.inference_mode():
-            return engine.runner.model.compute_logits(engine.runner.model(batch))
-    finally:
-        engine.allocator.release(seq.block_table)
-        if engine.lora_manager is not None:
-            engine.lora_manager.release(seq)
 
 
 def peft_greedy(pm, prompt, n):
@@ -54,7 +39,7 @@ def test_attention_and_expert_lora_match_peft(tmp_path, family, expert_format):
     path, pm = make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1, expert_format=expert_format)
     engine = make_engine(base, lora_modules={"ad": str(path)})
     prompt = prompts_for([13], seed=2)[0]
-    ours = engine_logits(engine, prompt, "ad")
+    ours = prompt_logits(engine, prompt, "ad")
     with torch.no_grad():
         theirs = pm(input_ids=torch.tensor([prompt])).logits[0].float()
     assert (ours - theirs).abs().max().item() <= 1e-4
@@ -76,8 +61,8 @@ def test_scaling_variants_shared_outer_shared_and_dense_mlp_match_peft(tmp_path,
     prompt = prompts_for([10], seed=4)[0]
     with torch.no_grad():
         theirs = pm(input_ids=torch.tensor([prompt])).logits[0].float()
-        base_logits = engine_logits(engine, prompt)
-    ours = engine_logits(engine, prompt, "ad")
+        base_logits = prompt_logits(engine, prompt)
+    ours = prompt_logits(engine, prompt, "ad")
     assert (ours - theirs).abs().max().item() <= 1e-4
     assert (ours - base_logits).abs().max().item() > 1e-3  # the adapter really changes the output
 
@@ -102,8 +87,8 @@ def test_mixed_batch_rows_equal_single_runs_and_base_rows_are_bitwise(tmp_path):
         assert out.token_ids == ref.token_ids
         assert [x.logprob for x in out.logprobs] == [x.logprob for x in ref.logprobs]
     # and a full batch of base rows through the LoRA engine equals the LoRA-disabled engine bitwise
-    lo = engine_logits(engine, prompts[2])
-    assert torch.equal(lo, engine_logits(plain, prompts[2]))
+    lo = prompt_logits(engine, prompts[2])
+    assert torch.equal(lo, prompt_logits(plain, prompts[2]))
 
 
 def test_eviction_with_two_slots_and_five_adapters_staggered(tmp_path):
