@@ -180,16 +180,20 @@ class LoRAManager:
     def names(self) -> list[str]:
         return list(self.paths)
 
-    def check_known(self, name: str) -> None:
-        """Raise unless requests for `name` can be served (known, and a slot it could ever get)."""
+    def _require_known(self, name: str) -> None:
         if name not in self.paths:
             raise UnknownLoRAError(f"unknown LoRA adapter {name!r}; loaded adapters: {sorted(self.paths) or 'none'}")
+
+    def check_known(self, name: str) -> None:
+        """Raise unless requests for `name` can be served (known, and a slot it could ever get)."""
+        self._require_known(name)
         if name not in self.pinned and len(self.pinned) >= len(self.slot_name):
             raise LoRAAdapterError(f"adapter {name!r} cannot be served: all {len(self.slot_name)} LoRA slots are "
                                    f"pinned by {sorted(self.pinned)}")
 
-    def register(self, name: str, path: str, pinned: bool = False) -> None:
-        """Parse and validate now (errors leave every state unchanged), then make the name known."""
+    def register(self, name: str, path: str, pinned: bool = False, queued: list[Sequence] = ()) -> None:
+        """Parse and validate now (errors leave every state unchanged), then make the name known.
+        Pinning the last unpinned slot is refused while `queued` requests need other adapters."""
         if not isinstance(name, str) or not name or ":" in name:
             raise LoRAAdapterError(f"invalid adapter name {name!r} (non-empty, no ':')")
         if name in self.paths:
@@ -197,6 +201,10 @@ class LoRAManager:
         adapter = load_lora_adapter(name, path, self.spec, self.config.max_lora_rank)
         self.pool.check_fits(adapter)
         if pinned:
+            needy = [q.request_id for q in queued if q.lora_name and q.lora_name not in self.pinned and not q.is_finished]
+            if len(self.pinned) + 1 >= len(self.slot_name) and needy:
+                raise LoRAInUseError(f"cannot pin {name!r}: it would take the last LoRA slot that {len(needy)} queued or "
+                                     "running request(s) for unpinned adapters need")
             slot = self._free_slot()
             if slot is None:
                 raise LoRAAdapterError(f"cannot pin {name!r}: every LoRA slot is in use")
@@ -207,7 +215,7 @@ class LoRAManager:
         logger.info("registered LoRA adapter %s (rank %d, targets %s)", name, adapter.rank, sorted(adapter.target_modules))
 
     def unregister(self, name: str, running: list[Sequence]) -> None:
-        self.check_known(name)
+        self._require_known(name)
         users = [s.request_id for s in running if s.lora_name == name and not s.is_finished]
         if users:
             raise LoRAInUseError(f"adapter {name!r} is used by {len(users)} queued or running request(s); "

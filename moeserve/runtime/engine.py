@@ -40,7 +40,8 @@ class Engine:
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {cfg.model!r} does not exist")
         self.spec = ModelSpec.from_model_dir(model_dir)
-        if cfg.max_model_len is None:
+        auto_len = cfg.max_model_len is None
+        if auto_len:
             cfg.max_model_len = min(self.spec.max_position_embeddings, 4096)
         if cfg.max_model_len > self.spec.max_position_embeddings:
             raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
@@ -60,6 +61,13 @@ class Engine:
                 self.lora_manager.register(name, path, pinned=False)
         num_blocks = self.runner.allocate_kv_cache()
         self.allocator = BlockAllocator(num_blocks, cfg.block_size)
+        fits = self.allocator.num_usable * cfg.block_size
+        if cfg.max_model_len > fits:
+            if not auto_len:
+                raise ValueError(f"max_model_len {cfg.max_model_len} does not fit the KV cache ({fits} tokens in "
+                                 f"{self.allocator.num_usable} blocks); lower it or give the cache more memory")
+            logger.warning("max_model_len lowered to %d: what the KV cache holds", fits)
+            cfg.max_model_len = fits
         self.scheduler = Scheduler(
             self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
             lora_acquire=self.lora_manager.acquire if self.lora_manager else None,
@@ -90,7 +98,9 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    lora: str | None = None, request_id: str | None = None) -> str:
+                    lora: str | None = None, request_id: str | None = None, prompt_text: str | None = None) -> str:
+        """Queue a request; raises (RequestError, ValueError, LookupError) naming the problem if it is refused.
+        `prompt_text`: the text token-id prompts came from (echoed back in outputs), if the caller tokenized."""
         params = params or SamplingParams()
         cfg = self.config
         try:
@@ -100,7 +110,7 @@ class Engine:
                     raise RequestError("this model has no tokenizer: give the prompt as token ids")
                 text, ids = prompt, self.tokenizer.encode(prompt)
             elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                text, ids = None, list(prompt)
+                text, ids = prompt_text, list(prompt)
                 bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
                 if bad:
                     raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
@@ -278,7 +288,7 @@ class Engine:
     def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
         if self.lora_manager is None:
             raise RequestError("LoRA is not enabled (start the engine with enable_lora=True)")
-        self.lora_manager.register(name, path, pinned=pinned)
+        self.lora_manager.register(name, path, pinned=pinned, queued=list(self.seqs.values()))
 
     def unload_lora(self, name: str) -> None:
         if self.lora_manager is None:
