@@ -817,3 +817,95 @@ def test_lora_load_unload_while_traffic_runs(lora_server, lora_ref, adapters):
     assert done.count(MODEL) >= 1 and done.count("b") >= 1
     st = s.wait_idle()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+# ---------------------------------------------------------------------------------------------
+# review regressions: each of these used to answer wrongly, hang or stall
+# ---------------------------------------------------------------------------------------------
+
+def test_small_kv_cache_lowers_an_automatic_max_model_len(model_dir):
+    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=6, block_size=16))  # 5 usable blocks
+    assert engine.config.max_model_len == 80
+    s = RunningServer(engine)
+    try:  # no max_tokens: "as many as fit", not a refusal
+        r = s.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+    finally:
+        s.close()
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        Engine(EngineConfig(model=str(model_dir), num_kv_blocks=6, block_size=16, max_model_len=128))
+
+
+def test_more_choices_than_the_queue_holds_is_400_not_503(model_dir):
+    s = RunningServer(Engine(EngineConfig(model=str(model_dir), **dict(ENGINE_KW, max_queue_len=4))))
+    try:
+        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 8})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert s.wait_idle()["kv_blocks_free"] == s.stats()["kv_blocks_total"]
+    finally:
+        s.close()
+
+
+def test_request_failing_in_the_engine_is_an_error_not_an_empty_200(model_dir, adapters, tmp_path):
+    import shutil
+
+    s = RunningServer(Engine(EngineConfig(model=str(model_dir), **dict(LORA_KW, max_loras=1, max_cpu_loras=1))))
+    try:
+        gone = tmp_path / "gone"
+        shutil.copytree(adapters["a"], gone)
+        for name, path in (("gone", str(gone)), ("b", adapters["b"])):  # b pushes gone out of the host cache
+            assert s.http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}).status_code == 200
+        shutil.rmtree(gone)
+        r = s.http.post("/v1/completions", json={"model": "gone", "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 500 and "request failed" in r.json()["error"]["message"], r.text
+        ok = s.http.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        s.close()
+
+
+def test_pinning_and_unloading_with_every_slot_pinned(model_dir, adapters):
+    s = RunningServer(Engine(EngineConfig(model=str(model_dir), **dict(LORA_KW, max_loras=1))))
+    try:
+        assert s.http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]}).status_code == 200
+        results = {}
+
+        def post(key, path, body):
+            results[key] = s.http.post(path, json=body)
+
+        with s.engine_paused():  # the request for "a" is queued before the pin is handled
+            ta = threading.Thread(target=post, args=("a", "/v1/completions",
+                                                     {"model": "a", "prompt": "hi", "max_tokens": 2}), daemon=True)
+            ta.start()
+            wait_until(lambda: s.aengine.num_pending_commands >= 1)
+            tp = threading.Thread(target=post, args=("pin", "/v1/load_lora_adapter",
+                                                     {"lora_name": "c", "lora_path": adapters["c"], "pinned": True}),
+                                  daemon=True)
+            tp.start()
+            wait_until(lambda: s.aengine.num_pending_commands >= 2)
+        ta.join(20)
+        tp.join(20)
+        assert results["pin"].status_code == 409, results["pin"].text
+        assert results["a"].status_code == 200, results["a"].text  # the queued request was served
+        r = s.http.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": adapters["c"], "pinned": True})
+        assert r.status_code == 200, r.text
+        # every slot pinned: "a" is refused by name, and can still be unloaded
+        r = s.http.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        assert s.http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+    finally:
+        s.close()
+
+
+def test_prompts_are_tokenized_off_the_engine_thread(server, monkeypatch):
+    threads = []
+    encode = server.engine.tokenizer.encode
+
+    def spy(text):
+        threads.append(threading.current_thread().name)
+        return encode(text)
+
+    monkeypatch.setattr(server.engine.tokenizer, "encode", spy)
+    r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 2})
+    assert r.status_code == 200
+    assert threads and all(name.startswith("moeserve-tokenize") for name in threads)

@@ -68,6 +68,8 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
+        if isinstance(item, RequestOutput) and item.finish_reason == "error":
+            item = EngineStepError(f"request failed: {item.error}")  # e.g. its adapter could not be read
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -90,6 +92,10 @@ class AsyncEngine:
         # this to route `model` names without a round trip through the engine thread
         self.lora_names: tuple[str, ...] = tuple(engine.list_loras())
         self._alive = True
+        self._stalled = False  # last step scheduled nothing and nothing runs: wait for a command
+        # tokenizing and chat templating run here, not on the engine thread, so a huge prompt
+        # cannot stall everybody else's generation
+        self._prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeserve-tokenize")
         self._thread = threading.Thread(target=self._run, name="moeserve-engine", daemon=True)
         self._thread.start()
 
@@ -98,9 +104,13 @@ class AsyncEngine:
                      lora: str | None = None, request_id: str | None = None) -> RequestStream:
         """Add a request; errors from Engine.add_request are raised here, before any output."""
         request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        prompt_text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, (str, ChatPrompt)) and self.engine.tokenizer is not None:
+            prompt = await loop.run_in_executor(self._prep, self._tokenize, prompt)
+        stream = RequestStream(self, request_id, loop)
         try:
-            await self._call(self._add_on_thread, prompt, params, lora, stream)
+            await self._call(self._add_on_thread, prompt, params, lora, stream, prompt_text)
         except asyncio.CancelledError:
             stream.abort()  # the add may have happened after all: nobody will read it
             raise
@@ -135,6 +145,7 @@ class AsyncEngine:
         if self._alive:
             self._alive = False
             self._commands.put(_SHUTDOWN)
+            self._prep.shutdown(wait=False)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
             if not self._thread.is_alive():
@@ -163,12 +174,16 @@ class AsyncEngine:
     # ---- engine thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            # sleep on the queue when idle; otherwise take what is there and step
-            block = not self.engine.has_unfinished()
+            # sleep on the queue when idle or stalled (waiting requests that nothing running will unblock);
+            # otherwise take what is there and step
+            stalled = self._stalled
+            block = stalled or not self.engine.has_unfinished()
             try:
-                cmd = self._commands.get(block=block)
+                cmd = self._commands.get(block=block, timeout=1.0 if stalled else None)
             except queue.Empty:
                 cmd = None
+            if cmd is not None:
+                self._stalled = False
             while cmd is not None:
                 if cmd is _SHUTDOWN:
                     self._fail_all(EngineDeadError("the engine has shut down"))
@@ -204,6 +219,7 @@ class AsyncEngine:
             logger.exception("engine step failed; failing the running requests")
             self._fail_running(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
             return
+        self._stalled = not outputs and not self.engine.scheduler.running
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -219,19 +235,25 @@ class AsyncEngine:
             if self._streams.pop(stream.request_id, None) is not None:
                 self.engine.abort(stream.request_id)
 
-    def _add_on_thread(self, prompt, params, lora, stream: RequestStream) -> str:
+    def _tokenize(self, prompt: str | ChatPrompt) -> list[int]:
+        """Prompt text or chat messages -> token ids (tokenizer thread)."""
         eng = self.engine
-        if isinstance(prompt, ChatPrompt):
-            try:
-                prompt = eng.chat_prompt(prompt.messages)
-            except ValueError:
-                raise
-            except Exception as e:  # noqa: BLE001 - e.g. a template that refuses the conversation
-                raise RequestError(f"messages: the chat template failed: {type(e).__name__}: {e}") from e
+        if isinstance(prompt, str):
+            return eng.tokenizer.encode(prompt)
+        try:
+            return eng.chat_prompt(prompt.messages)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a template that refuses the conversation
+            raise RequestError(f"messages: the chat template failed: {type(e).__name__}: {e}") from e
+
+    def _add_on_thread(self, prompt, params, lora, stream: RequestStream, prompt_text: str | None = None) -> str:
+        eng = self.engine
         if len(eng.scheduler.waiting) >= eng.config.max_queue_len:
             eng.stats_counters["requests_rejected"] += 1
             raise QueueFullError(f"queue is full ({eng.config.max_queue_len} waiting requests); retry later")
-        request_id = eng.add_request(prompt, params, lora=lora, request_id=stream.request_id)
+        self._stalled = False  # a new request may be schedulable
+        request_id = eng.add_request(prompt, params, lora=lora, request_id=stream.request_id, prompt_text=prompt_text)
         self._streams[request_id] = stream
         return request_id
 

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeserve.lora.adapter import LoRAAdapterError
 from moeserve.runtime.async_engine import (AsyncEngine, ChatPrompt, EngineDeadError, EngineStepError,
                                            QueueFullError, RequestStream)
 from moeserve.runtime.sequence import RequestOutput, TokenLogprobs
@@ -102,7 +103,7 @@ def engine_error(e: BaseException, prompt_param: str) -> OpenAIError:
     if isinstance(e, ValueError):
         msg = str(e)
         first = msg.split(" ", 1)[0]
-        param = first if first in _SAMPLING_FIELDS else prompt_param
+        param = "model" if isinstance(e, LoRAAdapterError) else first if first in _SAMPLING_FIELDS else prompt_param
         return OpenAIError(400, msg, param=param, code="invalid_value")
     if not isinstance(e, EngineStepError):  # already logged by the engine thread
         logger.error("internal error", exc_info=e)
@@ -195,6 +196,10 @@ class MergedStreams:
 async def submit_all(state: ServerState, jobs: list[tuple], lora: str | None, request_id: str,
                      prompt_param: str) -> list[RequestStream]:
     """Submit every (prompt, params) job; on any refusal abort those already accepted."""
+    limit = state.engine.engine.config.max_queue_len
+    if len(jobs) > limit:  # could never be queued at once: not a "retry later"
+        raise OpenAIError(400, f"this request asks for {len(jobs)} completions (prompts x n); at most {limit} "
+                          "can be queued at once", param="n", code="invalid_value")
     streams: list[RequestStream] = []
     try:
         for k, (prompt, params) in enumerate(jobs):
