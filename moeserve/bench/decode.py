@@ -148,11 +148,9 @@ class DecodeBench:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                batch = self.runner.prepare(sb)
-                if graph_runner is not None and graph_runner.can_run(sb, batch):
-                    hidden = graph_runner.run(sb, batch)
-                else:
-                    hidden = self.model(batch)
+                graphed = graph_runner is not None and graph_runner.can_run(sb)
+                batch = self.runner.prepare(sb, on_host=graphed)
+                hidden = graph_runner.run(sb, batch) if graphed else self.model(batch)
                 tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
                 for s, t in zip(seqs, tokens):
                     s.output_token_ids.append(t)

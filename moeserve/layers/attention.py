@@ -61,9 +61,9 @@ class TritonAttentionBackend:
         return self.k.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        seq_lens = torch.tensor(meta.seq_lens_host, dtype=torch.int32, device=q.device)
+        # context_lens holds each sequence's length after this chunk: the kernel's seq_lens
         return self.k.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, seq_lens, scale, meta.max_query_len
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale, meta.max_query_len
         )
 
 

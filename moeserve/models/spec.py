@@ -7,7 +7,7 @@ in the config that would change the math and that we do not implement is refused
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
@@ -44,7 +44,6 @@ class ModelSpec:
     router_weights_fp32: bool = False  # mixtral keeps top-k weights in fp32; qwen/olmoe cast to activations
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def q_size(self) -> int:
@@ -85,7 +84,6 @@ class ModelSpec:
         n_heads = _req(cfg, "num_attention_heads")
         n_kv = cfg.get("num_key_value_heads") or n_heads
         head_dim = cfg.get("head_dim") or H // n_heads
-        extra = {}
         if family == "mixtral":
             E, k = _req(cfg, "num_local_experts"), _req(cfg, "num_experts_per_tok")
             inter = moe_inter = _req(cfg, "intermediate_size")
@@ -141,7 +139,6 @@ class ModelSpec:
             router_weights_fp32=family == "mixtral",
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            extra=extra,
         )
 
 

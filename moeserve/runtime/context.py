@@ -16,7 +16,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64 flat KV slot per token (padded rows -> dummy block 0)
     block_tables: torch.Tensor  # [S, max_blocks] int32
     # decode (every sequence contributes exactly one token): graph-capturable
-    context_lens: torch.Tensor  # [S] int32, tokens in cache incl. this step's (0 for padded rows)
+    context_lens: torch.Tensor  # [S] int32, tokens in cache incl. this step's (0 for padded rows);
+    # for prefill the sequence length after this chunk
     is_decode: bool
     # prefill / mixed (eager only): packed variable-length queries
     query_start_loc: torch.Tensor | None = None  # [S+1] int32

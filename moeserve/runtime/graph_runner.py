@@ -151,8 +151,8 @@ class StaticBuffers:
         self.max_blocks = max_blocks
 
     def fill(self, batch: ForwardBatch, bs: int) -> None:
-        """Copy a decode batch of n rows in; rows n..bs-1 become inert padding (dummy slot, no context,
-        no adapter)."""
+        """Copy a decode batch of n rows in (from host tensors: one copy each); rows n..bs-1 become inert
+        padding (dummy slot, no context, no adapter)."""
         n = batch.num_tokens
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
@@ -246,8 +246,8 @@ class GraphRunner:
         self.graphs[key], self.batches[key], self.outputs[key] = graph, batch, out
         self.replays[key] = 0
 
-    def can_run(self, sb, batch: ForwardBatch) -> bool:
-        return batch.attn.is_decode and pick_bucket(self.sizes, batch.num_tokens) is not None
+    def can_run(self, sb) -> bool:
+        return sb.is_decode and pick_bucket(self.sizes, len(sb.seqs)) is not None
 
     def key_for(self, batch: ForwardBatch, lora_slots: list[int]) -> GraphKey:
         return GraphKey(pick_bucket(self.sizes, batch.num_tokens), resolve_variant(lora_slots, self.variants))

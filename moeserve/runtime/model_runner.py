@@ -76,7 +76,9 @@ class ModelRunner:
         return num_blocks
 
     # ---- batch construction -----------------------------------------------------------------
-    def prepare(self, sb: ScheduledBatch) -> ForwardBatch:
+    def prepare(self, sb: ScheduledBatch, on_host: bool = False) -> ForwardBatch:
+        """The batch's tensors on the model's device, or on the host (`on_host`) for a graph replay,
+        which copies them once into its static buffers."""
         bs = self.block_size
         ids, pos, slots, token_lora, block_tables = [], [], [], [], []
         qsl, seq_lens = [0], []
@@ -91,7 +93,7 @@ class ModelRunner:
             block_tables.append(seq.block_table + [0] * (width - len(seq.block_table)))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-        dev = self.device
+        dev = torch.device("cpu") if on_host else self.device
         is_decode = sb.is_decode
         attn = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -117,11 +119,9 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, sb: ScheduledBatch) -> StepResult:
-        batch = self.prepare(sb)
-        if self.graph_runner is not None and self.graph_runner.can_run(sb, batch):
-            hidden = self.graph_runner.run(sb, batch)
-        else:
-            hidden = self.model(batch)
+        graphed = self.graph_runner is not None and self.graph_runner.can_run(sb)
+        batch = self.prepare(sb, on_host=graphed)
+        hidden = self.graph_runner.run(sb, batch) if graphed else self.model(batch)
         return self._sample(sb, hidden)
 
     def _sample(self, sb: ScheduledBatch, hidden: torch.Tensor) -> StepResult:
@@ -142,7 +142,9 @@ class ModelRunner:
             offset += n
         result = StepResult({}, {}, {})
         if rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+            # decode: every row samples, in order — no gather needed
+            picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+            logits = self.model.compute_logits(picked)
             params = [s.params for s in sampling_seqs]
             gens = [self._generator(s) for s in sampling_seqs]
             tokens = sample(logits, params, gens, self.default_generator)

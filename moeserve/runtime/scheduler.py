@@ -26,10 +26,6 @@ class ScheduledBatch:
         return all(n == 1 for n in self.num_new_tokens) and all(
             s.num_computed_tokens + 1 == s.num_tokens for s in self.seqs)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
