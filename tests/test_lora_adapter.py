@@ -91,6 +91,20 @@ def test_rank_pattern_alpha_pattern_and_rslora_match_peft(family, expert_format,
     assert adapter.experts[2].down_a.shape[1] == 4
 
 
+def test_regex_pattern_keys_match_peft(tmp_path):
+    """rank_pattern / alpha_pattern keys with alternation, classes, anchors and counted repeats resolve as PEFT
+    resolves them (our matcher is not Python's re, so check it against PEFT itself); first key in order wins."""
+    rank_pattern = {r"^model\.layers\.[02]\.self_attn\.(q|k)_proj$": 6, r"layers\.\d{1,2}\.self_attn\.v_proj": 2,
+                    "q_proj": 3}
+    alpha_pattern = {r"(q|o)_proj": 24, r"self_attn\.[^q]_proj": 3, r"experts\.gate_up_proj": 5}
+    path, pm = make_peft_adapter("qwen3_moe", tmp_path, seed=13, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+    adapter = load("qwen3_moe", path)
+    assert_deltas_match(parsed_deltas(adapter), reference_deltas(pm, tiny_base_model("qwen3_moe")))
+    ranks = {k: a.shape[0] for k, (a, _) in adapter.dense.items()}
+    assert ranks[(0, "q_proj")] == ranks[(2, "k_proj")] == 6 and ranks[(1, "q_proj")] == 3
+    assert ranks[(1, "v_proj")] == 2 and ranks[(1, "k_proj")] == 4
+
+
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_per_expert_and_target_parameters_forms_give_the_same_deltas(family, tmp_path):
     fused = load(family, make_peft_adapter(family, tmp_path / "fused", seed=7)[0])

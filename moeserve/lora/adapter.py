@@ -17,15 +17,23 @@ Routed-expert LoRA comes in several on-disk forms, all accepted:
     with A [E, r, in] and B [E, out, r].
   * "shared-outer": any of the fused forms where one factor has expert dim 1 (typically gate_up's A
     and down's B, which touch the hidden size); it is broadcast to all E experts.
+
+Adapter folders may be hostile (runtime loading takes any path a client names), so parsing is bounded:
+file sizes and the safetensors header are checked before anything is read or allocated, pattern keys
+are matched in linear time, and factors that are not finite in the serving dtype are refused.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import re2
 import torch
 from torch import Tensor
 
@@ -67,9 +75,38 @@ _STACKED_RE = re.compile(rf"({_MOE}\.experts)\.(gate_up_proj|down_proj|gate_proj
 _PROJ = {"gate_up_proj": "gate_up", "gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
          "down_proj": "down", "w2": "down"}
 
+# Limits against hostile adapter folders. Real adapters are far inside every one of them.
+MAX_CONFIG_BYTES = 4 << 20  # adapter_config.json
+MAX_HEADER_BYTES = 16 << 20  # safetensors JSON header
+MAX_TENSOR_NAME_LEN = 512  # real ones are ~100 characters; bounds pattern-matching work per name
+MAX_PATTERN_KEYS = 1024  # entries of rank_pattern / alpha_pattern / target_modules ...
+MAX_PATTERN_KEY_LEN = 256
+MAX_PATTERN_STRING_LEN = 4096  # target_modules etc. given as one regex string (never matched here)
+MAX_SCALING = 1e6  # |lora_alpha / r|; PEFT adapters use ~0.1..100
+_WEIGHTS_SLACK = 2  # the size bound allows twice an adapter with every target at max_rank, in fp32
+_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}  # safetensors dtype names accepted for LoRA factors
+# adapter_config.json fields PEFT reads as module-name patterns. Only rank_pattern / alpha_pattern matter for
+# serving (tensor keys say what is adapted); the others are only bounded, never matched.
+_PATTERN_LIST_FIELDS = ("target_modules", "exclude_modules", "layers_pattern", "target_parameters")
+
+_ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9._/-]{1,128}")
+
 
 class LoRAAdapterError(ValueError):
     """The adapter cannot be served; the message names the adapter, the file or key, and the problem."""
+
+
+def validate_adapter_name(name: str) -> None:
+    """Raise LoRAAdapterError unless `name` is 1-128 characters of [A-Za-z0-9._-/], with '/' only between
+    non-empty components none of which is '.' or '..' (names show up in URLs, logs and cache paths)."""
+    if not isinstance(name, str):
+        raise LoRAAdapterError(f"adapter name must be a string, got {type(name).__name__}")
+    shown = repr(name if len(name) <= 64 else name[:64] + "...")
+    if not _ADAPTER_NAME_RE.fullmatch(name):
+        raise LoRAAdapterError(f"invalid adapter name {shown}: use 1-128 characters of A-Z a-z 0-9 . _ - /")
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise LoRAAdapterError(f"invalid adapter name {shown}: '/' may only separate components, and no "
+                               "component may be empty, '.' or '..'")
 
 
 @dataclass
@@ -91,13 +128,28 @@ class LoRAAdapter:
     target_modules: frozenset[str]  # e.g. {"q_proj", "v_proj", "experts"}
 
 
-def load_lora_adapter(name: str, path, spec: ModelSpec, max_rank: int) -> LoRAAdapter:
-    """Parse the PEFT adapter folder `path` for the base model `spec`; raise LoRAAdapterError if unservable."""
-    ctx = _Ctx(name, Path(path))
+def load_lora_adapter(name: str, path, spec: ModelSpec, max_rank: int, *,
+                      serve_dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """Parse the PEFT adapter folder `path` for the base model `spec`; raise LoRAAdapterError if unservable.
+    `serve_dtype` is the dtype the factors will be served in: factors (and the ΔW they make) that overflow it
+    are refused."""
+    if not (isinstance(serve_dtype, torch.dtype) and serve_dtype.is_floating_point):
+        raise TypeError(f"serve_dtype must be a floating-point torch.dtype, got {serve_dtype!r}")
+    try:
+        return _load(_Ctx(name, Path(path), serve_dtype), spec, max_rank)
+    except LoRAAdapterError as e:
+        message = str(e)
+    # Raised afresh outside the except block: the original traceback, whose frames hold every tensor read so
+    # far, dies here, so a caller that keeps (or logs) the error keeps no adapter memory.
+    raise LoRAAdapterError(message)
+
+
+def _load(ctx: _Ctx, spec: ModelSpec, max_rank: int) -> LoRAAdapter:
     cfg = _read_config(ctx)
     scaling = _Scaling(ctx, cfg)
-    tensors = _read_weights(ctx)
+    tensors = _read_weights(ctx, spec, max_rank)
     pairs = _pair_lora_tensors(ctx, tensors)
+    del tensors
 
     dense: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
     projs: dict[int, dict[str, _ExpertProj]] = {}  # layer -> "gate_up"/"gate"/"up"/"down" -> factors
@@ -108,7 +160,9 @@ def load_lora_adapter(name: str, path, spec: ModelSpec, max_rank: int) -> LoRAAd
             _check_dense(ctx, spec, site, key_a, a, key_b, b, r)
             if (site.layer, site.target) in dense:
                 raise ctx.error(f"{WEIGHTS_FILE}[{key_a}]", f"a second LoRA for layer {site.layer} {site.target}")
-            dense[(site.layer, site.target)] = (a, b * scaling.scale(site.peft_key, r))
+            b = b * scaling.scale(site.peft_key, r)
+            _check_factors(ctx, key_a, a, key_b, b)
+            dense[(site.layer, site.target)] = (a, b)
         else:
             layer_projs = projs.setdefault(site.layer, {})
             _add_expert_factors(ctx, spec, scaling, site, key_a, a, key_b, b, layer_projs)
@@ -124,7 +178,7 @@ def load_lora_adapter(name: str, path, spec: ModelSpec, max_rank: int) -> LoRAAd
         raise ctx.error(f"{WEIGHTS_FILE} ({where})",
                         f"LoRA rank {rank} exceeds the engine's max_rank {max_rank}{note}")
     targets = {t for (_, t) in dense} | ({"experts"} if experts else set())
-    return LoRAAdapter(name=name, path=str(path), rank=rank, dense=dense, experts=experts,
+    return LoRAAdapter(name=ctx.name, path=str(ctx.path), rank=rank, dense=dense, experts=experts,
                        target_modules=frozenset(targets))
 
 
@@ -132,8 +186,8 @@ def load_lora_adapter(name: str, path, spec: ModelSpec, max_rank: int) -> LoRAAd
 
 
 class _Ctx:
-    def __init__(self, name: str, path: Path):
-        self.name, self.path = name, path
+    def __init__(self, name: str, path: Path, serve_dtype: torch.dtype = torch.float32):
+        self.name, self.path, self.serve_dtype = name, path, serve_dtype
 
     def error(self, where: str, problem: str) -> LoRAAdapterError:
         return LoRAAdapterError(f"LoRA adapter {self.name!r} ({self.path}): {where}: {problem}")
@@ -145,12 +199,20 @@ def _read_config(ctx: _Ctx) -> dict:
     cfg_path = ctx.path / CONFIG_FILE
     if not cfg_path.is_file():
         raise ctx.error(CONFIG_FILE, "missing (a PEFT adapter folder holds adapter_config.json)")
+    with open(cfg_path, "rb") as f:
+        # size from the open file, and a bounded read in case it grows meanwhile
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(MAX_CONFIG_BYTES + 1) if size <= MAX_CONFIG_BYTES else b""
+    if size > MAX_CONFIG_BYTES or len(raw) > MAX_CONFIG_BYTES:
+        raise ctx.error(CONFIG_FILE, f"{max(size, len(raw))} bytes, larger than the {MAX_CONFIG_BYTES >> 20} MiB "
+                        "limit for an adapter config")
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ctx.error(CONFIG_FILE, f"invalid JSON ({e})") from e
+        cfg = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # ValueError covers JSONDecodeError
+        raise ctx.error(CONFIG_FILE, f"invalid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(cfg, dict):
         raise ctx.error(CONFIG_FILE, f"expected a JSON object, got {type(cfg).__name__}")
+    _check_pattern_lists(ctx, cfg)
 
     peft_type = cfg.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
@@ -172,7 +234,114 @@ def _read_config(ctx: _Ctx) -> dict:
     return cfg
 
 
-def _read_weights(ctx: _Ctx) -> dict[str, Tensor]:
+def _check_pattern_lists(ctx: _Ctx, cfg: dict) -> None:
+    """Bound the pattern fields this parser does not match (see _PATTERN_LIST_FIELDS)."""
+    for field in _PATTERN_LIST_FIELDS:
+        value = cfg.get(field)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            if len(value) > MAX_PATTERN_STRING_LEN:
+                raise ctx.error(CONFIG_FILE, f"{field} is a string of {len(value)} characters (limit "
+                                f"{MAX_PATTERN_STRING_LEN})")
+            continue
+        if not isinstance(value, list):
+            raise ctx.error(CONFIG_FILE, f"{field} must be a string or a list of strings, got {type(value).__name__}")
+        if len(value) > MAX_PATTERN_KEYS:
+            raise ctx.error(CONFIG_FILE, f"{field} has {len(value)} entries (limit {MAX_PATTERN_KEYS})")
+        for item in value:
+            if not isinstance(item, str):
+                raise ctx.error(CONFIG_FILE, f"{field} entry {item!r:.60} is not a string")
+            if len(item) > MAX_PATTERN_KEY_LEN:
+                raise ctx.error(CONFIG_FILE, f"{field} entry {item[:40]!r}... has {len(item)} characters "
+                                f"(limit {MAX_PATTERN_KEY_LEN})")
+
+
+def _max_weights_bytes(spec: ModelSpec, max_rank: int) -> int:
+    """Bytes of an adapter with every supported target of every layer at max_rank, in fp32, times the slack:
+    more tensor data than this cannot be a servable adapter for this model. Routed experts count in the
+    per-expert form (separate gate, up and down per expert), the largest form."""
+    H, r = spec.hidden_size, max_rank
+    attn = 2 * (H + spec.q_size) + 2 * (H + spec.kv_size)  # q, o; k, v: one [r, in] + one [out, r] each
+    elements = 0
+    for sparse in spec.sparse_layers:
+        mlp = 3 * spec.num_experts * (H + spec.moe_intermediate_size) if sparse else 3 * (H + spec.intermediate_size)
+        if sparse and spec.shared_expert_intermediate_size:
+            mlp += 3 * (H + spec.shared_expert_intermediate_size)
+        elements += r * (attn + mlp)
+    return _WEIGHTS_SLACK * 4 * elements
+
+
+def _max_tensor_count(spec: ModelSpec) -> int:
+    # lora_A + lora_B for every module an adapter can target in a layer (attention 4, dense MLP or shared
+    # expert 3, per-expert 3 * E, fused/stacked expert forms a few), times the slack
+    return _WEIGHTS_SLACK * 2 * spec.num_layers * (4 + 3 + 3 * spec.num_experts + 8)
+
+
+def _check_safetensors_header(ctx: _Ctx, w_path: Path, spec: ModelSpec, max_rank: int) -> None:
+    """Validate the file's layout from its 8-byte header length and JSON header alone, so that a huge or
+    bogus file is refused in milliseconds, before any tensor is allocated."""
+    def corrupt(problem: str) -> LoRAAdapterError:
+        return ctx.error(WEIGHTS_FILE, f"corrupt or truncated safetensors file ({problem})")
+
+    limit = _max_weights_bytes(spec, max_rank)
+    with open(w_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > MAX_HEADER_BYTES:
+            raise corrupt(f"declared header length {header_len} bytes exceeds the {MAX_HEADER_BYTES >> 20} MiB limit")
+        if 8 + header_len > size:
+            raise corrupt(f"declared header length {header_len} bytes runs past the end of the {size}-byte file")
+        data_size = size - 8 - header_len
+        if data_size > limit:
+            raise ctx.error(WEIGHTS_FILE, f"{data_size} bytes of tensor data, more than any LoRA adapter of this "
+                            f"model at max_rank {max_rank} can hold ({limit} bytes)")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise corrupt(f"header is not valid JSON: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise corrupt(f"header is a JSON {type(header).__name__}, not an object")
+    n_tensors = len(header) - ("__metadata__" in header)
+    if n_tensors > _max_tensor_count(spec):
+        raise ctx.error(WEIGHTS_FILE, f"{n_tensors} tensors, more than any LoRA adapter of this model has "
+                        f"({_max_tensor_count(spec)})")
+
+    declared, ends = 0, []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if len(key) > MAX_TENSOR_NAME_LEN:
+            raise ctx.error(f"{WEIGHTS_FILE}[{key[:60]}...]", f"tensor name of {len(key)} characters "
+                            f"(limit {MAX_TENSOR_NAME_LEN})")
+        where = f"{WEIGHTS_FILE}[{key}]"
+        if not isinstance(info, dict):
+            raise corrupt(f"entry for {key!r} is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _DTYPE_BYTES:
+            raise ctx.error(where, f"dtype {dtype!r:.40} is not supported (LoRA factors must be F16, BF16 or F32)")
+        if not (isinstance(shape, list) and len(shape) <= 4
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise corrupt(f"shape of {key!r} is {shape!r:.60}, not a list of at most 4 non-negative integers")
+        nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
+        declared += nbytes
+        if declared > limit:
+            raise ctx.error(where, f"shape {tuple(shape)} brings the declared tensor data to {declared} bytes, "
+                            f"more than any LoRA adapter of this model at max_rank {max_rank} can hold ({limit} bytes)")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                and 0 <= offsets[0] and offsets[1] - offsets[0] == nbytes):
+            raise corrupt(f"data_offsets of {key!r} are {offsets!r:.60}; {dtype} {tuple(shape)} takes {nbytes} bytes")
+        ends.append((offsets[1], key))
+    end, key = max(ends, default=(0, ""))
+    if end > data_size:
+        raise corrupt(f"{key!r} ends at data byte {end}, past the {data_size} bytes of tensor data")
+
+
+def _read_weights(ctx: _Ctx, spec: ModelSpec, max_rank: int) -> dict[str, Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -182,13 +351,14 @@ def _read_weights(ctx: _Ctx) -> dict[str, Tensor]:
             raise ctx.error("adapter_model.bin", "pickle weights are not loaded; safetensors needed "
                             "(re-save with save_pretrained(safe_serialization=True))")
         raise ctx.error(WEIGHTS_FILE, "missing")
+    _check_safetensors_header(ctx, w_path, spec, max_rank)
     try:
         tensors = load_file(str(w_path), device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ctx.error(WEIGHTS_FILE, f"corrupt or truncated safetensors file ({e})") from e
+        raise ctx.error(WEIGHTS_FILE, f"corrupt or truncated safetensors file ({e})") from None
     for key, t in tensors.items():
-        if not t.is_floating_point():
-            raise ctx.error(f"{WEIGHTS_FILE}[{key}]", f"dtype {t.dtype} is not a floating-point type")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):  # the header check already made sure
+            raise ctx.error(f"{WEIGHTS_FILE}[{key}]", f"dtype {t.dtype} is not supported")
         if not bool(torch.isfinite(t).all()):
             raise ctx.error(f"{WEIGHTS_FILE}[{key}]", "contains NaN or Inf values")
     return tensors
@@ -224,50 +394,219 @@ def _unexpected_key_problem(stem: str) -> str:
 
 
 class _Scaling:
-    """Per-module rank and scale, resolving rank_pattern / alpha_pattern the way PEFT does: the first
-    pattern key (in file order) that matches the module key as a full dotted suffix or as a regex wins."""
+    """Per-module rank and scale from r / lora_alpha / use_rslora and rank_pattern / alpha_pattern (resolved
+    as PEFT does, see _PatternTable)."""
 
     def __init__(self, ctx: _Ctx, cfg: dict):
         self.ctx = ctx
         self.r = cfg.get("r", 8)
         self.alpha = cfg.get("lora_alpha", 8)
         self.rslora = bool(cfg.get("use_rslora", False))
-        self.rank_pattern = self._patterns(cfg, "rank_pattern")
-        self.alpha_pattern = self._patterns(cfg, "alpha_pattern")
-        ranks = [("r", self.r)] + [(f"rank_pattern[{p.pattern}]", v) for p, v in self.rank_pattern]
-        for what, v in ranks:
+        self.rank_pattern = _PatternTable(ctx, "rank_pattern", cfg.get("rank_pattern"))
+        self.alpha_pattern = _PatternTable(ctx, "alpha_pattern", cfg.get("alpha_pattern"))
+        for what, v in [("r", self.r)] + self.rank_pattern.fields():
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ctx.error(CONFIG_FILE, f"{what}={v!r} is not a positive integer")
-        alphas = [("lora_alpha", self.alpha)] + [(f"alpha_pattern[{p.pattern}]", v) for p, v in self.alpha_pattern]
-        for what, v in alphas:
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise ctx.error(CONFIG_FILE, f"{what}={v!r} is not a number")
-
-    def _patterns(self, cfg: dict, field: str) -> list[tuple[re.Pattern, object]]:
-        raw = cfg.get(field) or {}
-        if not isinstance(raw, dict):
-            raise self.ctx.error(CONFIG_FILE, f"{field} must be a mapping, got {type(raw).__name__}")
-        out = []
-        for pat, v in raw.items():
-            try:
-                out.append((re.compile(rf"(.*\.)?({pat})$"), v))
-            except re.error as e:
-                raise self.ctx.error(CONFIG_FILE, f"{field} key {pat!r} is not a valid pattern ({e})") from e
-        return out
-
-    @staticmethod
-    def _lookup(patterns, key: str, default):
-        for regex, value in patterns:
-            if regex.match(key):
-                return value
-        return default
+                raise ctx.error(CONFIG_FILE, f"{what}={v!r:.60} is not a positive integer")
+        for what, v in [("lora_alpha", self.alpha)] + self.alpha_pattern.fields():
+            if not _is_finite_number(v):
+                raise ctx.error(CONFIG_FILE, f"{what}={v!r:.60} is not a finite number")
 
     def rank(self, peft_key: str) -> int:
-        return self._lookup(self.rank_pattern, peft_key, self.r)
+        hit = self.rank_pattern.lookup(peft_key)
+        return self.r if hit is None else hit[1]
 
     def scale(self, peft_key: str, r: int) -> float:
-        alpha = self._lookup(self.alpha_pattern, peft_key, self.alpha)
-        return alpha / math.sqrt(r) if self.rslora else alpha / r
+        hit = self.alpha_pattern.lookup(peft_key)
+        what, alpha = ("lora_alpha", self.alpha) if hit is None else (f"alpha_pattern[{hit[0]!r}]", hit[1])
+        scale = alpha / math.sqrt(r) if self.rslora else alpha / r
+        if not abs(scale) <= MAX_SCALING:  # also catches NaN
+            rule = f"{what} / sqrt(r) (use_rslora)" if self.rslora else f"{what} / r"
+            raise self.ctx.error(CONFIG_FILE, f"{what}={alpha!r} gives {peft_key} (r={r}) the LoRA scaling "
+                                 f"{rule} = {scale:.3g}, beyond the limit {MAX_SCALING:g}")
+        return scale
+
+
+def _is_finite_number(v) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an integer beyond float range
+        return False
+
+
+def _check_factors(ctx: _Ctx, key_a: str, a: Tensor, key_b: str, b: Tensor) -> None:
+    """A and B (scaling folded in), [r, in] / [out, r] or per expert [E|1, r, in] / [E|1, out, r], must hold
+    in the serving dtype, and so must ΔW = B·A: |ΔW_ij| <= (row sum of |B|) * max|A|, a bound that needs no
+    matmul. Garbage like 3e38 in a factor would otherwise serve as Inf/NaN logits (empty text)."""
+    dtype = ctx.serve_dtype
+    limit = torch.finfo(dtype).max
+    for key, t, scaled in ((key_a, a, ""), (key_b, b, " (with the LoRA scaling)")):
+        if not bool(torch.isfinite(t).all()):  # the file's values were finite: the scaling overflowed
+            raise ctx.error(f"{WEIGHTS_FILE}[{key}]", "contains NaN or Inf values after applying the LoRA scaling")
+        peak = t.abs().max().item() if t.numel() else 0.0
+        if peak > limit:
+            raise ctx.error(f"{WEIGHTS_FILE}[{key}]", f"values up to {peak:.3g}{scaled} overflow the serving dtype "
+                            f"{dtype} (max {limit:.3g})")
+    if a.numel() == 0 or b.numel() == 0:
+        return
+    a3, b3 = (a, b) if a.ndim == 3 else (a.unsqueeze(0), b.unsqueeze(0))
+    a_peak = a3.abs().amax(dim=(1, 2)).double()  # [Ea]
+    b_rows = b3.abs().sum(dim=2, dtype=torch.float64).amax(dim=1)  # [Eb]
+    bound = (a_peak * b_rows).max().item()  # Ea, Eb broadcast (one of them may be 1)
+    if not bound <= limit:
+        raise ctx.error(f"{WEIGHTS_FILE}[{key_b}]", f"with {key_a} it makes a LoRA delta B·A whose entries can reach "
+                        f"{bound:.3g}, beyond the serving dtype {dtype} (max {limit:.3g})")
+
+
+# ---------------------------------------------------------------------------------------------- pattern keys
+
+
+_RE2_MAX_MEM = 8 << 20  # per table: RE2's compiled keys and its DFA state cache
+_MAX_MATCH_SECONDS = 3.0  # CPU time per table spent matching regex keys (1024 keys on 18k names: ~0.7 s)
+_PLAIN_KEY_RE = re.compile(r"(?:[^\\.^$*+?{}\[\]|()]|\\\.)*")  # a plain name, dots possibly escaped
+# what Python's re and RE2 may spell differently: an escape, a [...] class, an x{,n} repeat (see _re2_spelling)
+_RE2_SPELLING_RE = re.compile(r"\\(.)|(\[\^?\]?(?:\\.|[^\]\\])*\])|\{,(\d*)\}")
+_RE2_LACKS = ("RE2 matches in linear time, so it has no backreferences, lookaround, atomic groups, possessive "
+              "quantifiers or conditionals")
+
+
+class _BadKey(Exception):
+    """A pattern key that cannot be matched as PEFT matches it; the message says why."""
+
+
+class _PatternTable:
+    r"""A rank_pattern / alpha_pattern mapping, looked up as PEFT does (get_pattern_key in peft/utils/other.py,
+    used by LoraModel._create_and_replace; PEFT 0.21): the value of the first key, in file order, for which
+    re.match(rf"(.*\.)?({key})$", module) succeeds, i.e. the key, as a Python regex, matches the whole module
+    name or the part after one of its '.'; else of the key equal to the module name; else no value.
+
+    CPython's backtracking `re` takes exponential time on keys like "(.*.*.*)*z", so keys are not matched with
+    it: keys that are plain names (possibly with escaped dots) by dictionary lookup of the name's dot-suffixes,
+    the others with one RE2 set (automata, no backtracking; memory bounded by _RE2_MAX_MEM), which reports every
+    key that matches a name in one linear pass. RE2's cost per character still grows with the number and shape
+    of the keys, so a CPU-time budget bounds the whole table (module names come from the file too, so they are
+    bounded by MAX_TENSOR_NAME_LEN).
+
+    RE2 reads a regex as Python's re does but for a few constructs, handled so that an accepted key means what
+    it means to PEFT (https://github.com/google/re2/wiki/Syntax):
+      * refused: keys PEFT's re.compile refuses (among them a global flag such as (?i), which cannot stand inside
+        PEFT's wrapper pattern); Python-only syntax RE2 has no linear-time form for (backreferences, lookaround,
+        atomic groups, possessive quantifiers, conditionals, (?x) (?a) (?u), \u \U \N escapes, repeat counts
+        above 1000), and octal escapes \1-\777, which RE2 cannot tell from backreferences as Python does.
+      * rewritten for RE2: x{,n} and x{,} (repeats in Python, literal text in RE2) become x{0,n} and x{0,}; \Z
+        becomes \z (RE2's spelling); '[' inside a class is escaped (RE2 would read [[:alpha:]] as a POSIX class).
+      * \d \w \s \b and case folding are ASCII in RE2 and Unicode in Python; they agree on printable ASCII,
+        which is what module names are, so regex keys and the module names matched against them must be
+        printable ASCII (else refused). Python's $ also matches before a final '\n', and its \B fails on an
+        empty string; module names contain no '\n' (see _pair_lora_tensors) and are never empty."""
+
+    def __init__(self, ctx: _Ctx, field: str, raw):
+        self.ctx, self.field = ctx, field
+        raw = raw or {}
+        if not isinstance(raw, dict):
+            raise ctx.error(CONFIG_FILE, f"{field} must be a mapping, got {type(raw).__name__}")
+        if len(raw) > MAX_PATTERN_KEYS:
+            raise ctx.error(CONFIG_FILE, f"{field} has {len(raw)} keys (limit {MAX_PATTERN_KEYS})")
+        self.items = list(raw.items())
+        self.exact = {}  # key -> index: PEFT's fallback rank_pattern.get(module_name)
+        self.literal = {}  # plain name -> index of the first key meaning exactly that name
+        self.regex_index = []  # RE2 set entry -> index of its key
+        options = re2.Options()
+        options.max_mem, options.encoding, options.log_errors = _RE2_MAX_MEM, re2.Options.Encoding.LATIN1, False
+        self.regexes = re2.Set.MatchSet(options)  # anchored at the start, as re.match is
+        for i, (key, _) in enumerate(self.items):
+            self.exact.setdefault(key, i)
+            if len(key) > MAX_PATTERN_KEY_LEN:
+                raise ctx.error(CONFIG_FILE, f"{field} key {key[:40]!r}... has {len(key)} characters "
+                                f"(limit {MAX_PATTERN_KEY_LEN})")
+            if _PLAIN_KEY_RE.fullmatch(key):
+                self.literal.setdefault(key.replace("\\.", "."), i)
+                continue
+            try:
+                pattern = _re2_pattern(key)
+                self.regexes.Add(pattern)
+            except _BadKey as e:
+                raise ctx.error(CONFIG_FILE, f"{field} key {key!r}: {e}") from None
+            except re2.error:
+                raise ctx.error(CONFIG_FILE, f"{field} key {key!r}: not supported by RE2 "
+                                f"({_re2_problem(pattern, options)}); {_RE2_LACKS}") from None
+            self.regex_index.append(i)
+        if self.regex_index:
+            try:
+                self.regexes.Compile()
+            except re2.error:
+                raise ctx.error(CONFIG_FILE, f"{field}: its {len(self.regex_index)} regular-expression keys are too "
+                                f"complex together (RE2 needs more than {_RE2_MAX_MEM >> 20} MiB for them)") from None
+        self.seconds = 0.0  # CPU time spent in RE2
+        self.memo: dict[str, tuple[str, object] | None] = {}
+
+    def fields(self) -> list[tuple[str, object]]:
+        """(`field[key]`, value) for messages about the values."""
+        return [(f"{self.field}[{k!r}]", v) for k, v in self.items]
+
+    def lookup(self, name: str) -> tuple[str, object] | None:
+        """(key, value) PEFT would use for the module `name`, or None for the default."""
+        if name not in self.memo:
+            i = self._first_match(name)
+            self.memo[name] = None if i is None else self.items[i]
+        return self.memo[name]
+
+    def _first_match(self, name: str) -> int | None:
+        # the name and each part after a '.' (the `(.*\.)?` in PEFT's pattern) as a plain key
+        hits = [self.literal.get(name[p:]) for p in [0] + [j + 1 for j, c in enumerate(name) if c == "."]]
+        hits = [i for i in hits if i is not None] + (self._regex_matches(name) if self.regex_index else [])
+        return min(hits) if hits else self.exact.get(name)
+
+    def _regex_matches(self, name: str) -> list[int]:
+        """Indices of the regex keys that match `name`."""
+        if not (name.isascii() and name.isprintable()):
+            raise self.ctx.error(WEIGHTS_FILE, f"module name {name[:80]!r} is not printable ASCII, and {self.field} "
+                                 "has regular-expression keys, which are matched against printable ASCII names only")
+        t0 = time.thread_time()
+        # Once Compile() succeeded, a set's DFA cannot run out of memory (it flushes its state cache and goes
+        # on: a set has no NFA to fall back to), so no result means no key matches.
+        matches = self.regexes.Match(name.encode()) or []
+        self.seconds += time.thread_time() - t0
+        if self.seconds > _MAX_MATCH_SECONDS:
+            raise self.ctx.error(CONFIG_FILE, f"{self.field}: its {len(self.regex_index)} regular-expression keys are "
+                                 "too costly to match against this adapter's module names (more than "
+                                 f"{_MAX_MATCH_SECONDS:g} s of CPU time)")
+        return [self.regex_index[j] for j in matches]
+
+
+def _re2_pattern(key: str) -> bytes:
+    """PEFT's pattern for the regex `key`, spelled for RE2 (see _PatternTable); _BadKey if it cannot be."""
+    if not (key.isascii() and key.isprintable()):
+        raise _BadKey("a regular-expression key must be printable ASCII")
+    try:
+        re.compile(rf"(.*\.)?({key})$")  # what PEFT compiles (only compiled: never matched here)
+    except (re.error, RecursionError, OverflowError, ValueError, Warning) as e:  # Warning: under -W error
+        raise _BadKey(f"not a valid regular expression in PEFT's pattern (.*\\.)?(key)$ ({e})") from None
+    return rf"(?:.*\.)?(?:{_RE2_SPELLING_RE.sub(_re2_spelling, key)})$".encode()
+
+
+def _re2_spelling(m: re.Match) -> str:
+    """One _RE2_SPELLING_RE match of a key Python's re accepts, as RE2 must be told it."""
+    escaped, char_class, repeat_max = m.groups()
+    if escaped is not None:
+        if escaped in "123456789":  # Python: a backreference, or an octal escape if three octal digits
+            raise _BadKey(f"\\{escaped}...: backreferences not supported (nor octal escapes other than \\0); "
+                          + _RE2_LACKS)
+        return r"\z" if escaped == "Z" else m[0]
+    if char_class is not None:
+        return "[" + re.sub(r"\\.|\[", lambda t: r"\[" if t[0] == "[" else t[0], char_class[1:])
+    return f"{{0,{repeat_max}}}"
+
+
+def _re2_problem(pattern: bytes, options) -> str:
+    """RE2's reason for refusing `pattern` (RE2::Set.Add gives none)."""
+    try:
+        re2.compile(pattern, options)
+    except re2.error as e:
+        reason = e.args[0] if e.args else ""
+        return reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
+    return "unknown reason"
 
 
 # ---------------------------------------------------------------------------------------------- classifying
@@ -398,7 +737,9 @@ def _add_expert_factors(ctx, spec, scaling: _Scaling, site: _Site, key_a, a, key
                             "both per expert and stacked over experts")
         if site.expert in proj.per_expert:
             raise ctx.error(f"{WEIGHTS_FILE}[{key_a}]", f"a second LoRA for layer {site.layer} expert {site.expert}")
-        proj.per_expert[site.expert] = (a, b * scaling.scale(site.peft_key, r))
+        b = b * scaling.scale(site.peft_key, r)
+        _check_factors(ctx, key_a, a, key_b, b)
+        proj.per_expert[site.expert] = (a, b)
         return
 
     if site.kind == "wrapped":
@@ -413,9 +754,10 @@ def _add_expert_factors(ctx, spec, scaling: _Scaling, site: _Site, key_a, a, key
     if proj_name in layer_projs:
         raise ctx.error(f"{WEIGHTS_FILE}[{key_a}]", f"a second LoRA for layer {site.layer} experts' {proj_name} "
                         f"(first from {layer_projs[proj_name].key})")
+    b3 = b3 * scaling.scale(peft_key, r)
+    _check_factors(ctx, key_a, a3, key_b, b3)
     # a shared factor (expert dim 1) is broadcast to every expert
-    layer_projs[proj_name] = _ExpertProj(key_a, a=a3.expand(E, -1, -1),
-                                         b=b3.expand(E, -1, -1) * scaling.scale(peft_key, r))
+    layer_projs[proj_name] = _ExpertProj(key_a, a=a3.expand(E, -1, -1), b=b3.expand(E, -1, -1))
 
 
 def _wrapped_param_by_shape(ctx, spec, key_a, a: Tensor, key_b, b: Tensor) -> str:
