@@ -10,6 +10,7 @@ logger = logging.getLogger("moeserve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass
@@ -18,12 +19,14 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model folder
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on cuda, fp32 on cpu)
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json, for benchmarks)
     seed: int = 0
 
     # memory and batching
     max_model_len: int | None = None  # default min(max_position_embeddings, 4096)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill slices long prompts)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # token budget of a prefill step (chunked prefill slices long prompts)
+    prefill_delay_steps: int = 8  # decode steps waiting prompts may wait to be prefilled together
     enable_chunked_prefill: bool = True
     block_size: int = 16
     gpu_memory_utilization: float = 0.90  # fraction of free device memory for the KV cache (cuda)
@@ -82,6 +85,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if not isinstance(self.prefill_delay_steps, int) or self.prefill_delay_steps < 0:
+            raise ValueError(f"prefill_delay_steps must be a non-negative integer, got {self.prefill_delay_steps!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -5,7 +5,7 @@ import argparse
 import re
 from dataclasses import MISSING, fields
 
-from moeserve.config import BACKENDS, DTYPES, EngineConfig
+from moeserve.config import BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -43,6 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default=_default("device"), help="auto | cpu | cuda | cuda:N (default: auto)")
     g.add_argument("--dtype", default=_default("dtype"), choices=("auto", *DTYPES),
                    help="weight/activation dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--load-format", default=_default("load_format"), choices=LOAD_FORMATS,
+                   help="auto/safetensors: the checkpoint's weights; dummy: random weights from config.json "
+                        "alone (benchmarks without the checkpoint on disk)")
     g.add_argument("--seed", type=int, default=_default("seed"),
                    help="seed of the sampler for requests that give no seed of their own")
 
@@ -53,6 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="most sequences running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=_default("max_num_batched_tokens"),
                    help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)")
+    g.add_argument("--prefill-delay-steps", type=int, default=_default("prefill_delay_steps"),
+                   help="decode steps that waiting prompts may wait to be prefilled together, unless they fill "
+                        "half the token budget first: each prefill step reads every weight once (default: "
+                        "%(default)s; 0 = prefill at once)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=_default("enable_chunked_prefill"),
                    help="split long prompts across steps (default: on)")

@@ -7,12 +7,12 @@ from moeserve.sampling_params import SamplingParams
 
 
 def prompt_logits(engine, ids: list[int], lora: str | None = None) -> torch.Tensor:
-    seq = Sequence("probe", None, ids, SamplingParams(max_tokens=1), lora)
+    seq = Sequence("probe", ids, SamplingParams(max_tokens=1), lora)
     if lora is not None:
         assert engine.lora_manager.acquire(seq)
     assert engine.allocator.grow(seq.block_table, len(ids))
     try:
-        batch = engine.runner.prepare(ScheduledBatch([seq], [len(ids)]))
+        batch = engine.runner.prepare(ScheduledBatch([seq], [len(ids)], is_decode=False))
         with torch.inference_mode():
             return engine.runner.model.compute_logits(engine.runner.model(batch))
     finally:

@@ -11,7 +11,7 @@ from moeserve.models.loader import CheckpointError
 from moeserve.models.spec import UnsupportedModelError
 from moeserve.models.tiny import TINY_FAMILIES, make_tiny
 from moeserve.runtime.detokenizer import detokenize_step
-from moeserve.runtime.sequence import Sequence
+from moeserve.runtime.output_processor import RequestState
 
 from engine_probe import prompt_logits
 
@@ -168,12 +168,12 @@ def test_incremental_detokenizer_never_splits_multibyte_characters(tiny_models):
     tok = engine_for(tiny_models["qwen3_moe"]).tokenizer
     text = "naïve café 日本語 🙂 done"
     ids = tok.encode(text)
-    seq = Sequence("d", None, [1], SamplingParams(max_tokens=100))
+    state = RequestState("d", None, [1], SamplingParams(max_tokens=100), None)
     pieces = []
     for t in ids:
-        seq.output_token_ids.append(t)
-        pieces.append(detokenize_step(tok, seq, skip_special_tokens=True))
-    assert "".join(pieces) == text == seq.text
+        state.output_token_ids.append(t)
+        pieces.append(detokenize_step(tok, state, skip_special_tokens=True))
+    assert "".join(pieces) == text == state.text
     assert not any("\ufffd" in p for p in pieces)
 
 

@@ -7,7 +7,7 @@ import torch
 from moeserve import Engine, EngineConfig, RequestError, SamplingParams
 from moeserve.layers.sampler import _filter_top_k_top_p
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.runtime.sequence import Sequence
+from moeserve.runtime.output_processor import find_stop
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -101,14 +101,11 @@ def test_rows_without_top_p_keep_their_whole_distribution():
     assert not torch.isfinite(out[1]).all()
 
 
-def test_stop_string_found_inside_a_long_new_piece_of_text(tiny_models):
-    engine = Engine(EngineConfig(model=str(tiny_models["qwen3_moe"]), device="cpu", block_size=4))
-    seq = Sequence("s", None, [1], SamplingParams(max_tokens=50, stop=["."]))
-    seq.text = "Hello world"
-    before = len(seq.text)
-    seq.text += "." * 32  # one token that decodes to a long run
-    engine._check_stop(seq, token=7, text_before=before)
-    assert seq.finish_reason == "stop" and seq.text == "Hello world"
+def test_stop_string_found_inside_a_long_new_piece_of_text():
+    text = "Hello world" + "." * 32  # one token that decodes to a long run
+    assert find_stop(text, ["."], text_before=len("Hello world")) == len("Hello world")
+    assert find_stop(text, ["xyz", "d."], text_before=len("Hello world")) == len("Hello worl")
+    assert find_stop("Hello world", ["."], text_before=5) == -1
 
 
 def test_generate_is_all_or_nothing_and_auto_ids_avoid_caller_ids(tiny_models):

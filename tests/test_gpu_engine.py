@@ -124,21 +124,21 @@ def _decode_batch(engine, lengths, loras, seed):
     seqs = []
     for i, (n, lo) in enumerate(zip(lengths, loras)):
         ids = prompts([n], seed=seed + i)[0]
-        seq = Sequence(f"s{i}", None, ids, SamplingParams(max_tokens=4), lo)
+        seq = Sequence(f"s{i}", ids, SamplingParams(max_tokens=4), lo)
         if lo is not None:
             assert engine.lora_manager.acquire(seq)
         assert engine.allocator.grow(seq.block_table, n)
         seq.num_computed_tokens = n - 1
         seqs.append(seq)
     # fill the cache for the first n-1 tokens with a prefill
-    pre = ScheduledBatch(seqs, [s.num_prompt_tokens - 1 for s in seqs])
+    pre = ScheduledBatch(seqs, [s.num_prompt_tokens - 1 for s in seqs], is_decode=False)
     for s in seqs:
         s.num_computed_tokens = 0
     with torch.inference_mode():
         engine.runner.model(engine.runner.prepare(pre))
     for s in seqs:
         s.num_computed_tokens = s.num_prompt_tokens - 1
-    sb = ScheduledBatch(seqs, [1] * len(seqs))
+    sb = ScheduledBatch(seqs, [1] * len(seqs), is_decode=True)
     return sb, engine.runner.prepare(sb), seqs
 
 

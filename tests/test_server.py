@@ -1,6 +1,6 @@
-"""The OpenAI-compatible server, end to end: a real uvicorn server on 127.0.0.1 (random port, own thread),
-driven by the official `openai` client (and httpx for raw HTTP), checked against an offline Engine
-built on the same checkpoint."""
+"""The OpenAI-compatible server, end to end: the engine core in its own process, a real uvicorn server on
+127.0.0.1 (random port, own thread), driven by the official `openai` client (and httpx for raw HTTP),
+checked against an offline Engine built on the same checkpoint."""
 from __future__ import annotations
 
 import argparse
@@ -25,9 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from moeserve import Engine, EngineConfig, SamplingParams  # noqa: E402
 from moeserve.engine_args import add_engine_args, engine_config_from_args  # noqa: E402
 from moeserve.models.tiny import make_tiny  # noqa: E402
-from moeserve.runtime.async_engine import AsyncEngine  # noqa: E402
-from moeserve.server.app import add_serve_args, create_app  # noqa: E402
+from moeserve.server.app import add_serve_args  # noqa: E402
 from moeserve.server.metrics import parse_graph_key  # noqa: E402
+from server_harness import RunningServer, wait_until  # noqa: E402
 
 MODEL = "tiny-moe"
 MAX_MODEL_LEN = 128
@@ -39,59 +39,6 @@ PROMPTS = ["hello world", "the quick brown fox", "a", "small models say odd thin
 # fixtures: a model folder, a running server, an offline reference engine
 # ---------------------------------------------------------------------------------------------
 
-class RunningServer:
-    def __init__(self, engine: Engine, api_key: str | None = None):
-        self.engine = engine
-        self.aengine = AsyncEngine(engine)
-        self.app = create_app(self.aengine, MODEL, api_key=api_key)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "server did not start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none", max_retries=0, timeout=60)
-        self.http = httpx.Client(base_url=self.url, timeout=60)
-
-    def stats(self) -> dict:
-        return asyncio.run(self.aengine.stats())
-
-    def wait_idle(self, timeout: float = 20.0) -> dict:
-        deadline = time.time() + timeout
-        while True:
-            s = self.stats()
-            if s["num_running"] == 0 and s["num_waiting"] == 0 or time.time() > deadline:
-                return s
-            time.sleep(0.02)
-
-    @contextmanager
-    def engine_paused(self):
-        """Hold the engine thread inside a command: requests pile up without a step in between."""
-        release, entered = threading.Event(), threading.Event()
-
-        def hold():
-            entered.set()
-            release.wait(30)
-
-        t = threading.Thread(target=lambda: asyncio.run(self.aengine.run_on_engine(hold)), daemon=True)
-        t.start()
-        assert entered.wait(10)
-        try:
-            yield
-        finally:
-            release.set()
-            t.join(10)
-
-    def close(self):
-        self.http.close()
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.aengine.shutdown()
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny_qwen3_moe"))
@@ -99,7 +46,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = RunningServer(Engine(EngineConfig(model=str(model_dir), **ENGINE_KW)))
+    s = RunningServer(EngineConfig(model=str(model_dir), **ENGINE_KW), MODEL)
     yield s
     s.close()
 
@@ -116,13 +63,6 @@ def ref_one(ref: Engine, prompt, **kw):
 
 def chat_ids(ref: Engine, content: str) -> list[int]:
     return ref.chat_prompt([{"role": "user", "content": content}])
-
-
-def wait_until(cond, timeout: float = 20.0) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def sse_events(text: str) -> list:
@@ -311,22 +251,14 @@ def test_raw_sse_wire_format(server, ref):
 
 
 def test_engine_fault_is_reported_and_server_keeps_serving(server):
-    runner = server.engine.runner
-    orig_run = runner.run
-
-    def broken_run(batch):
-        raise RuntimeError("simulated device fault")
-
-    runner.run = broken_run
-    try:
-        r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
-        assert r.status_code == 500 and "simulated device fault" in r.json()["error"]["message"]
-        r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True})
-        assert r.status_code == 200  # the fault comes after the response started: reported in-band
-        events = sse_events(r.text)
-        assert "simulated device fault" in events[-1]["error"]["message"]
-    finally:
-        runner.run = orig_run
+    server.fail_next_steps(1, "simulated device fault")
+    r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 500 and "simulated device fault" in r.json()["error"]["message"]
+    server.fail_next_steps(1, "simulated device fault")
+    r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True})
+    assert r.status_code == 200  # the fault comes after the response started: reported in-band
+    events = sse_events(r.text)
+    assert "simulated device fault" in events[-1]["error"]["message"]
     s = server.wait_idle()
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
     assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
@@ -452,11 +384,11 @@ def test_malformed_json_and_wrong_routes(server):
 
 
 def test_queue_full_is_503(server):
-    """With the engine held between steps, submissions pile into the waiting queue: those past
-    max_queue_len are refused with 503, the others complete."""
-    eng = server.engine
-    old = eng.config.max_queue_len
-    eng.config.max_queue_len = 2
+    """With the engine core held between steps, submissions pile up: those past max_queue_len are
+    refused at once with 503 (by the frontend, without a round trip), the others complete."""
+    info = server.engine.info
+    old = info["max_queue_len"]
+    info["max_queue_len"] = 2
     results = []
 
     def post():
@@ -467,11 +399,12 @@ def test_queue_full_is_503(server):
             threads = [threading.Thread(target=post) for _ in range(5)]
             for t in threads:
                 t.start()
-            wait_until(lambda: server.aengine.num_pending_commands == 5)  # five adds queued, none taken
+            wait_until(lambda: len(results) == 3)  # refused while the engine is held
+            assert sorted(r.status_code for r in results) == [503, 503, 503]
         for t in threads:
             t.join(30)
     finally:
-        eng.config.max_queue_len = old
+        info["max_queue_len"] = old
     codes = sorted(r.status_code for r in results)
     assert codes == [200, 200, 503, 503, 503]
     err = next(r for r in results if r.status_code == 503).json()["error"]
@@ -501,7 +434,7 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
             assert server.stats()["kv_blocks_free"] < before["kv_blocks_total"]  # it holds blocks now
             with server.engine_paused():  # no progress until the server has seen the disconnect
                 r.close()
-                wait_until(lambda: server.aengine.num_pending_commands == 1)  # the abort
+                wait_until(lambda: not server.engine.streams)  # the frontend aborted it
     after = server.wait_idle()
     assert after["kv_blocks_free"] == after["kv_blocks_total"]
     assert after["aborted_total"] == before["aborted_total"] + 1
@@ -588,7 +521,7 @@ def test_graph_replay_metric_labels():
 # ---------------------------------------------------------------------------------------------
 
 def test_api_key(model_dir):
-    s = RunningServer(Engine(EngineConfig(model=str(model_dir), **ENGINE_KW)), api_key="sekrit")
+    s = RunningServer(EngineConfig(model=str(model_dir), **ENGINE_KW), MODEL, api_key="sekrit")
     try:
         assert s.client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
         r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
@@ -700,8 +633,8 @@ def lora_ref(model_dir, adapters):
 
 @pytest.fixture
 def lora_server(model_dir, adapters):
-    s = RunningServer(Engine(EngineConfig(model=str(model_dir), lora_modules={"a": adapters["a"],
-                                                                              "b": adapters["b"]}, **LORA_KW)))
+    s = RunningServer(EngineConfig(model=str(model_dir), lora_modules={"a": adapters["a"], "b": adapters["b"]},
+                                   **LORA_KW), MODEL)
     yield s
     s.close()
 
@@ -824,9 +757,8 @@ def test_lora_load_unload_while_traffic_runs(lora_server, lora_ref, adapters):
 # ---------------------------------------------------------------------------------------------
 
 def test_small_kv_cache_lowers_an_automatic_max_model_len(model_dir):
-    engine = Engine(EngineConfig(model=str(model_dir), num_kv_blocks=6, block_size=16))  # 5 usable blocks
-    assert engine.config.max_model_len == 80
-    s = RunningServer(engine)
+    s = RunningServer(EngineConfig(model=str(model_dir), num_kv_blocks=6, block_size=16), MODEL)  # 5 usable blocks
+    assert s.engine.info["max_model_len"] == 80
     try:  # no max_tokens: "as many as fit", not a refusal
         r = s.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200, r.text
@@ -837,7 +769,7 @@ def test_small_kv_cache_lowers_an_automatic_max_model_len(model_dir):
 
 
 def test_more_choices_than_the_queue_holds_is_400_not_503(model_dir):
-    s = RunningServer(Engine(EngineConfig(model=str(model_dir), **dict(ENGINE_KW, max_queue_len=4))))
+    s = RunningServer(EngineConfig(model=str(model_dir), **dict(ENGINE_KW, max_queue_len=4)), MODEL)
     try:
         r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 8})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
@@ -849,7 +781,7 @@ def test_more_choices_than_the_queue_holds_is_400_not_503(model_dir):
 def test_request_failing_in_the_engine_is_an_error_not_an_empty_200(model_dir, adapters, tmp_path):
     import shutil
 
-    s = RunningServer(Engine(EngineConfig(model=str(model_dir), **dict(LORA_KW, max_loras=1, max_cpu_loras=1))))
+    s = RunningServer(EngineConfig(model=str(model_dir), **dict(LORA_KW, max_loras=1, max_cpu_loras=1)), MODEL)
     try:
         gone = tmp_path / "gone"
         shutil.copytree(adapters["a"], gone)
@@ -865,7 +797,7 @@ def test_request_failing_in_the_engine_is_an_error_not_an_empty_200(model_dir, a
 
 
 def test_pinning_and_unloading_with_every_slot_pinned(model_dir, adapters):
-    s = RunningServer(Engine(EngineConfig(model=str(model_dir), **dict(LORA_KW, max_loras=1))))
+    s = RunningServer(EngineConfig(model=str(model_dir), **dict(LORA_KW, max_loras=1)), MODEL)
     try:
         assert s.http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]}).status_code == 200
         results = {}
@@ -877,12 +809,12 @@ def test_pinning_and_unloading_with_every_slot_pinned(model_dir, adapters):
             ta = threading.Thread(target=post, args=("a", "/v1/completions",
                                                      {"model": "a", "prompt": "hi", "max_tokens": 2}), daemon=True)
             ta.start()
-            wait_until(lambda: s.aengine.num_pending_commands >= 1)
+            wait_until(lambda: len(s.engine.pending_adds) >= 1)  # sent, not yet taken by the held core
             tp = threading.Thread(target=post, args=("pin", "/v1/load_lora_adapter",
                                                      {"lora_name": "c", "lora_path": adapters["c"], "pinned": True}),
                                   daemon=True)
             tp.start()
-            wait_until(lambda: s.aengine.num_pending_commands >= 2)
+            wait_until(lambda: len(s.engine.calls) >= 2)  # the hold and the pin
         ta.join(20)
         tp.join(20)
         assert results["pin"].status_code == 409, results["pin"].text
@@ -897,7 +829,7 @@ def test_pinning_and_unloading_with_every_slot_pinned(model_dir, adapters):
         s.close()
 
 
-def test_prompts_are_tokenized_off_the_engine_thread(server, monkeypatch):
+def test_prompts_are_tokenized_off_the_event_loop(server, monkeypatch):
     threads = []
     encode = server.engine.tokenizer.encode
 

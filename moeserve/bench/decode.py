@@ -23,6 +23,7 @@ import torch
 from moeserve.bench.common import bandwidths
 from moeserve.config import EngineConfig
 from moeserve.lora.manager import LoRASlotPool
+from moeserve.models import loader
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.spec import ModelSpec
 from moeserve.runtime.graph_runner import LORA, NOLORA, CudaGraph, GraphRunner
@@ -56,16 +57,7 @@ def preset_spec(name: str, num_layers: int | None = None) -> ModelSpec:
 
 
 def random_model(spec: ModelSpec, device, dtype, seed: int = 0, backend: str = "triton") -> MoEForCausalLM:
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = MoEForCausalLM(spec, backend, backend, backend).to(dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return model
+    return loader.random_model(spec, device, dtype, seed, backend, backend, backend)
 
 
 def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> float:
@@ -120,7 +112,7 @@ class DecodeBench:
     def sequences(self, B: int, slots: list[int]) -> list[Sequence]:
         seqs, bs = [], 16
         for i in range(B):
-            s = Sequence(f"b{i}", None, [1] * PROMPT, SamplingParams(max_tokens=self.steps + 8))
+            s = Sequence(f"b{i}", [1] * PROMPT, SamplingParams(max_tokens=self.steps + 8))
             s.block_table = [1 + i * -(-self.max_len // bs) + j for j in range(-(-self.max_len // bs))]
             s.num_computed_tokens = PROMPT - 1
             s.lora_slot = slots[i]
@@ -142,7 +134,7 @@ class DecodeBench:
         times = []
         for _ in range(repeats):
             seqs = self.sequences(B, slots)
-            sb = ScheduledBatch(seqs, [1] * B)
+            sb = ScheduledBatch(seqs, [1] * B, is_decode=True)
             for step in range(self.steps + 3):
                 if step == 3:
                     if self.device.type == "cuda":

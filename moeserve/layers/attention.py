@@ -9,7 +9,7 @@ from moeserve.layers.linear import LoRALinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.spec import ModelSpec
-from moeserve.runtime.context import AttentionMetadata, ForwardBatch
+from moeserve.layers.batch import AttentionMetadata, ForwardBatch
 
 
 class TorchAttentionBackend:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.runtime.context import LoRABatch
+from moeserve.layers.batch import LoRABatch
 
 
 def dense_lora_torch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, slots=None) -> None:

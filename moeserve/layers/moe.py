@@ -15,7 +15,7 @@ from torch import nn
 
 from moeserve.layers.linear import LoRALinear
 from moeserve.models.spec import ModelSpec
-from moeserve.runtime.context import LoRABatch
+from moeserve.layers.batch import LoRABatch
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +19,9 @@ from moeserve.layers.moe import ExpertLoRABuffers
 from moeserve.lora.adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.spec import ModelSpec
-from moeserve.runtime.sequence import Sequence
+
+if TYPE_CHECKING:  # the scheduler hands sequences in; lora/ does not depend on runtime/
+    from moeserve.runtime.sequence import Sequence
 
 logger = logging.getLogger("moeserve")
 

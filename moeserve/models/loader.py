@@ -68,9 +68,28 @@ def _first(tensors: _Tensors, names: list[str]) -> str:
     return names[0]  # reported as missing
 
 
+def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backend: str = "torch",
+                 moe_backend: str = "torch", lora_backend: str = "torch") -> MoEForCausalLM:
+    """Random weights in the real shapes, built directly on the device (`--load-format dummy`, benchmarks):
+    N(0, 0.02) from a seeded generator, norms 1."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
 def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                attention_backend: str = "torch", moe_backend: str = "torch", lora_backend: str = "torch",
-               progress: bool = False) -> MoEForCausalLM:
+               progress: bool = False, load_format: str = "auto", seed: int = 0) -> MoEForCausalLM:
+    if load_format == "dummy":
+        logger.info("random weights (--load-format dummy): outputs are meaningless; for benchmarks")
+        return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend)
     model_dir = Path(model_dir)
     tensors = _Tensors(model_dir)
     with torch.device(device):

@@ -9,7 +9,7 @@ from moeserve.layers.attention import Attention, make_attention_backend
 from moeserve.layers.moe import DenseMLP, MoEBlock
 from moeserve.layers.norm import RMSNorm
 from moeserve.models.spec import ModelSpec
-from moeserve.runtime.context import ForwardBatch
+from moeserve.layers.batch import ForwardBatch
 
 
 class DecoderLayer(nn.Module):
@@ -47,6 +47,9 @@ class MoEForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, H] after the final norm (logits are computed outside, per selected row)."""
+        if len(self.kv_caches) != len(self.layers):  # zip would silently run fewer layers
+            raise RuntimeError(f"KV caches bound for {len(self.kv_caches)} of {len(self.layers)} layers "
+                               "(allocate the KV cache before running the model)")
         x = F.embedding(batch.input_ids, self.embed_tokens)
         for layer, (k_cache, v_cache) in zip(self.layers, self.kv_caches):
             x = layer(x, batch, k_cache, v_cache)

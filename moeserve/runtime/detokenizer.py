@@ -1,29 +1,75 @@
-"""Incremental detokenization that never emits half a multi-byte character.
+"""Tokenizer loading and incremental detokenization that never emits half a multi-byte character.
 
 Each step decodes only a short window of recent tokens (prefix_offset..end) and compares it
 with the window's already-emitted part; text ending in U+FFFD waits for more tokens.
 """
 from __future__ import annotations
 
-from moeserve.runtime.sequence import Sequence
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger("moeserve")
+
+# files any of which makes a folder hold a real tokenizer (AutoTokenizer will otherwise build an
+# empty one from config.json alone, whose vocabulary of 1 makes every id decode to nothing)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def detokenize_step(tokenizer, seq: Sequence, skip_special_tokens: bool, final: bool = False) -> str:
-    """Append the newly decodable text of seq's output tokens to seq.text; return the new text.
-    `final`: the sequence ended, so an incomplete character is emitted (as U+FFFD) instead of held."""
-    ids = seq.output_token_ids
+def load_tokenizer(path: str | Path, vocab_size: int) -> "TokenizerWrapper | None":
+    """The tokenizer in `path`, or None (prompts must then be token ids) when the folder has no
+    tokenizer files or holds one that does not fit the model's vocabulary."""
+    path = Path(path)
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        logger.warning("no tokenizer files in %s; prompts must be token ids", path)
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - a model without tokenizer still serves token ids
+        logger.warning("no tokenizer loaded from %s (%s); prompts must be token ids", path, e)
+        return None
+    if len(tok) < 2 or len(tok) > vocab_size:
+        logger.warning("tokenizer in %s has %d tokens but the model's vocabulary is %d; not using it",
+                       path, len(tok), vocab_size)
+        return None
+    return TokenizerWrapper(tok)
+
+
+def eos_token_ids(model_dir: str | Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
+    """End-of-sequence ids: generation_config.json first (what the model was tuned to stop on), then
+    config.json's, then the tokenizer's."""
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {eos}
+    if config_eos:
+        return set(config_eos)
+    return {tokenizer.eos_token_id} if tokenizer is not None and tokenizer.eos_token_id is not None else set()
+
+
+def detokenize_step(tokenizer, state, skip_special_tokens: bool, final: bool = False) -> str:
+    """Append the newly decodable text of state's output tokens to state.text; return the new text.
+    `state` has output_token_ids, text, prefix_offset, read_offset.
+    `final`: the request ended, so an incomplete character is emitted (as U+FFFD) instead of held."""
+    ids = state.output_token_ids
     if skip_special_tokens and not final:
         special = tokenizer.all_special_ids_set
         if ids and ids[-1] in special:
             return ""
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
+    prefix = tokenizer.decode(ids[state.prefix_offset:state.read_offset], skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(ids[state.prefix_offset:], skip_special_tokens=skip_special_tokens)
     if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
         return ""
     new = full[len(prefix):]
-    seq.text += new
-    seq.prefix_offset = seq.read_offset
-    seq.read_offset = len(ids)
+    state.text += new
+    state.prefix_offset = state.read_offset
+    state.read_offset = len(ids)
     return new
 
 
@@ -45,3 +91,6 @@ class TokenizerWrapper:
         if not getattr(self.tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use a plain completion prompt")
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        return self.tok.encode(self.apply_chat_template(messages), add_special_tokens=False)

@@ -20,7 +20,8 @@ from typing import Callable, Protocol
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.runtime.context import AttentionMetadata, ForwardBatch, LoRABatch
+from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
+from moeserve.runtime.sequence import resolve_pending
 
 logger = logging.getLogger("moeserve")
 
@@ -150,19 +151,23 @@ class StaticBuffers:
         self.token_slots = torch.full((max_bs,), -1, dtype=torch.int32, device=device)
         self.max_blocks = max_blocks
 
-    def fill(self, batch: ForwardBatch, bs: int) -> None:
-        """Copy a decode batch of n rows in (from host tensors: one copy each); rows n..bs-1 become inert
-        padding (dummy slot, no context, no adapter)."""
+    def fill(self, batch: ForwardBatch, bs: int, pending: torch.Tensor | None = None) -> None:
+        """Copy a decode batch of n rows in (from pinned host tensors: one asynchronous copy each); rows
+        n..bs-1 become inert padding (dummy slot, no context, no adapter). `pending`: the previous step's
+        sampled tokens, which rows continuing from it read their input token from."""
         n = batch.num_tokens
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(batch.attn.slot_mapping)
+        copy = dict(non_blocking=True)
+        self.input_ids[:n].copy_(batch.input_ids, **copy)
+        if pending is not None:
+            resolve_pending(self.input_ids[:n], pending)
+        self.positions[:n].copy_(batch.positions, **copy)
+        self.slot_mapping[:n].copy_(batch.attn.slot_mapping, **copy)
         width = batch.attn.block_tables.shape[1]
         self.block_tables[:n, width:].zero_()
-        self.block_tables[:n, :width].copy_(batch.attn.block_tables)
-        self.context_lens[:n].copy_(batch.attn.context_lens)
+        self.block_tables[:n, :width].copy_(batch.attn.block_tables, **copy)
+        self.context_lens[:n].copy_(batch.attn.context_lens, **copy)
         if batch.lora is not None:
-            self.token_slots[:n].copy_(batch.lora.token_slots)
+            self.token_slots[:n].copy_(batch.lora.token_slots, **copy)
         else:
             self.token_slots[:n].fill_(-1)
         if bs > n:
@@ -252,9 +257,9 @@ class GraphRunner:
     def key_for(self, batch: ForwardBatch, lora_slots: list[int]) -> GraphKey:
         return GraphKey(pick_bucket(self.sizes, batch.num_tokens), resolve_variant(lora_slots, self.variants))
 
-    def run(self, sb, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, sb, batch: ForwardBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
         key = self.key_for(batch, [s.lora_slot for s in sb.seqs])
-        self.buffers.fill(batch, key.batch_size)
+        self.buffers.fill(batch, key.batch_size, pending)
         self.graphs[key].replay()
         self.replays[key] += 1
         return self.outputs[key][:batch.num_tokens]

@@ -1,8 +1,12 @@
 """ModelRunner: owns the model, the KV cache and (on CUDA) the graph runner.
 
-It turns a ScheduledBatch into a ForwardBatch, runs the forward (graph replay for decode
-batches that fit a captured bucket, eager otherwise), then computes logits only for the rows
-that sample (and prompt-logprob rows), samples, and returns host-side results.
+`launch` turns a ScheduledBatch into a ForwardBatch, runs the forward (graph replay for decode
+batches that fit a captured bucket, eager otherwise), computes logits only for the rows that
+sample (and prompt-logprob rows), samples the whole batch at once and starts one device-to-host
+copy of the results — without waiting for the device. `collect` waits for that copy and returns
+host-side results. So the host can schedule and launch step n+1 while the device runs step n:
+step n+1's rows that continue from step n read their input token from step n's sampled tokens on
+the device (see sequence.PENDING).
 """
 from __future__ import annotations
 
@@ -12,14 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.layers.sampler import compute_logprobs, sample
+from moeserve.layers.sampler import SamplingTensors, compute_logprobs, row_key, sample
 from moeserve.models.loader import load_model
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.spec import ModelSpec
-from moeserve.runtime.context import AttentionMetadata, ForwardBatch, LoRABatch
+from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import Sequence, TokenLogprobs
+from moeserve.runtime.outputs import TokenLogprobs
+from moeserve.runtime.sequence import Sequence, resolve_pending
 
 logger = logging.getLogger("moeserve")
 
@@ -29,6 +34,18 @@ class StepResult:
     sampled: dict[Sequence, int]  # seq -> new token id
     logprobs: dict[Sequence, TokenLogprobs]
     prompt_logprobs: dict[Sequence, list[TokenLogprobs]]
+
+
+@dataclass
+class InFlightStep:
+    """A launched step: what it computes and where its results land on the host."""
+    batch: ScheduledBatch
+    sampling_seqs: list[Sequence]
+    results: torch.Tensor | None  # [N] token ids, or [N, 2 + 2*top_n] fp32 with logprobs (host)
+    top_n: int
+    # (seq, host [count, 2 + 2*top_n] fp32): its prompt tokens scored this step (see _pack_logprobs)
+    prompt_logprobs: list[tuple[Sequence, torch.Tensor]]
+    done: "torch.cuda.Event | None"
 
 
 class ModelRunner:
@@ -42,13 +59,15 @@ class ModelRunner:
         lora_backend = config.moe_backend  # dense LoRA kernels travel with the MoE backend choice
         self.model = model if model is not None else load_model(
             model_dir, spec, self.device, self.dtype, config.attention_backend, config.moe_backend, lora_backend,
-            progress=progress)
+            progress=progress, load_format=config.load_format, seed=config.seed)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.lora_pool = None  # set by the engine when LoRA is enabled (before graph capture)
         self.graph_runner = None
-        self.default_generator = torch.Generator(device=self.device)
-        self.default_generator.manual_seed(config.seed)
+        self.pin = self.device.type == "cuda"  # host buffers of async copies must be pinned
+        self.prev_tokens: torch.Tensor | None = None  # sampled tokens of the last launched step (device)
+        if spec.vocab_size >= 1 << 24:
+            raise ValueError(f"vocab_size {spec.vocab_size} too large: token ids travel as exact fp32 (< 2^24)")
 
     # ---- KV cache -------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
@@ -76,9 +95,16 @@ class ModelRunner:
         return num_blocks
 
     # ---- batch construction -----------------------------------------------------------------
+    def _host(self, values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=self.pin)
+
+    def _dev(self, values, dtype) -> torch.Tensor:
+        return self._host(values, dtype).to(self.device, non_blocking=True)
+
     def prepare(self, sb: ScheduledBatch, on_host: bool = False) -> ForwardBatch:
-        """The batch's tensors on the model's device, or on the host (`on_host`) for a graph replay,
-        which copies them once into its static buffers."""
+        """The batch's tensors on the model's device, or in pinned host memory (`on_host`) for a graph
+        replay, which copies them once into its static buffers. Token ids of PENDING tokens stay
+        encoded as -(row + 1) (see resolve_pending)."""
         bs = self.block_size
         ids, pos, slots, token_lora, block_tables = [], [], [], [], []
         qsl, seq_lens = [0], []
@@ -93,38 +119,44 @@ class ModelRunner:
             block_tables.append(seq.block_table + [0] * (width - len(seq.block_table)))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-        dev = torch.device("cpu") if on_host else self.device
+        put = self._host if on_host else self._dev
         is_decode = sb.is_decode
         attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=put(slots, torch.int64),
+            block_tables=put(block_tables, torch.int32),
+            context_lens=put(seq_lens, torch.int32),
             is_decode=is_decode,
-            query_start_loc=None if is_decode else torch.tensor(qsl, dtype=torch.int32, device=dev),
+            query_start_loc=None if is_decode else put(qsl, torch.int32),
             query_start_loc_host=qsl,
             seq_lens_host=seq_lens,
             max_query_len=max(sb.num_new_tokens),
         )
         lora = None
         if self.lora_pool is not None and any(s >= 0 for s in token_lora):
-            lora = LoRABatch(torch.tensor(token_lora, dtype=torch.int32, device=dev), self.lora_pool.slot_ranks,
+            lora = LoRABatch(put(token_lora, torch.int32), self.lora_pool.slot_ranks,
                              active_slots=tuple(sorted({s for s in token_lora if s >= 0})))
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            attn=attn,
-            lora=lora,
-        )
+        return ForwardBatch(input_ids=put(ids, torch.int64), positions=put(pos, torch.int64), attn=attn, lora=lora)
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, sb: ScheduledBatch) -> StepResult:
+    def launch(self, sb: ScheduledBatch) -> InFlightStep:
+        """Enqueue the step's forward, sampling and result copy; returns without waiting for the device."""
         graphed = self.graph_runner is not None and self.graph_runner.can_run(sb)
         batch = self.prepare(sb, on_host=graphed)
-        hidden = self.graph_runner.run(sb, batch) if graphed else self.model(batch)
+        pending = self.prev_tokens if any(s.num_pending for s in sb.seqs) else None
+        if graphed:
+            hidden = self.graph_runner.run(sb, batch, pending)
+        else:
+            if pending is not None:
+                resolve_pending(batch.input_ids, pending)
+            hidden = self.model(batch)
         return self._sample(sb, hidden)
 
-    def _sample(self, sb: ScheduledBatch, hidden: torch.Tensor) -> StepResult:
+    def run(self, sb: ScheduledBatch) -> StepResult:
+        """launch + collect: one step, waited for (benchmarks, tests)."""
+        return self.collect(self.launch(sb))
+
+    def _sample(self, sb: ScheduledBatch, hidden: torch.Tensor) -> InFlightStep:
         rows, sampling_seqs = [], []
         prompt_lp_rows: list[tuple[Sequence, int, int]] = []  # (seq, first row, count)
         offset = 0
@@ -133,53 +165,80 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 rows.append(offset + n - 1)
                 sampling_seqs.append(seq)
-            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            if seq.wants_prompt_logprobs:
                 # row at position p scores prompt token p+1
                 last = min(start + n, seq.num_prompt_tokens - 1)
-                first = len(seq.prompt_logprobs) - 1
+                first = seq.num_prompt_logprobs - 1
                 if last > first:
                     prompt_lp_rows.append((seq, offset + first - start, last - first))
             offset += n
-        result = StepResult({}, {}, {})
+        step = InFlightStep(sb, sampling_seqs, None, 0, [], None)
+        copies = []
         if rows:
             # decode: every row samples, in order — no gather needed
-            picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+            picked = hidden if len(rows) == hidden.shape[0] else hidden[self._dev(rows, torch.int64)]
             logits = self.model.compute_logits(picked)
             params = [s.params for s in sampling_seqs]
-            gens = [self._generator(s) for s in sampling_seqs]
-            tokens = sample(logits, params, gens, self.default_generator)
-            want_lp = [s for s in sampling_seqs if s.logprobs is not None]
-            tokens_host = tokens.tolist()
+            keys = [row_key(s.seed, s.num_sampled) for s in sampling_seqs]
+            st = SamplingTensors.build(params, keys, logits.shape[-1], self.device, pin=self.pin)
+            tokens = sample(logits, st)
+            self.prev_tokens = tokens
+            want_lp = [p.logprobs for p in params if p.logprobs is not None]
             if want_lp:
-                top_n = max(s.params.logprobs for s in want_lp)
-                chosen, top_v, top_i = compute_logprobs(logits, tokens, top_n)
-                chosen, top_v, top_i = chosen.tolist(), top_v.tolist() if top_v is not None else None, \
-                    top_i.tolist() if top_i is not None else None
-            for i, seq in enumerate(sampling_seqs):
-                result.sampled[seq] = tokens_host[i]
-                if seq.logprobs is not None:
-                    k = seq.params.logprobs
-                    top = list(zip(top_i[i][:k], top_v[i][:k])) if k and top_i is not None else []
-                    result.logprobs[seq] = TokenLogprobs(tokens_host[i], chosen[i], top)
+                step.top_n = max(want_lp)
+                copies.append(("results", _pack_logprobs(logits, tokens, step.top_n)))
+            else:
+                copies.append(("results", tokens))
         for seq, first_row, count in prompt_lp_rows:
             logits = self.model.compute_logits(hidden[first_row:first_row + count])
-            p0 = len(seq.prompt_logprobs)  # index of the first prompt token scored here
-            targets = torch.tensor(seq.prompt_token_ids[p0:p0 + count], device=logits.device)
-            chosen, top_v, top_i = compute_logprobs(logits, targets, seq.params.prompt_logprobs)
-            chosen = chosen.tolist()
-            top_v = top_v.tolist() if top_v is not None else None
-            top_i = top_i.tolist() if top_i is not None else None
-            result.prompt_logprobs[seq] = [
-                TokenLogprobs(seq.prompt_token_ids[p0 + j], chosen[j],
-                              list(zip(top_i[j], top_v[j])) if top_i is not None else [])
-                for j in range(count)
-            ]
+            p0 = seq.num_prompt_logprobs  # index of the first prompt token scored here
+            targets = self._dev(seq.prompt_token_ids[p0:p0 + count], torch.int64)
+            copies.append((seq, _pack_logprobs(logits, targets, seq.params.prompt_logprobs)))
+            seq.num_prompt_logprobs += count
+        for what, dev in copies:  # one device-to-host copy per result tensor, none waited for here
+            host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=self.pin)
+            host.copy_(dev, non_blocking=self.pin)
+            if what == "results":
+                step.results = host
+            else:
+                step.prompt_logprobs.append((what, host))
+        if self.pin:
+            step.done = torch.cuda.Event()
+            step.done.record()
+        return step
+
+    def collect(self, step: InFlightStep) -> StepResult:
+        """Wait for a launched step's results and read them on the host."""
+        if step.done is not None:
+            step.done.synchronize()
+        result = StepResult({}, {}, {})
+        if step.results is not None:
+            if step.top_n or step.results.dim() == 2:
+                rows = step.results.tolist()
+                for seq, row in zip(step.sampling_seqs, rows):
+                    token = int(row[0])
+                    result.sampled[seq] = token
+                    k = seq.params.logprobs
+                    if k is not None:
+                        result.logprobs[seq] = _unpack_logprobs(row, step.top_n, k)
+            else:
+                for seq, token in zip(step.sampling_seqs, step.results.tolist()):
+                    result.sampled[seq] = token
+        for seq, host in step.prompt_logprobs:
+            k = seq.params.prompt_logprobs
+            result.prompt_logprobs[seq] = [_unpack_logprobs(row, k, k) for row in host.tolist()]
         return result
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None or seq.params.greedy:
-            return None
-        if seq.generator is None:
-            seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(seq.params.seed)
-        return seq.generator
+
+def _pack_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> torch.Tensor:
+    """[N, 2 + 2*top_n] fp32: token id (exact below 2^24), its logprob, top-n logprobs, top-n ids."""
+    chosen, top_v, top_i = compute_logprobs(logits, token_ids, top_n)
+    cols = [token_ids.float()[:, None], chosen[:, None]]
+    if top_n:
+        cols += [top_v, top_i.float()]
+    return torch.cat(cols, dim=1)
+
+
+def _unpack_logprobs(row: list[float], top_n: int, k: int) -> TokenLogprobs:
+    top = [(int(row[2 + top_n + j]), row[2 + j]) for j in range(min(k, top_n))]
+    return TokenLogprobs(int(row[0]), row[1], top)

@@ -1,10 +1,19 @@
-"""Continuous batching with chunked prefill, preemption by recompute, and LoRA-slot admission.
+"""Continuous batching: graphed decode steps, batched prefill steps, preemption by recompute,
+and LoRA-slot admission.
 
-Each step: every running sequence gets the tokens it still needs (1 for decode; a prompt chunk
-for prefill) within the token budget, oldest first; then waiting sequences are admitted while
-sequence slots, token budget, KV blocks and adapter slots allow. When KV blocks run out, the
-newest running sequence is preempted (its blocks freed, recomputed later) — nobody else's cache
-is touched.
+A step is either a decode step (every running sequence that has its next token to compute, one
+row each: replayed from a CUDA graph) or a prefill step (prompt chunks of admitted and newly admitted
+sequences within the token budget: eager). They never mix, so a prompt arriving never pushes the
+running decodes out of their graph.
+
+Why separate steps are worth their cost: at decode batch sizes of 64 and more nearly every expert
+is touched, so any step costs about one read of all weights, and a separate prefill step reads them
+again. That read is paid once per prefill step, not per prompt — so prefill steps are batched:
+waiting prompts are prefilled when nothing decodes, when they fill half the token budget, or once
+they have waited `prefill_delay_steps` decode steps (a bound on the extra time to first token).
+
+When KV blocks run out, the newest running sequence is preempted (its blocks freed, recomputed
+later) — nobody else's cache is touched.
 """
 from __future__ import annotations
 
@@ -20,33 +29,40 @@ from moeserve.runtime.sequence import Sequence, SeqStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
-
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens) and all(
-            s.num_computed_tokens + 1 == s.num_tokens for s in self.seqs)
+    is_decode: bool  # one row per sequence, each computing its next token (graph-eligible)
 
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked_prefill: bool, lora_acquire: Callable[[Sequence], bool] | None = None,
-                 lora_release: Callable[[Sequence], None] | None = None):
+                 lora_release: Callable[[Sequence], None] | None = None, prefill_delay_steps: int = 0):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        self.prefill_delay_steps = prefill_delay_steps
         self.lora_acquire = lora_acquire or (lambda seq: True)
         self.lora_release = lora_release or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.failed: list[Sequence] = []  # refused during admission (e.g. adapter unreadable); engine reports them
         self.num_preemptions = 0
+        self._decode_steps_waited = 0  # decode steps run while prefill work waited
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.failed)
+
+    @staticmethod
+    def _remaining(seq: Sequence) -> int:
+        return seq.num_tokens - seq.num_computed_tokens
+
+    @staticmethod
+    def _sampled_all(seq: Sequence) -> bool:
+        """Its last token is sampled (maybe still in flight): nothing left to compute."""
+        return seq.num_sampled >= seq.params.max_tokens
 
     def _chunk(self, need: int, budget: int) -> int:
         """Tokens to compute this step. Without chunked prefill a sequence runs whole — unless it can never
@@ -56,35 +72,78 @@ class Scheduler:
         return need
 
     def schedule(self) -> ScheduledBatch | None:
-        budget = self.max_tokens
-        scheduled: dict[Sequence, int] = {}
-        # running sequences: decodes (1 token each) first, then prefill chunks, oldest first
-        for seq in sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival)):
-            if seq.status != SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if budget <= 0:
+        decodes = [s for s in self.running if self._remaining(s) == 1 and not self._sampled_all(s)]
+        prefilling = [s for s in self.running if self._remaining(s) > 1]
+        if (self.waiting or prefilling) and (not decodes or self._prefill_due(prefilling)):
+            sb = self._schedule_prefill(prefilling, may_preempt=not decodes)
+            if sb is not None:
+                self._decode_steps_waited = 0
+                return sb
+        if not decodes:
+            return None
+        if self.waiting or prefilling:
+            self._decode_steps_waited += 1
+        return self._schedule_decode(decodes)
+
+    def _prefill_due(self, prefilling: list[Sequence]) -> bool:
+        if self._decode_steps_waited >= self.prefill_delay_steps:
+            return True
+        want, room = sum(self._remaining(s) for s in prefilling), self.max_num_seqs - len(self.running)
+        for seq in self.waiting:  # enough admissible prompt tokens to be worth a read of the weights?
+            if want >= self.max_tokens // 2 or room <= 0:
                 break
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            want += self._remaining(seq)
+            room -= 1
+        return want >= self.max_tokens // 2
+
+    def _grow(self, seq: Sequence, num_tokens: int, scheduled: dict[Sequence, int]) -> bool:
+        """Blocks for seq's first num_tokens, preempting the newest running sequences if short;
+        False if seq itself had to go."""
+        while not self.allocator.grow(seq.block_table, num_tokens):
+            victim = max(self.running, key=lambda s: s.arrival)
+            self._preempt(victim)
+            scheduled.pop(victim, None)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_decode(self, decodes: list[Sequence]) -> ScheduledBatch | None:
+        scheduled: dict[Sequence, int] = {}
+        for seq in sorted(decodes, key=lambda s: s.arrival):
+            if seq.status == SeqStatus.RUNNING and self._grow(seq, seq.num_computed_tokens + 1, scheduled):
+                scheduled[seq] = 1
+        if not scheduled:
+            return None
+        return ScheduledBatch(list(scheduled), [1] * len(scheduled), is_decode=True)
+
+    def _schedule_prefill(self, prefilling: list[Sequence], may_preempt: bool) -> ScheduledBatch | None:
+        """Prompt chunks. A chunk short of KV blocks waits while decodes run (they free blocks as they
+        finish); only when nothing decodes does it preempt the newest sequence, never one preempted in
+        this very call (that would thrash: admitted, preempted, admitted again)."""
+        scheduled: dict[Sequence, int] = {}
+        preempted = self.num_preemptions
+        for seq in sorted(prefilling, key=lambda s: s.arrival):  # prompts already under way first
+            budget = self.max_tokens - sum(scheduled.values())  # a preempted victim gives its share back
+            if seq.status != SeqStatus.RUNNING or budget <= 0:
+                continue
+            n = self._chunk(self._remaining(seq), budget)
             if n > budget:
                 continue
-            ok = True
-            while not self.allocator.grow(seq.block_table, seq.num_computed_tokens + n):
-                victim = max(self.running, key=lambda s: s.arrival)
-                self._preempt(victim)
-                budget += scheduled.pop(victim, 0)
-                if victim is seq:
-                    ok = False
-                    break
-            if ok:
+            if may_preempt:
+                if self._grow(seq, seq.num_computed_tokens + n, scheduled):
+                    scheduled[seq] = n
+            elif self.allocator.grow(seq.block_table, seq.num_computed_tokens + n):
                 scheduled[seq] = n
-                budget -= n
+        if self.num_preemptions != preempted:
+            return ScheduledBatch(list(scheduled), list(scheduled.values()), is_decode=False) if scheduled else None
+        budget = self.max_tokens - sum(scheduled.values())
         # admit waiting sequences (FIFO; one blocked on LoRA slots holds back new adapters)
         lora_blocked = False
         skipped: list[Sequence] = []
         try:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting.popleft()
-                n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+                n = self._chunk(self._remaining(seq), budget)
                 if n > budget:
                     skipped.append(seq)
                     break
@@ -111,7 +170,7 @@ class Scheduler:
             self.waiting.extendleft(reversed(skipped))
         if not scheduled:
             return None
-        return ScheduledBatch(list(scheduled), list(scheduled.values()))
+        return ScheduledBatch(list(scheduled), list(scheduled.values()), is_decode=False)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -1,13 +1,17 @@
-"""A request's state inside the engine, and what the engine hands back."""
+"""A request's token-level state inside the engine core (text lives in the output processor)."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from enum import Enum, auto
 
 import torch
 
 from moeserve.sampling_params import SamplingParams
+
+# An output token sampled by the step in flight and not yet read back to the host. On the host it
+# is written as -(row + 1), `row` being its row in that step's sampled tokens; the device fills it in
+# (resolve_pending), so the next step can be launched before the previous one is read back.
+PENDING = -1
 
 
 class SeqStatus(Enum):
@@ -16,41 +20,29 @@ class SeqStatus(Enum):
     FINISHED = auto()
 
 
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # top-N (id, logprob), best first
-
-
 _arrival = itertools.count()
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, lora_name: str | None = None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 lora_name: str | None = None, seed: int = 0):
         self.request_id = request_id
-        self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.lora_name = lora_name
+        self.seed = params.seed if params.seed is not None else seed  # keys this request's sampling noise
         self.lora_slot = -1  # device slot while scheduled with an adapter
         self.arrival = next(_arrival)
-        self.output_token_ids: list[int] = []
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.output_token_ids: list[int] = []  # the last num_pending of them are PENDING
+        self.num_pending = 0
+        self.pending_row = -1  # row of the newest PENDING token in the last launched step
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written by the step in flight)
         self.block_table: list[int] = []
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
-            [None] if params.prompt_logprobs is not None else None)
-        self.generator: torch.Generator | None = None  # per-request seeded RNG (made on the sampling device)
-        # incremental detokenization state
-        self.text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.stream_offset = 0  # chars of text already handed out (held back near stop strings)
+        # prompt tokens scored so far (the first has no logprob); None when not asked for
+        self.num_prompt_logprobs: int | None = 1 if params.prompt_logprobs is not None else None
         self.num_preemptions = 0
 
     @property
@@ -61,35 +53,32 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, including those still in flight."""
+        return len(self.output_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.num_prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens
+
     def tokens_slice(self, start: int, end: int) -> list[int]:
-        """Token ids [start, end) of prompt + output, without copying the whole sequence (decode hot path)."""
+        """Token ids [start, end) of prompt + output (a PENDING one as -(row + 1)), without copying the
+        whole sequence (decode hot path)."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+        out = self.output_token_ids[max(start - n, 0):end - n]
+        if self.num_pending and end == self.num_tokens:
+            out[-1] = -(self.pending_row + 1)
+        return self.prompt_token_ids[start:] + out if start < n else out
 
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta_text: str
-    delta_token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-    prompt_logprobs: list[TokenLogprobs | None] | None
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
-    lora_name: str | None = None
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+def resolve_pending(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> None:
+    """In place, on the device: ids written as -(row + 1) take the previous step's sampled token `row`."""
+    rows = (-input_ids - 1).clamp(0, prev_tokens.shape[0] - 1)
+    input_ids.copy_(torch.where(input_ids >= 0, input_ids, prev_tokens[rows]))

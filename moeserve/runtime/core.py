@@ -1,0 +1,285 @@
+"""EngineCore: token ids in, token ids out. Scheduler, model runner, graphs and adapters.
+
+It runs in-process under the offline `Engine`, and in its own process under the server
+(core_process.py). Text never enters it: tokenizing, detokenizing and stop strings happen beside
+the caller (output_processor.py).
+
+`step` overlaps host and device: it schedules and launches step n+1, and only then waits for
+step n's results and turns them into outputs. A sequence that step n ends (EOS, stop id) has one
+wasted row in step n+1, whose result is dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeserve.config import EngineConfig
+from moeserve.models.spec import ModelSpec
+from moeserve.runtime.detokenizer import eos_token_ids, load_tokenizer
+from moeserve.runtime.kv_cache import BlockAllocator
+from moeserve.runtime.model_runner import InFlightStep, ModelRunner
+from moeserve.runtime.outputs import CoreOutput
+from moeserve.runtime.scheduler import Scheduler
+from moeserve.runtime.sequence import PENDING, Sequence
+from moeserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("moeserve")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message says why."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against; the frontend checks with the same values before sending."""
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int  # usable blocks
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raise RequestError / ValueError naming the problem; returns params with max_tokens clipped to
+        what fits max_model_len."""
+        params.validate()
+        ids = prompt_token_ids
+        if not ids:
+            raise RequestError("prompt is empty")
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                               "(the prompt plus at least one generated token must fit)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        need_blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
+        if need_blocks > self.num_kv_blocks:
+            raise RequestError(f"request needs {need_blocks} KV blocks but the cache has only "
+                               f"{self.num_kv_blocks}; lower max_tokens or the prompt length")
+        return params
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, progress: bool = False):
+        # a private copy: the core fills in "auto" values and defaults without touching the caller's config
+        self.config = (dataclasses.replace(config) if isinstance(config, EngineConfig)
+                       else EngineConfig(**config)).resolve()
+        cfg = self.config
+        if cfg.model is None:
+            from moeserve.models.upcycle import demo_model_path
+
+            cfg.model = str(demo_model_path(progress=progress))
+        model_dir = Path(cfg.model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model folder {cfg.model!r} does not exist")
+        self.spec = ModelSpec.from_model_dir(model_dir)
+        auto_len = cfg.max_model_len is None
+        if auto_len:
+            cfg.max_model_len = min(self.spec.max_position_embeddings, 4096)
+        if cfg.max_model_len > self.spec.max_position_embeddings:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.spec.max_position_embeddings}")
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, self.spec.vocab_size)
+        self.eos_ids = eos_token_ids(model_dir, self.spec.eos_token_ids, self.tokenizer)
+        self.runner = ModelRunner(cfg, self.spec, str(model_dir), progress=progress)
+        self.lora_manager = None
+        if cfg.enable_lora:
+            from moeserve.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(cfg, self.spec, self.runner.model, self.runner.device)
+            self.runner.lora_pool = self.lora_manager.pool
+            for name, path in cfg.lora_modules.items():
+                self.lora_manager.register(name, path, pinned=False)
+        num_blocks = self.runner.allocate_kv_cache()
+        self.allocator = BlockAllocator(num_blocks, cfg.block_size)
+        fits = self.allocator.num_usable * cfg.block_size
+        if cfg.max_model_len > fits:
+            if not auto_len:
+                raise ValueError(f"max_model_len {cfg.max_model_len} does not fit the KV cache ({fits} tokens in "
+                                 f"{self.allocator.num_usable} blocks); lower it or give the cache more memory")
+            logger.warning("max_model_len lowered to %d: what the KV cache holds", fits)
+            cfg.max_model_len = fits
+        self.limits = RequestLimits(self.spec.vocab_size, cfg.max_model_len, cfg.block_size,
+                                    self.allocator.num_usable)
+        self.scheduler = Scheduler(
+            self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
+            lora_acquire=self.lora_manager.acquire if self.lora_manager else None,
+            lora_release=self.lora_manager.release if self.lora_manager else None,
+            prefill_delay_steps=cfg.prefill_delay_steps,
+        )
+        self.seqs: dict[str, Sequence] = {}
+        self.inflight: InFlightStep | None = None
+        self._ids = itertools.count()
+        self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
+        self.stats_counters = {"requests_total": 0, "requests_rejected": 0, "prompt_tokens_total": 0,
+                               "generation_tokens_total": 0, "steps_total": 0, "decode_steps_total": 0,
+                               "aborted_total": 0}
+        from moeserve.runtime.graph_runner import GraphRunner, dual_capture_plan
+
+        _, warning = dual_capture_plan(cfg)
+        if warning:  # on CPU graphs never exist, so it is only worth a note
+            (logger.warning if cfg.device.startswith("cuda") else logger.info)(warning)
+        if not cfg.enforce_eager:
+            self.runner.graph_runner = GraphRunner.for_engine(self.runner, cfg, progress=progress)
+
+    def info(self) -> dict:
+        """What a frontend needs to know about this core (sent once, at start)."""
+        cfg = self.config
+        return {"model": cfg.model, "tokenizer": cfg.tokenizer or cfg.model, "vocab_size": self.spec.vocab_size,
+                "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+                "num_kv_blocks": self.allocator.num_usable, "max_queue_len": cfg.max_queue_len,
+                "max_num_seqs": cfg.max_num_seqs, "lora_names": self.list_loras(),
+                "device": str(self.runner.device), "dtype": cfg.dtype}
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    lora: str | None = None, request_id: str | None = None) -> str:
+        """Queue a request; raises (RequestError, ValueError, LookupError) naming the problem if it is refused."""
+        params = params or SamplingParams()
+        try:
+            params = self.limits.check(list(prompt_token_ids), params)
+            if lora is not None:
+                if self.lora_manager is None:
+                    raise RequestError(f"adapter {lora!r} requested but LoRA is not enabled (--enable-lora)")
+                self.lora_manager.check_known(lora)
+            if len(self.scheduler.waiting) >= self.config.max_queue_len:
+                raise RequestError(f"queue is full ({self.config.max_queue_len} waiting requests); retry later")
+            if request_id is None:  # auto ids skip any a caller chose
+                request_id = f"req-{next(self._ids)}"
+                while request_id in self.seqs:
+                    request_id = f"req-{next(self._ids)}"
+            elif request_id in self.seqs:
+                raise RequestError(f"request id {request_id!r} is already in use")
+        except (ValueError, LookupError):
+            self.stats_counters["requests_rejected"] += 1
+            raise
+        seq = Sequence(request_id, prompt_token_ids, params, lora, seed=self._seeds.getrandbits(63))
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats_counters["requests_total"] += 1
+        self.stats_counters["prompt_tokens_total"] += len(prompt_token_ids)
+        return request_id
+
+    def abort(self, request_id: str, counted: bool = True) -> bool:
+        """Stop a request and free what it holds. `counted=False`: it ended by a stop string, not an abort."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        if counted:
+            self.stats_counters["aborted_total"] += 1
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self.inflight is not None
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[CoreOutput]:
+        """Launch the next step, then report what the previous one produced."""
+        sb = self.scheduler.schedule()
+        outputs = [self._fail(seq, seq.error) for seq in list(self.scheduler.failed)]
+        launched = None
+        if sb is not None:
+            try:
+                launched = self.runner.launch(sb)
+            except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
+                logger.exception("engine step failed; failing the running requests")
+                return outputs + self.fail_running(f"engine step failed: {type(e).__name__}: {e}")
+            self.stats_counters["steps_total"] += 1
+            self.stats_counters["decode_steps_total"] += sb.is_decode
+            for seq, n in zip(sb.seqs, sb.num_new_tokens):
+                seq.num_computed_tokens += n
+            for row, seq in enumerate(launched.sampling_seqs):
+                seq.output_token_ids.append(PENDING)
+                seq.num_pending += 1
+                seq.pending_row = row
+        previous, self.inflight = self.inflight, launched
+        if previous is not None:
+            try:
+                outputs += self._process(previous)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("engine step failed; failing the running requests")
+                self.inflight = None
+                return outputs + self.fail_running(f"engine step failed: {type(e).__name__}: {e}")
+        return outputs
+
+    def _process(self, step: InFlightStep) -> list[CoreOutput]:
+        result = self.runner.collect(step)
+        outputs: dict[Sequence, CoreOutput] = {}
+        for seq, lps in result.prompt_logprobs.items():
+            if not seq.is_finished:
+                outputs[seq] = CoreOutput(seq.request_id, [], new_prompt_logprobs=lps)
+        for seq, token in result.sampled.items():
+            if seq.is_finished:
+                continue  # aborted, or ended by the step before (a wasted row)
+            idx = len(seq.output_token_ids) - seq.num_pending
+            seq.output_token_ids[idx] = token
+            seq.num_pending -= 1
+            self.stats_counters["generation_tokens_total"] += 1
+            out = outputs.setdefault(seq, CoreOutput(seq.request_id, []))
+            out.new_token_ids.append(token)
+            if seq in result.logprobs:
+                out.new_logprobs = [result.logprobs[seq]]
+            p = seq.params
+            if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
+                out.finish_reason = "stop"
+            elif idx + 1 >= p.max_tokens:
+                out.finish_reason = "length"
+            if out.finish_reason is not None:
+                del seq.output_token_ids[idx + 1:]  # a token the next step samples for it is dropped
+                seq.num_pending = 0
+                seq.finish_reason = out.finish_reason
+                self.scheduler.finish(seq)
+                self.seqs.pop(seq.request_id, None)
+        return list(outputs.values())
+
+    def _fail(self, seq: Sequence, error: str) -> CoreOutput:
+        """End a request with finish_reason 'error' (its error says why) and free everything."""
+        self.scheduler.finish(seq)
+        self.seqs.pop(seq.request_id, None)
+        seq.finish_reason, seq.error = "error", error
+        logger.warning("request %s failed: %s", seq.request_id, error)
+        return CoreOutput(seq.request_id, [], finish_reason="error", error=error)
+
+    def fail_running(self, error: str) -> list[CoreOutput]:
+        """After a failed step: fail the requests it was working on; waiting ones stay queued."""
+        self.inflight = None
+        self.runner.prev_tokens = None
+        return [self._fail(seq, error) for seq in list(self.scheduler.running)]
+
+    # ---- LoRA -----------------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
+        if self.lora_manager is None:
+            raise RequestError("LoRA is not enabled (start the engine with enable_lora=True)")
+        self.lora_manager.register(name, path, pinned=pinned, queued=list(self.seqs.values()))
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora_manager is None:
+            raise RequestError("LoRA is not enabled")
+        self.lora_manager.unregister(name, running=list(self.seqs.values()))
+
+    def list_loras(self) -> list[str]:
+        return self.lora_manager.names() if self.lora_manager else []
+
+    # ---- introspection --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = dict(self.stats_counters)
+        s.update(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.allocator.num_usable,
+            kv_blocks_free=self.allocator.num_free,
+            kv_usage=1.0 - self.allocator.num_free / self.allocator.num_usable,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+        if self.runner.graph_runner is not None:
+            s["graph_replays"] = self.runner.graph_runner.replay_counts()
+        if self.lora_manager is not None:
+            s.update(self.lora_manager.stats())
+        return s

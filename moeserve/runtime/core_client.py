@@ -1,0 +1,359 @@
+"""EngineClient: the frontend's handle on an engine-core process (asyncio).
+
+It starts the core process, tokenizes prompts (off the event loop), checks requests against the
+core's limits before sending them, and turns each step's message into per-request outputs (text,
+stop strings) delivered to that request's stream. A core that dies fails every open request with
+EngineDeadError and is logged once; nothing waits forever on a dead core.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from moeserve.config import EngineConfig
+from moeserve.lora.adapter import LoRAAdapterError
+from moeserve.runtime.core import RequestError, RequestLimits
+from moeserve.runtime.core_process import config_to_wire, pack, run_core, unpack
+from moeserve.runtime.detokenizer import load_tokenizer
+from moeserve.runtime.output_processor import OutputProcessor, RequestState
+from moeserve.runtime.outputs import CoreOutput, RequestOutput
+from moeserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("moeserve")
+
+
+class QueueFullError(RequestError):
+    """The engine's waiting queue holds max_queue_len requests; retry later."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine failed this request (a failed step, an adapter that could not be read)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is not running."""
+
+
+class UnknownAdapterError(LookupError):
+    """The request names an adapter the engine does not serve."""
+
+
+class AdapterInUseError(RuntimeError):
+    """The adapter is used by queued or running requests."""
+
+
+# error types raised in the core, as the frontend re-raises them (the HTTP layer maps them to statuses)
+_ERRORS = {"UnknownLoRAError": UnknownAdapterError, "LoRAInUseError": AdapterInUseError,
+           "LoRAAdapterError": LoRAAdapterError, "FileNotFoundError": FileNotFoundError,
+           "NotADirectoryError": FileNotFoundError, "EngineDeadError": EngineDeadError}
+
+
+def _error(kind: str, message: str) -> Exception:
+    cls = _ERRORS.get(kind)
+    if cls is not None:
+        return cls(message)
+    if kind in ("RequestError", "ValueError"):
+        return (QueueFullError if message.startswith("queue is full") else RequestError)(message)
+    return RuntimeError(f"{kind}: {message}")
+
+
+@dataclass
+class ChatPrompt:
+    """A conversation to render with the model's chat template."""
+    messages: list[dict]
+
+
+class RequestStream:
+    """Outputs of one request, in order; the last one has finish_reason set. Iterating raises the error
+    the engine reported for it. abort() stops the request unless it already finished; it never blocks."""
+
+    def __init__(self, client: "EngineClient", request_id: str):
+        self.request_id = request_id
+        self.finished = False
+        self._client = client
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, RequestOutput) and item.finish_reason == "error":
+            item = EngineStepError(f"request failed: {item.error}")
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._client.abort(self.request_id)
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, log_level: str = "INFO"):
+        self.config = config
+        self.log_level = log_level
+        self.info: dict = {}
+        self.tokenizer = None
+        self.limits: RequestLimits | None = None
+        self.lora_names: tuple[str, ...] = ()
+        self.output: OutputProcessor | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self.pending_adds: dict[str, asyncio.Future] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self.counts = {"num_running": 0, "num_waiting": 0}
+        self.dead: str | None = None  # why the core is not running
+        self._call_ids = itertools.count()
+        # tokenizing and chat templating run here, off the event loop
+        self._prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeserve-tokenize")
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, config: EngineConfig, log_level: str = "INFO") -> "EngineClient":
+        client = cls(config, log_level)
+        await client._start()
+        return client
+
+    async def _start(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="moeserve-")
+        inbox, outbox = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._ctx = zmq.asyncio.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.bind(inbox)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.bind(outbox)
+        mp = multiprocessing.get_context("spawn")
+        self.proc = mp.Process(target=run_core, name="moeserve-engine-core", daemon=True,
+                               args=(config_to_wire(self.config), inbox, outbox, os.getpid(), self.log_level))
+        self.proc.start()
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(self.proc.sentinel, lambda: exited.done() or exited.set_result(None))
+        first = asyncio.ensure_future(self._from_core.recv())
+        try:
+            await asyncio.wait({first, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                raise RuntimeError(f"the engine core process exited while starting (exit code {self.proc.exitcode})")
+            msg = unpack(first.result())
+            if msg[0] == "startup_failed":
+                err = _error(msg[1], msg[2])
+                raise err if isinstance(err, (ValueError, FileNotFoundError)) else RuntimeError(msg[2])
+        except BaseException:
+            first.cancel()
+            self.dead = "the engine core failed to start"
+            await self._close(loop, timeout=10)
+            raise
+        self.info = msg[1]
+        self.limits = RequestLimits(self.info["vocab_size"], self.info["max_model_len"], self.info["block_size"],
+                                    self.info["num_kv_blocks"])
+        self.lora_names = tuple(self.info["lora_names"])
+        self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info["tokenizer"],
+                                                    self.info["vocab_size"])
+        self.output = OutputProcessor(self.tokenizer)
+        self._reader = asyncio.ensure_future(self._read())
+        exited.add_done_callback(lambda _: self._on_exit())
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead is None
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        if self.dead is None:
+            self.dead = "the engine has shut down"
+            try:
+                await self._to_core.send(pack(["shutdown"]))
+            except zmq.ZMQError:
+                pass
+        self._fail_all(EngineDeadError(self.dead))
+        self._reader.cancel()
+        await self._close(asyncio.get_running_loop(), timeout)
+
+    async def _close(self, loop, timeout: float) -> None:
+        """Reap the core process and release sockets, reader and threads."""
+        await loop.run_in_executor(None, self.proc.join, timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        loop.remove_reader(self.proc.sentinel)
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._ctx.term()
+        self._prep.shutdown(wait=False)
+
+    def _on_exit(self) -> None:
+        if self.dead is None:
+            self.dead = f"the engine core process died (exit code {self.proc.exitcode})"
+            logger.error("%s; failing every open request, answering 503 from now on", self.dead)
+        self._fail_all(EngineDeadError(self.dead))
+
+    def _fail_all(self, error: Exception) -> None:
+        for fut in [*self.pending_adds.values(), *self.calls.values()]:
+            if not fut.done():
+                fut.set_exception(error)
+        self.pending_adds.clear()
+        self.calls.clear()
+        for stream in self.streams.values():
+            stream.put(error)
+        self.streams.clear()
+
+    # ---- messages from the core ---------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            try:
+                msg = unpack(await self._from_core.recv())
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            try:
+                self._dispatch(msg)
+            except Exception:  # noqa: BLE001 - a frontend bug must not stop every stream
+                logger.exception("failed to process a message from the engine core")
+
+    def _dispatch(self, msg: list) -> None:
+        if msg[0] == "reply":
+            _, call_id, ok, result = msg
+            fut = self.calls.pop(call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(result) if ok else fut.set_exception(_error(*result))
+            return
+        _, outputs, accepted, rejected, self.counts = msg
+        for request_id in accepted:
+            fut = self.pending_adds.pop(request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        for request_id, kind, message in rejected:
+            fut = self.pending_adds.pop(request_id, None)
+            self.output.abort(request_id)
+            self.streams.pop(request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(_error(kind, message))
+        results, stopped = self.output.process([CoreOutput.from_wire(w) for w in outputs])
+        if stopped:  # ended by a stop string here: the core stops computing them (not counted as aborts)
+            self._send(["abort", stopped, False])
+        for out in results:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self.streams[out.request_id]
+            stream.put(out)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def _send(self, msg: list) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self._to_core.send(pack(msg))  # PUSH to a live peer queues at once; the returned future needs no await
+
+    def _tokenize(self, prompt: str | ChatPrompt) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: give the prompt as token ids")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        try:
+            return self.tokenizer.chat_ids(prompt.messages)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a template that refuses the conversation
+            raise RequestError(f"messages: the chat template failed: {type(e).__name__}: {e}") from e
+
+    def check_model(self, lora: str | None) -> None:
+        if lora is not None and lora not in self.lora_names:
+            raise UnknownAdapterError(f"unknown LoRA adapter {lora!r}; loaded adapters: "
+                                      f"{sorted(self.lora_names) or 'none'}")
+
+    async def submit(self, prompt: str | list[int] | ChatPrompt, params: SamplingParams | None = None,
+                     lora: str | None = None, request_id: str | None = None) -> RequestStream:
+        """Add a request; refusals (RequestError, QueueFullError, UnknownAdapterError, ...) are raised here,
+        before any output."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        prompt_text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, (str, ChatPrompt)):
+            ids = await asyncio.get_running_loop().run_in_executor(self._prep, self._tokenize, prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError("prompt must be a string or a list of token ids")
+        params = self.limits.check(ids, params)
+        self.check_model(lora)
+        if len(self.streams) - self.counts["num_running"] >= self.info["max_queue_len"]:
+            raise QueueFullError(f"queue is full ({self.info['max_queue_len']} waiting requests); retry later")
+        if request_id in self.streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id)
+        accepted = asyncio.get_running_loop().create_future()
+        self.streams[request_id] = stream
+        self.pending_adds[request_id] = accepted
+        self.output.add(RequestState(request_id, prompt_text, ids, params, lora))
+        self._send(["add", request_id, ids, dataclasses.asdict(params), lora])
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            stream.abort()  # the add may have happened after all: nobody will read it
+            raise
+        return stream
+
+    async def generate(self, prompt, params: SamplingParams | None = None, lora: str | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        stream = await self.submit(prompt, params, lora, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()  # consumer stopped early (disconnect, cancellation): free the KV blocks
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (never blocks); its stream ends with finish_reason 'abort'."""
+        out = self.output.abort(request_id) if self.output else None
+        stream = self.streams.pop(request_id, None)
+        if stream is not None and out is not None:
+            stream.put(out)
+        if self.dead is None:
+            self._send(["abort", [request_id], True])
+
+    async def call(self, method: str, *args):
+        """A utility call on the core (between steps)."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = fut
+        self._send(["call", call_id, method, list(args)])
+        return await fut
+
+    async def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
+        try:
+            await self.call("load_lora", name, path, pinned)
+        finally:
+            self.lora_names = tuple(await self.call("list_loras"))
+
+    async def unload_lora(self, name: str) -> None:
+        try:
+            await self.call("unload_lora", name)
+        finally:
+            self.lora_names = tuple(await self.call("list_loras"))
+
+    async def stats(self) -> dict:
+        return await self.call("stats")

@@ -1,0 +1,129 @@
+"""Request plumbing shared by the endpoints: submitting a request's choices, merging their streams,
+waiting for final outputs while watching for the client leaving, and SSE framing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from moeserve.runtime.core_client import EngineClient, RequestStream
+from moeserve.runtime.outputs import RequestOutput
+from moeserve.server.errors import ClientGone, engine_error
+from moeserve.server.metrics import ServerMetrics
+from moeserve.server.protocol import OpenAIError
+
+
+class MergedStreams:
+    """(choice index, output) from several request streams, in arrival order."""
+
+    def __init__(self, streams: list[RequestStream]):
+        self.streams = streams
+        self._queue: asyncio.Queue | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._remaining = len(streams)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if len(self.streams) == 1:  # the common case needs no pump tasks
+            return 0, await self.streams[0].__anext__()
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self.streams)]
+        while self._remaining:
+            i, item = await self._queue.get()
+            if item is None:
+                self._remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                return i, item
+        raise StopAsyncIteration
+
+    async def _pump(self, i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                self._queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            self._queue.put_nowait((i, e))
+        self._queue.put_nowait((i, None))
+
+    def close(self) -> None:
+        """Stop everything still running (no-op for finished streams)."""
+        for t in self._tasks:
+            t.cancel()
+        for s in self.streams:
+            s.abort()
+
+
+async def submit_all(engine: EngineClient, jobs: list[tuple], lora: str | None, request_id: str,
+                     prompt_param: str) -> list[RequestStream]:
+    """Submit every (prompt, params) job; on any refusal abort those already accepted."""
+    limit = engine.info["max_queue_len"]
+    if len(jobs) > limit:  # could never be queued at once: not a "retry later"
+        raise OpenAIError(400, f"this request asks for {len(jobs)} completions (prompts x n); at most {limit} "
+                          "can be queued at once", param="n", code="invalid_value")
+    streams: list[RequestStream] = []
+    try:
+        for k, (prompt, params) in enumerate(jobs):
+            streams.append(await engine.submit(prompt, params, lora=lora, request_id=f"{request_id}-{k}"))
+    except BaseException as e:
+        for s in streams:
+            s.abort()
+        if isinstance(e, Exception):
+            raise engine_error(e, prompt_param) from e
+        raise
+    return streams
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(metrics: ServerMetrics, request: Request, streams: list[RequestStream], arrival: float):
+    """Final output of every stream (non-streaming responses); ClientGone if the client leaves first."""
+    merged = MergedStreams(streams)
+
+    async def run():
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        first: list[float | None] = [None] * len(streams)
+        async for i, out in merged:
+            now = time.perf_counter()
+            if first[i] is None and out.delta_token_ids:
+                first[i] = now
+            if out.finished:
+                finals[i] = out
+                metrics.observe_choice(arrival, first[i], now, len(out.token_ids))
+        return finals
+
+    work = asyncio.ensure_future(run())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+        merged.close()
+    if work not in done:
+        raise ClientGone()
+    try:
+        return work.result()
+    except Exception as e:  # noqa: BLE001 - e.g. EngineStepError: answered as a 500 in the OpenAI shape
+        raise engine_error(e, "prompt") from e
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sse_response(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,263 @@
+"""EngineClient against an engine core in its own process, checked against the in-process Engine:
+outputs (token ids, logprobs, text) equal across the boundary for base, adapter and mixed traffic;
+refusals, aborts, faults, a dying core and shutdown cross it cleanly."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import pytest
+
+from moeserve import Engine, EngineConfig, RequestError, SamplingParams
+from moeserve.lora.adapter import LoRAAdapterError
+from moeserve.models.tiny import make_tiny
+from moeserve.runtime.core_client import (EngineClient, EngineDeadError, EngineStepError, QueueFullError,
+                                          UnknownAdapterError)
+
+os.environ["MOESERVE_TEST_HOOKS"] = "1"  # the core's fault hook, inherited by the processes started here
+ENGINE_KW = dict(max_model_len=128, num_kv_blocks=128, max_num_seqs=16, enable_lora=True, max_loras=2,
+                 max_lora_rank=8)
+
+
+class LoopThread:
+    """An event loop in a thread, so synchronous tests can drive one long-lived client."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny_client"))
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    from peft_fixtures import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("client_adapters")
+    return {name: str(make_peft_adapter("qwen3_moe", root / name, kind=kind, rank=4, seed=i + 1)[0])
+            for i, (name, kind) in enumerate({"a": "attn+experts", "b": "experts"}.items())}
+
+
+@pytest.fixture(scope="module")
+def config(model_dir, adapters):
+    return EngineConfig(model=str(model_dir), lora_modules=dict(adapters), **ENGINE_KW)
+
+
+@pytest.fixture(scope="module")
+def ref(config):
+    return Engine(config)
+
+
+@pytest.fixture(scope="module")
+def client(config):
+    lt = LoopThread()
+    c = lt.run(EngineClient.start(config, "WARNING"))
+    c.lt = lt
+    yield c
+    lt.run(c.shutdown())
+    lt.close()
+
+
+async def _collect(client, prompt, params, lora=None):
+    return [o async for o in client.generate(prompt, params, lora)]
+
+
+def test_outputs_equal_the_in_process_engine_for_base_adapter_and_mixed_traffic(client, ref):
+    prompts = ["hello world", "the quick brown fox", "a b c", "moe", "stop here. and there", [5, 6, 7, 8]]
+    loras = [None, "a", "b", None, "a", "b"]
+    params = [SamplingParams(max_tokens=8, temperature=0, logprobs=2), SamplingParams(max_tokens=6, temperature=0),
+              SamplingParams(max_tokens=7, temperature=0.8, seed=5, logprobs=0),
+              SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=1),
+              SamplingParams(max_tokens=12, temperature=0, stop=["e"], ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=20, seed=11)]
+    want = ref.generate(prompts, params, lora=loras)
+
+    async def main():
+        return await asyncio.gather(*(_collect(client, p, sp, lo) for p, sp, lo in zip(prompts, params, loras)))
+
+    got = client.lt.run(main())
+    for outs, w in zip(got, want):
+        last = outs[-1]
+        assert last.finished and all(not o.finished for o in outs[:-1])
+        assert last.token_ids == w.token_ids and last.text == w.text and last.finish_reason == w.finish_reason
+        assert [t for o in outs for t in o.delta_token_ids] == w.token_ids  # deltas add up to the whole
+        assert "".join(o.delta_text for o in outs) == w.text
+        if w.logprobs is not None:
+            assert [x.token_id for x in last.logprobs] == [x.token_id for x in w.logprobs]
+            assert [x.logprob for x in last.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-5)
+            assert [[t for t, _ in x.top] for x in last.logprobs] == [[t for t, _ in x.top] for x in w.logprobs]
+        if w.prompt_logprobs is not None:
+            assert [x and x.logprob for x in last.prompt_logprobs] == pytest.approx(
+                [x and x.logprob for x in w.prompt_logprobs], abs=1e-5)
+
+
+def test_refusals_are_raised_before_any_output(client):
+    async def main():
+        with pytest.raises(RequestError, match="max_model_len"):
+            await client.submit("word " * 300, SamplingParams(max_tokens=4))
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            await client.submit([10**6], SamplingParams(max_tokens=4))
+        with pytest.raises(UnknownAdapterError, match="nope"):
+            await client.submit("hi", SamplingParams(max_tokens=4), lora="nope")
+        bad = SamplingParams(max_tokens=4)
+        bad.temperature = -1.0
+        with pytest.raises(ValueError, match="temperature"):
+            await client.submit("hi", bad)
+        stream = await client.submit("hi", SamplingParams(max_tokens=2), request_id="dup")
+        with pytest.raises(RequestError, match="already in use"):
+            await client.submit("hi", SamplingParams(max_tokens=2), request_id="dup")
+        return [o async for o in stream]
+
+    assert client.lt.run(main())[-1].finished and client.is_running
+
+
+def _idle_stats(client):
+    async def main():
+        for _ in range(500):
+            s = await client.stats()
+            if s["num_running"] == 0 and s["num_waiting"] == 0:
+                return s
+            await asyncio.sleep(0.01)
+        return s
+
+    return client.lt.run(main())
+
+
+def test_consumer_that_stops_and_abort_by_id_free_kv(client):
+    before = _idle_stats(client)
+
+    async def main():
+        n = 0
+        async for out in client.generate("hello world", SamplingParams(max_tokens=100, ignore_eos=True)):
+            n += 1
+            if n == 3:
+                assert not out.finished
+                break  # the async generator is closed here: its request must be aborted
+        stream = await client.submit("hello", SamplingParams(max_tokens=100, ignore_eos=True), request_id="r1")
+        first = await stream.__anext__()
+        client.abort("r1")
+        rest = [o async for o in stream]
+        return first, rest
+
+    first, rest = client.lt.run(main())
+    assert not first.finished and rest[-1].finish_reason == "abort"
+    s = _idle_stats(client)
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    assert s["aborted_total"] == before["aborted_total"] + 2
+    assert s["generation_tokens_total"] - before["generation_tokens_total"] < 200
+
+
+def test_a_failed_step_fails_running_requests_and_the_core_keeps_serving(client, ref):
+    async def main():
+        await client.call("fail_next_steps", 1, "simulated device fault")
+        with pytest.raises(EngineStepError, match="simulated device fault"):
+            await _collect(client, "hello world", SamplingParams(max_tokens=20, ignore_eos=True))
+        return await _collect(client, "hello world", SamplingParams(max_tokens=8, temperature=0))
+
+    outs = client.lt.run(main())
+    assert outs[-1].token_ids == ref.generate("hello world", SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    s = _idle_stats(client)
+    assert s["kv_blocks_free"] == s["kv_blocks_total"] and client.is_running
+
+
+def test_queue_full_is_refused_by_the_frontend_at_once(client):
+    async def main():
+        old = client.info["max_queue_len"]
+        client.info["max_queue_len"] = 1
+        try:
+            flag = os.path.join(client._dir, "hold")
+            open(flag, "w").close()
+            hold = asyncio.ensure_future(client.call("hold", flag))
+            while not os.path.exists(flag + ".held"):
+                await asyncio.sleep(0.01)
+            first = asyncio.ensure_future(client.submit("hi", SamplingParams(max_tokens=2)))
+            await asyncio.sleep(0.05)
+            with pytest.raises(QueueFullError):  # no round trip to the held core
+                await asyncio.wait_for(client.submit("hi", SamplingParams(max_tokens=2)), 1.0)
+            os.remove(flag)
+            await hold
+            return [o async for o in await first]
+        finally:
+            client.info["max_queue_len"] = old
+
+    assert client.lt.run(main())[-1].finished
+
+
+def test_unknown_calls_and_lora_errors_cross_the_boundary(client, adapters):
+    async def main():
+        with pytest.raises(ValueError, match="unknown engine call"):
+            await client.call("no_such_method")
+        with pytest.raises(LoRAAdapterError, match="not a directory"):
+            await client.load_lora("x", "/does/not/exist")
+        await client.load_lora("c", adapters["a"])
+        assert "c" in client.lora_names
+        out = await _collect(client, "hi", SamplingParams(max_tokens=3, temperature=0), lora="c")
+        await client.unload_lora("c")
+        return out
+
+    assert client.lt.run(main())[-1].finished and "c" not in client.lora_names
+
+
+def test_a_core_that_dies_fails_open_requests_and_later_calls(config):
+    lt = LoopThread()
+    client = lt.run(EngineClient.start(config, "WARNING"))
+
+    async def main():
+        stream = await client.submit("hello", SamplingParams(max_tokens=1000, ignore_eos=True))
+        await stream.__anext__()
+        os.kill(client.proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="died"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await client.submit("hi", SamplingParams(max_tokens=2))
+        with pytest.raises(EngineDeadError):
+            await client.stats()
+        await client.shutdown()
+
+    try:
+        lt.run(main(), timeout=60)
+        assert not client.is_running
+    finally:
+        lt.close()
+
+
+def test_shutdown_fails_pending_requests(config):
+    lt = LoopThread()
+    client = lt.run(EngineClient.start(config, "WARNING"))
+
+    async def main():
+        stream = await client.submit("hello", SamplingParams(max_tokens=1000, ignore_eos=True))
+        await stream.__anext__()
+        await client.shutdown()
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await client.stats()
+
+    try:
+        lt.run(main(), timeout=60)
+        assert not client.proc.is_alive()
+    finally:
+        lt.close()
+
+
+def test_startup_errors_name_the_problem(model_dir):
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(EngineClient.start(EngineConfig(model=str(model_dir), max_model_len=10**7), "WARNING"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        asyncio.run(EngineClient.start(EngineConfig(model="/no/such/model"), "WARNING"))
