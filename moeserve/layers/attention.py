@@ -72,7 +72,9 @@ def make_attention_backend(name: str):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend, lora_backend: str):
+    def __init__(self, spec: ModelSpec, backend, lora_backend: str, rotary: RotaryEmbedding):
+        """`rotary`: the model's one cos/sin table, shared by every layer (one per layer would cost
+        max_position x head_dim x 2 per layer: ~1 GiB at Qwen3-30B-A3B's 48 layers x 40k positions)."""
         super().__init__()
         self.spec = spec
         self.nh, self.nkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -85,7 +87,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(spec.q_size, spec.rms_norm_eps), RMSNorm(spec.kv_size, spec.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(self.d, spec.max_position_embeddings, spec.rope_theta)
+        self.rotary = rotary
         self.backend = backend
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):

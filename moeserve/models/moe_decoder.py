@@ -8,17 +8,19 @@ from torch import nn
 from moeserve.layers.attention import Attention, make_attention_backend
 from moeserve.layers.moe import DenseMLP, MoEBlock
 from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.spec import ModelSpec
 from moeserve.layers.batch import ForwardBatch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, attn_backend, moe_backend: str, lora_backend: str):
+    def __init__(self, spec: ModelSpec, layer_idx: int, attn_backend, moe_backend: str, lora_backend: str,
+                 rotary: RotaryEmbedding):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, attn_backend, lora_backend)
+        self.self_attn = Attention(spec, attn_backend, lora_backend, rotary)
         self.is_sparse = spec.sparse_layers[layer_idx]
         if self.is_sparse:
             self.mlp = MoEBlock(spec, moe_backend, lora_backend)
@@ -36,9 +38,10 @@ class MoEForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         attn = make_attention_backend(attention_backend)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta)
         self.embed_tokens = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, attn, moe_backend, lora_backend) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, attn, moe_backend, lora_backend, self.rotary) for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Parameter(
