@@ -78,9 +78,11 @@ class CoreServer:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
+        stalled = False
         while True:
-            # sleep on the socket when there is nothing to step (waking now and then to notice an orphaning)
-            timeout = 0 if self.core.has_work() else 1000
+            # sleep on the socket when there is nothing to step (waking now and then to notice an orphaning),
+            # and briefly when the last step could schedule nothing (waiting requests, nothing running)
+            timeout = (50 if stalled else 0) if self.core.has_work() else 1000
             while poller.poll(timeout):
                 if not self.handle(unpack(self.inbox.recv())):
                     return
@@ -88,15 +90,13 @@ class CoreServer:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.error("the frontend process is gone; engine core exiting")
                 return
-            outputs = self.step() if self.core.has_work() else []
+            outputs = self.core.step() if self.core.has_work() else []
+            stalled = not outputs and self.core.inflight is None and not self.core.scheduler.running
             if outputs or self.accepted or self.rejected:
                 sched = self.core.scheduler
                 counts = {"num_running": len(sched.running), "num_waiting": len(sched.waiting)}
                 self.outbox.send(pack(["step", [o.to_wire() for o in outputs], self.accepted, self.rejected, counts]))
                 self.accepted, self.rejected = [], []
-
-    def step(self):
-        return self.core.step()
 
     def handle(self, msg: list) -> bool:
         kind = msg[0]
