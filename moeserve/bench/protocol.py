@@ -7,7 +7,9 @@
    128 new tokens, ignore_eos, logprobs=0, 512 requests); against the LoRA servers also the same
    traffic with every request on one of 4 rank-16 adapters (attention + all routed experts); against
    the LoRA-disabled one also a single client.
-3. A table of ratios (server tok/s over the decode graph's, TPOT over the graph step) and one JSON.
+3. With `--parts prefix`: prefix caching on and off (the same LoRA server flags), a shared 1,024-token
+   system prompt before 256 distinct 64-token user turns, 64 new tokens, half the requests on two adapters.
+4. A table of ratios (server tok/s over the decode graph's, TPOT over the graph step) and one JSON.
 
     python -m moeserve.bench.protocol --preset qwen3-30b-a3b --out bench_out/protocol
 """
@@ -93,7 +95,14 @@ def serve_run(label: str, server, out: Path, args, extra: list[str]) -> dict:
     print(f"\n=== {label}: bench serve {' '.join(extra)}", flush=True)
     serve.main(argv)
     path = out / f"{label}.json"
-    return json.loads(path.read_text()) if path.exists() else {"failed": args.num_prompts, "completed": 0}
+    m = json.loads(path.read_text()) if path.exists() else {"failed": args.num_prompts, "completed": 0}
+    try:  # the engine's own counters after the run (prefix-cache hit rate, graph replays, ...)
+        text = serve._get(server + "/metrics", {})[1].decode()
+        m["engine_metrics"] = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                               if line.startswith("moeserve_prefix_cache") or line.startswith("moeserve_graph_replays")}
+    except (OSError, ValueError, IndexError):
+        pass
+    return m
 
 
 def main(argv=None) -> int:
@@ -106,17 +115,20 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,base,lora,norecord")
+    ap.add_argument("--parts", default="decode,base,lora,norecord",
+                    help="comma list of parts to run: decode, base, lora, norecord, prefix (prefix caching on and "
+                         "off: a shared 1,024-token system prompt, 256 distinct user turns, 64 new tokens, half "
+                         "the requests on two adapters)")
     ap.add_argument("--server-args", default="", help="extra flags for every `moeserve serve`")
     args = ap.parse_args(argv)
     from moeserve.bench import serve
 
     out = Path(args.out)
-    skip = set(filter(None, args.skip.split(",")))
+    parts = set(filter(None, args.parts.split(",")))
     model = write_model_config(args.preset, out / "model", args.layers)
     results: dict = {"preset": args.preset, "layers": args.layers, "gpu": torch.cuda.get_device_name()
                      if torch.cuda.is_available() else "cpu", "date": time.strftime("%Y-%m-%d")}
-    if "decode" not in skip:
+    if "decode" in parts:
         cmd = [sys.executable, "-m", "moeserve.bench.decode", "--preset", args.preset, "--batches", "1,256",
                "--modes", "base,idle-dual", "--steps", "64", "--repeats", "3", "--out", str(out / "decode")]
         if args.layers:
@@ -129,7 +141,7 @@ def main(argv=None) -> int:
     common = ["--model", str(model), "--load-format", "dummy", "--max-num-seqs", str(args.concurrency),
               "--log-level", "warning", *args.server_args.split()]
     adapters = []
-    if not {"lora", "norecord"} <= skip:
+    if parts & {"lora", "norecord", "prefix"}:
         for i in range(NUM_ADAPTERS):
             adapters.append(f"ad{i}={write_adapter(model, out / 'adapters' / f'ad{i}', seed=i + 1)}")
     lora_flags = ["--enable-lora", "--max-loras", str(NUM_ADAPTERS), "--max-lora-rank", str(RANK),
@@ -139,9 +151,14 @@ def main(argv=None) -> int:
                 ("lora", lora_flags, [("lora-base", []), ("lora-active", active)]),
                 ("norecord", lora_flags + ["--no-record-nolora-graph"], [("norecord-base", []),
                                                                           ("norecord-active", active)])]
+    shared = ["--random-prefix-len", "1024", "--random-input-len", "64", "--random-output-len", "64",
+              "--num-prompts", "256", "--lora-modules", *[a.split("=")[0] for a in adapters[:2]],
+              "--lora-fraction", "0.5"]
+    flavours += [("prefix", lora_flags, [("prefix-on", shared)]),
+                 ("prefix", lora_flags + ["--no-enable-prefix-caching"], [("prefix-off", shared)])]
     runs = {}
     for name, flags, jobs in flavours:
-        if name in skip:
+        if name not in parts:
             continue
         print(f"\n=== server `{name}`: moeserve serve {' '.join(common + flags)[:300]}", flush=True)
         t0 = time.monotonic()
