@@ -1,4 +1,6 @@
 """Multi-LoRA serving against PEFT: per-family adapters, mixed batches, eviction, hot load, bad adapters."""
+import logging
+
 import pytest
 import torch
 
@@ -124,23 +126,28 @@ def test_eviction_with_two_slots_and_five_adapters_staggered(tmp_path):
 def test_hot_load_unload_while_requests_run(tmp_path):
     family = "olmoe"
     base = save_base_checkpoint(family, tmp_path / "base")
-    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=20)
+    a, pm_a = make_peft_adapter(family, tmp_path / "a", rank=4, seed=20)
     b, pm_b = make_peft_adapter(family, tmp_path / "b", rank=4, seed=21)
     engine = make_engine(base, enable_lora=True, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "experts"])
     engine.load_lora("A", str(a))
     prompt = prompts_for([8], seed=22)[0]
-    engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), lora="A")
+    ra = engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), lora="A")
     engine.step()
     engine.load_lora("B", str(b))  # loaded while A's request runs
     rb = engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), lora="B")
-    with pytest.raises(LoRAInUseError, match="'A'"):
-        engine.unload_lora("A")
+    engine.unload_lora("A")  # drains: A's running request finishes on A, new ones are refused
+    with pytest.raises(UnknownLoRAError, match="'A' is not loaded"):
+        engine.add_request(prompt, SamplingParams(max_tokens=2), lora="A")
+    assert "A" not in engine.list_loras() and "A" in engine.lora_manager.slot_name
     outs = {}
     while engine.has_unfinished():
         for o in engine.step():
             outs[o.request_id] = o
     assert outs[rb].token_ids == peft_greedy(pm_b, prompt, 12)
-    engine.unload_lora("A")  # free now
+    assert outs[ra].token_ids == peft_greedy(pm_a, prompt, 12)
+    assert "A" not in engine.lora_manager.slot_name  # drained: its slot is free
+    with pytest.raises(UnknownLoRAError, match="'A'"):
+        engine.unload_lora("A")
     with pytest.raises(UnknownLoRAError, match="'A'"):
         engine.add_request(prompt, SamplingParams(max_tokens=2), lora="A")
     assert "A" not in engine.list_loras() and "B" in engine.list_loras()
@@ -228,3 +235,50 @@ def test_slot_buffers_never_move_and_unloaded_slots_are_zeroed(tmp_path):
     engine.unload_lora("b")
     assert all(t[0].abs().sum() == 0 for t in buffers()) and engine.lora_manager.pool.slot_ranks.tolist() == [0]
     assert [t.data_ptr() for t in buffers()] == ptrs
+
+
+def test_default_max_lora_rank_is_16_and_the_pool_logs_its_bytes_per_target(tmp_path, caplog):
+    """Issue 10.3: --enable-lora with defaults reserved 8 slots x rank 64 x every target. The default rank is now
+    vLLM's 16, and the pool reports what it reserves, per target, at start."""
+    assert EngineConfig().max_lora_rank == 16
+    base = save_base_checkpoint("qwen2_moe", tmp_path / "base")  # attention, routed experts and a shared expert
+    cfg = dict(model=str(base), device="cpu", dtype="float32", block_size=4, enable_lora=True)
+    with caplog.at_level(logging.INFO, logger="moeserve"):
+        engine = Engine(EngineConfig(**cfg))
+    pool, s = engine.lora_manager.pool, engine.spec
+    L, R = engine.config.max_loras, 16
+    assert pool.max_rank == R
+    H, hd, E, inter, shared = s.hidden_size, s.head_dim, s.num_experts, s.moe_intermediate_size, \
+        s.shared_expert_intermediate_size
+    q, kv = s.num_heads * hd, s.num_kv_heads * hd
+    sparse, dense = sum(s.sparse_layers), s.num_layers - sum(s.sparse_layers)
+    assert sparse and dense and shared > 0
+    elements = {  # per slot and rank: A [slices, R, in] + B [out, R] of every target, over the layers that have it
+        "q_proj/k_proj/v_proj": s.num_layers * (3 * H + q + 2 * kv),
+        "o_proj": s.num_layers * (q + H),
+        "experts": sparse * E * (H + 2 * inter + inter + H),
+        "shared_expert": sparse * ((2 * H + 2 * shared) + (shared + H)),
+        "gate_proj/up_proj/down_proj": dense * ((2 * H + 2 * s.intermediate_size) + (s.intermediate_size + H)),
+    }
+    want = {k: 4 * L * R * v for k, v in elements.items()}  # fp32
+    assert pool.nbytes_by_target == want and pool.nbytes == sum(want.values())
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("LoRA slot pool"))
+    assert f"{L} slots x rank {R}" in line and all(k in line for k in want) and "--max-lora-rank" in line
+    rank64 = Engine(EngineConfig(**cfg, max_lora_rank=64)).lora_manager.pool
+    assert rank64.nbytes == 4 * pool.nbytes  # the pool scales with max_lora_rank
+
+
+def test_pinning_the_last_slot_that_queued_requests_need_is_refused(tmp_path):
+    """LoRAInUseError is kept for pin conflicts: pinning may not take the last slot queued requests need."""
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    paths = {n: str(make_peft_adapter(family, tmp_path / n, rank=2, seed=80 + i)[0]) for i, n in enumerate("XY")}
+    engine = make_engine(base, enable_lora=True, max_loras=1)
+    engine.load_lora("X", paths["X"])
+    rid = engine.add_request(prompts_for([5], seed=81)[0], SamplingParams(max_tokens=2, **GREEDY), lora="X")
+    with pytest.raises(LoRAInUseError, match="cannot pin 'Y'"):
+        engine.load_lora("Y", paths["Y"], pinned=True)
+    assert engine.list_loras() == ["X"]
+    assert engine.abort(rid)
+    engine.load_lora("Y", paths["Y"], pinned=True)
+    assert engine.lora_manager.slot_name == ["Y"]

@@ -3,13 +3,15 @@
 The pool allocates, once, a `[max_loras, ...]` buffer pair per LoRA target of every layer and
 hands the layers references to them. Loading an adapter copies it into a slot in place (unused
 rank columns stay zero); unloading zeroes the slot. So adapters can come and go after CUDA graph
-capture without re-capture. A slot is held by the running requests that use it and is only
-evicted (LRU) when none does: a running request never sees its weights change.
+capture without re-capture. A slot is held by the requests bound to its adapter version (started
+and not finished, preempted ones included) and is only evicted (LRU) when none is: a started request
+never sees its weights change.
 """
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +37,7 @@ class UnknownLoRAError(LookupError):
 
 
 class LoRAInUseError(RuntimeError):
-    """The adapter is used by queued or running requests."""
+    """Pinning would take the last slot that queued or running requests for other adapters need."""
 
 
 class LoRASlotPool:
@@ -45,37 +47,44 @@ class LoRASlotPool:
         self.max_loras, self.max_rank = max_loras, max_rank
         L, R = max_loras, max_rank
         self.slot_ranks = torch.zeros(L, dtype=torch.int32, device=device)
-        self.nbytes = 0
+        # bytes reserved per target group: logged at start, since the pool is sized before the KV cache
+        # and scales with max_loras x max_lora_rank x every target (issue 10.3)
+        self.nbytes_by_target: dict[str, int] = {}
 
-        def alloc(*shape):
+        def alloc(group: str, *shape):
             t = torch.zeros(*shape, dtype=dtype, device=device)
-            self.nbytes += t.numel() * t.element_size()
+            self.nbytes_by_target[group] = self.nbytes_by_target.get(group, 0) + t.numel() * t.element_size()
             return t
 
-        def attach(linear, wanted: bool):
+        def attach(group: str, linear, wanted: bool):
             if wanted:
                 S = len(linear.slice_sizes)
-                linear.lora_a = alloc(L, S, R, linear.in_features)
-                linear.lora_b = alloc(L, linear.out_features, R)
+                linear.lora_a = alloc(group, L, S, R, linear.in_features)
+                linear.lora_b = alloc(group, L, linear.out_features, R)
 
         mlp_wanted = any(t in targets for t in MLP_TARGETS)
         for layer in model.layers:
             attn = layer.self_attn
-            attach(attn.qkv_proj, any(t in targets for t in ("q_proj", "k_proj", "v_proj")))
-            attach(attn.o_proj, "o_proj" in targets)
+            attach("q_proj/k_proj/v_proj", attn.qkv_proj, any(t in targets for t in ("q_proj", "k_proj", "v_proj")))
+            attach("o_proj", attn.o_proj, "o_proj" in targets)
             mlp = layer.mlp
             if not layer.is_sparse:
-                attach(mlp.gate_up_proj, mlp_wanted)
-                attach(mlp.down_proj, mlp_wanted)
+                attach("gate_proj/up_proj/down_proj", mlp.gate_up_proj, mlp_wanted)
+                attach("gate_proj/up_proj/down_proj", mlp.down_proj, mlp_wanted)
                 continue
             if "experts" in targets:
                 E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-                mlp.lora_bufs = ExpertLoRABuffers(alloc(L, E, R, H), alloc(L, E, 2 * inter, R),
-                                                  alloc(L, E, R, inter), alloc(L, E, H, R))
+                mlp.lora_bufs = ExpertLoRABuffers(*(alloc("experts", *shape) for shape in (
+                    (L, E, R, H), (L, E, 2 * inter, R), (L, E, R, inter), (L, E, H, R))))
             if mlp.shared_expert is not None and "shared_expert" in targets:
-                attach(mlp.shared_expert.gate_up_proj, True)
-                attach(mlp.shared_expert.down_proj, True)
-        logger.info("LoRA slot pool: %d slots x rank %d over %s (%.1f MiB)", L, R, sorted(targets), self.nbytes / 2**20)
+                attach("shared_expert", mlp.shared_expert.gate_up_proj, True)
+                attach("shared_expert", mlp.shared_expert.down_proj, True)
+        self.nbytes = sum(self.nbytes_by_target.values())
+        per_target = ", ".join(f"{g} {b / 2**20:.1f} MiB" for g, b in
+                               sorted(self.nbytes_by_target.items(), key=lambda kv: -kv[1]))
+        logger.info("LoRA slot pool: %d slots x rank %d, %.1f MiB in all (%s); lower --max-loras / --max-lora-rank "
+                    "or set --lora-target-modules to reserve less",
+                    L, R, self.nbytes / 2**20, per_target or "no targets")
 
     def _dense_site(self, layer_idx: int, target: str):
         """(LoRALinear, slice index) that holds `target` of layer `layer_idx`."""
@@ -149,20 +158,46 @@ class LoRASlotPool:
         return out
 
 
+@dataclass(eq=False)
+class LoRAVersion:
+    """One loaded version of a named adapter. Requests are bound to a version when they first start
+    computing and keep it to their end (across preemption too), so a replace or an unload never changes
+    the weights a started request sees."""
+    name: str
+    version: int
+    path: str
+    pinned: bool = False
+    state: str = "live"  # live: new requests get it | draining: unloaded, finishing its requests | retired: replaced
+    slot: int = -1
+    users: int = 0  # requests bound to it and not finished: while > 0 its slot is neither evicted nor cleared
+
+
 class LoRAManager:
-    """Known adapters (name -> path), a host LRU cache of parsed adapters, and slot assignment."""
+    """Known adapters (name -> live version), a host LRU cache of parsed adapters, and slot assignment.
+
+    Unload drains: the name stops taking requests at once (and is no longer listed), its queued and running
+    requests finish, then its slot is zeroed and the name is free. Replace (`register(..., replace=True)`)
+    gives the name a new version that new requests bind to; the old version keeps its slot for the requests
+    bound to it and frees it when they finish, so the new one goes into a different slot (slots never move,
+    and a slot is never written while a started request uses it). A request still queued when a replace or
+    unload+load lands starts on the newer version: nothing of it has been computed yet.
+    """
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, model: MoEForCausalLM, device: torch.device):
         self.config, self.spec = config, spec
         targets = self._resolve_targets(config)
         self.pool = LoRASlotPool(spec, model, config.max_loras, config.max_lora_rank, targets, device,
                                  config.torch_dtype)
-        self.paths: dict[str, str] = {}
-        self.pinned: set[str] = set()
-        self.host_cache: OrderedDict[str, LoRAAdapter] = OrderedDict()
-        self.slot_name: list[str | None] = [None] * config.max_loras
-        self.slot_users = [0] * config.max_loras
+        self.live: dict[str, LoRAVersion] = {}  # name -> the version requests for it bind to (live or draining)
+        self.host_cache: OrderedDict[tuple[str, int], LoRAAdapter] = OrderedDict()  # (name, version) -> parsed
+        self.slot_ver: list[LoRAVersion | None] = [None] * config.max_loras
         self.slot_lru: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.slot_loaded_at = [0] * config.max_loras  # load order: the longest-resident slot is drained first
+        self._loads = 0
+        self._versions: dict[str, int] = {}  # name -> last version number given (never reused, also after unload)
+        self._bound: dict[Sequence, LoRAVersion] = {}
+        self._queued: dict[Sequence, str] = {}  # accepted, not yet bound (see add)
+        self._queued_per_name: dict[str, int] = {}
         self.counters = {"lora_loads_total": 0, "lora_evictions_total": 0}
 
     def _resolve_targets(self, config: EngineConfig) -> set[str]:
@@ -180,119 +215,237 @@ class LoRAManager:
         return set(ALL_TARGETS)
 
     # ---- registry ---------------------------------------------------------------------------
+    @property
+    def slot_name(self) -> list[str | None]:
+        return [v.name if v is not None else None for v in self.slot_ver]
+
+    @property
+    def pinned(self) -> set[str]:
+        return {n for n, v in self.live.items() if v.pinned}
+
     def names(self) -> list[str]:
-        return list(self.paths)
+        """Names new requests may use (draining ones are not listed)."""
+        return [n for n, v in self.live.items() if v.state == "live"]
+
+    def version(self, name: str) -> int:
+        """Version number of the adapter `name` serves new requests with (1 at first load, +1 per reload)."""
+        self._require_known(name)
+        return self.live[name].version
 
     def _require_known(self, name: str) -> None:
-        if name not in self.paths:
-            raise UnknownLoRAError(f"unknown LoRA adapter {name!r}; loaded adapters: {sorted(self.paths) or 'none'}")
+        v = self.live.get(name)
+        if v is None or v.state != "live":
+            raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded; "
+                                   f"loaded adapters: {sorted(self.names()) or 'none'}")
 
     def check_known(self, name: str) -> None:
         """Raise unless requests for `name` can be served (known, and a slot it could ever get)."""
         self._require_known(name)
-        if name not in self.pinned and len(self.pinned) >= len(self.slot_name):
-            raise LoRAAdapterError(f"adapter {name!r} cannot be served: all {len(self.slot_name)} LoRA slots are "
-                                   f"pinned by {sorted(self.pinned)}")
+        pinned = self.pinned
+        if name not in pinned and len(pinned) >= len(self.slot_ver):
+            raise LoRAAdapterError(f"adapter {name!r} cannot be served: all {len(self.slot_ver)} LoRA slots are "
+                                   f"pinned by {sorted(pinned)}")
 
-    def register(self, name: str, path: str, pinned: bool = False, queued: list[Sequence] = ()) -> None:
+    def register(self, name: str, path: str, pinned: bool = False, queued: list[Sequence] = (),
+                 replace: bool = False) -> None:
         """Parse and validate now (errors leave every state unchanged), then make the name known.
+        `replace=True` gives an already loaded name a new version (see the class docstring).
         Pinning the last unpinned slot is refused while `queued` requests need other adapters."""
         if not isinstance(name, str) or not name or ":" in name:
             raise LoRAAdapterError(f"invalid adapter name {name!r} (non-empty, no ':')")
-        if name in self.paths:
-            raise LoRAAdapterError(f"an adapter named {name!r} is already loaded (from {self.paths[name]})")
+        old = self.live.get(name)
+        if old is not None and old.state == "live" and not replace:
+            raise LoRAAdapterError(f"an adapter named {name!r} is already loaded (from {old.path}); "
+                                   "reload it with replace=True")
         adapter = load_lora_adapter(name, path, self.spec, self.config.max_lora_rank)
         self.pool.check_fits(adapter)
+        slot = None
         if pinned:
-            needy = [q.request_id for q in queued if q.lora_name and q.lora_name not in self.pinned and not q.is_finished]
-            if len(self.pinned) + 1 >= len(self.slot_name) and needy:
+            others = self.pinned - {name}
+            needy = [q.request_id for q in queued
+                     if q.lora_name and q.lora_name not in others and q.lora_name != name and not q.is_finished]
+            if len(others) + 1 >= len(self.slot_ver) and needy:
                 raise LoRAInUseError(f"cannot pin {name!r}: it would take the last LoRA slot that {len(needy)} queued or "
                                      "running request(s) for unpinned adapters need")
-            slot = self._free_slot()
+            # the old version's slot counts as free when nothing uses it: it is dropped below
+            slot = self._free_slot(also=old)
             if slot is None:
                 raise LoRAAdapterError(f"cannot pin {name!r}: every LoRA slot is in use")
-            self._load_into(slot, name, adapter)
-            self.pinned.add(name)
-        self.paths[name] = str(path)
-        self._cache(name, adapter)
-        logger.info("registered LoRA adapter %s (rank %d, targets %s)", name, adapter.rank, sorted(adapter.target_modules))
+        version = self._versions.get(name, 0) + 1
+        self._versions[name] = version
+        new = LoRAVersion(name, version, str(path), pinned=pinned)
+        if old is not None:
+            self.live.pop(name)
+            old.pinned = False
+            old.state = "retired"
+            self._maybe_drop(old)
+        self.live[name] = new
+        self._cache(new, adapter)
+        if slot is not None:
+            self._load_into(slot, new, adapter)  # evicts an unused unpinned adapter if the slot holds one
+        logger.info("registered LoRA adapter %s version %d (rank %d, targets %s)", name, version, adapter.rank,
+                    sorted(adapter.target_modules))
 
-    def unregister(self, name: str, running: list[Sequence]) -> None:
+    def unregister(self, name: str) -> None:
+        """Unload with draining: new requests for `name` are refused from now on; queued and running ones
+        finish on it; then its slot is zeroed and the name is free (dropped at once when nothing uses it)."""
         self._require_known(name)
-        users = [s.request_id for s in running if s.lora_name == name and not s.is_finished]
-        if users:
-            raise LoRAInUseError(f"adapter {name!r} is used by {len(users)} queued or running request(s); "
-                                 "unload it when they finish")
-        if name in self.slot_name:
-            slot = self.slot_name.index(name)
-            self.pool.clear(slot)
-            self.slot_name[slot] = None
-            self.slot_lru.pop(slot, None)
-        self.paths.pop(name)
-        self.pinned.discard(name)
-        self.host_cache.pop(name, None)
+        v = self.live[name]
+        v.pinned = False
+        v.state = "draining"
+        self._maybe_drop(v)
 
-    def _cache(self, name: str, adapter: LoRAAdapter) -> None:
-        self.host_cache[name] = adapter
-        self.host_cache.move_to_end(name)
+    def _maybe_drop(self, v: LoRAVersion) -> None:
+        """Free a version nobody can use any more: a retired one without bound requests, a draining one
+        without bound or queued requests. Its slot is zeroed in place (the buffers never move)."""
+        if v.state == "live" or v.users > 0:
+            return
+        if v.state == "draining":
+            if self._queued_per_name.get(v.name, 0) > 0:
+                return
+            del self.live[v.name]
+        if v.slot >= 0:
+            slot = v.slot
+            self.pool.clear(slot)
+            self.slot_ver[slot] = None
+            self.slot_lru.pop(slot, None)
+            v.slot = -1
+        self.host_cache.pop((v.name, v.version), None)
+
+    def _cache(self, v: LoRAVersion, adapter: LoRAAdapter) -> None:
+        key = (v.name, v.version)
+        self.host_cache[key] = adapter
+        self.host_cache.move_to_end(key)
         while len(self.host_cache) > self.config.max_cpu_loras:
             self.host_cache.popitem(last=False)
 
-    def _adapter(self, name: str) -> LoRAAdapter:
-        if name in self.host_cache:
-            self.host_cache.move_to_end(name)
-            return self.host_cache[name]
-        adapter = load_lora_adapter(name, self.paths[name], self.spec, self.config.max_lora_rank)
-        self._cache(name, adapter)
+    def _adapter(self, v: LoRAVersion) -> LoRAAdapter:
+        key = (v.name, v.version)
+        if key in self.host_cache:
+            self.host_cache.move_to_end(key)
+            return self.host_cache[key]
+        adapter = load_lora_adapter(v.name, v.path, self.spec, self.config.max_lora_rank)
+        self._cache(v, adapter)
         return adapter
 
-    # ---- slots (called by the scheduler) ----------------------------------------------------
-    def _has_evictable_slot(self) -> bool:
-        return any(n is None or (self.slot_users[i] == 0 and n not in self.pinned)
-                   for i, n in enumerate(self.slot_name))
+    # ---- requests and slots (called by the core and the scheduler) ----------------------------
+    def add(self, seq: Sequence) -> None:
+        """A request for seq.lora_name was accepted: its name is not freed before it finishes."""
+        self._queued[seq] = seq.lora_name
+        self._queued_per_name[seq.lora_name] = self._queued_per_name.get(seq.lora_name, 0) + 1
 
-    def _free_slot(self) -> int | None:
-        if None in self.slot_name:
-            return self.slot_name.index(None)
+    def _unqueue(self, seq: Sequence) -> str | None:
+        name = self._queued.pop(seq, None)
+        if name is not None:
+            self._queued_per_name[name] -= 1
+            if not self._queued_per_name[name]:
+                del self._queued_per_name[name]
+        return name
+
+    def _evictable(self, slot: int) -> bool:
+        v = self.slot_ver[slot]
+        return v is None or (v.users == 0 and not v.pinned)
+
+    def _has_evictable_slot(self) -> bool:
+        return any(self._evictable(i) for i in range(len(self.slot_ver)))
+
+    def _free_slot(self, also: LoRAVersion | None = None) -> int | None:
+        """An empty slot, else the least recently used one no request holds (None if there is none).
+        `also`: a version about to be dropped, whose slot counts as free when it has no users."""
+        if None in self.slot_ver:
+            return self.slot_ver.index(None)
+        if also is not None and also.slot >= 0 and also.users == 0:
+            return also.slot
         for slot in self.slot_lru:  # least recently used first
-            if self.slot_users[slot] == 0 and self.slot_name[slot] not in self.pinned:
-                self.counters["lora_evictions_total"] += 1
+            if self._evictable(slot):
                 return slot
         return None
 
-    def _load_into(self, slot: int, name: str, adapter: LoRAAdapter) -> None:
+    def _evict(self, slot: int) -> None:
+        """Forget an unused adapter's residency (its weights are overwritten by the next load)."""
+        v = self.slot_ver[slot]
+        v.slot = -1
+        self.counters["lora_evictions_total"] += 1
+        self.slot_ver[slot] = None
+        self.slot_lru.pop(slot, None)
+
+    def _load_into(self, slot: int, v: LoRAVersion, adapter: LoRAAdapter) -> None:
+        if self.slot_ver[slot] is not None:
+            self._evict(slot)
         self.pool.load(slot, adapter)
-        self.slot_name[slot] = name
+        self.slot_ver[slot] = v
+        v.slot = slot
         self.slot_lru[slot] = None
         self.slot_lru.move_to_end(slot)
+        self._loads += 1
+        self.slot_loaded_at[slot] = self._loads
         self.counters["lora_loads_total"] += 1
 
+    def slot_of(self, seq: Sequence) -> tuple[int, bool]:
+        """(slot seq would run in without loading anything, -1 if it needs a new slot; whether it is bound)."""
+        v = self._bound.get(seq)
+        if v is not None:
+            return v.slot, True
+        v = self.live.get(seq.lora_name)
+        return (v.slot if v is not None else -1), False
+
+    def identity(self, seq: Sequence) -> tuple[str, int] | None:
+        """(name, version) of the adapter version seq is bound to (after acquire): what a prefix-cache key
+        holds (DESIGN invariant 9) — versions of a name are never reused, also after an unload."""
+        v = self._bound.get(seq)
+        return (v.name, v.version) if v is not None else None
+
     def acquire(self, seq: Sequence) -> bool:
-        """Give seq a slot holding its adapter; False if every slot is held by other adapters' requests."""
-        name = seq.lora_name
-        if name not in self.paths:
-            return False
-        if name in self.slot_name:
-            slot = self.slot_name.index(name)
-        else:
-            if not self._has_evictable_slot():
+        """Give seq a slot holding its adapter version (binding it to the live version if it has none yet);
+        False if every slot is held by requests of other versions. Raises if the adapter cannot be read."""
+        v = self._bound.get(seq)
+        if v is None:
+            v = self.live.get(seq.lora_name)
+            if v is None:
                 return False
-            adapter = self._adapter(name)  # may re-read from disk: fail before touching any slot
-            slot = self._free_slot()
-            self._load_into(slot, name, adapter)
-        self.slot_users[slot] += 1
-        self.slot_lru.move_to_end(slot)
-        seq.lora_slot = slot
+            if v.slot < 0:
+                if not self._has_evictable_slot():
+                    return False
+                adapter = self._adapter(v)  # may re-read from disk: fail before touching any slot
+                self._load_into(self._free_slot(), v, adapter)
+            self._unqueue(seq)
+            self._bound[seq] = v
+            v.users += 1
+        seq.lora_slot = v.slot
+        self.slot_lru.move_to_end(v.slot)
         return True
 
+    def preempt(self, seq: Sequence) -> None:
+        """seq stops computing for now (preempted, or not admitted after all): it keeps its version, and
+        the version keeps its slot, so it resumes on the same weights."""
+        seq.lora_slot = -1
+
     def release(self, seq: Sequence) -> None:
-        if seq.lora_slot >= 0:
-            self.slot_users[seq.lora_slot] -= 1
-            seq.lora_slot = -1
+        """seq is done (finished, aborted, failed): unbind it; free versions nobody can use any more."""
+        seq.lora_slot = -1
+        v = self._bound.pop(seq, None)
+        if v is not None:
+            v.users -= 1
+        else:
+            name = self._unqueue(seq)
+            v = self.live.get(name) if name is not None else None
+        if v is not None:
+            self._maybe_drop(v)
+
+    def drain_victim(self) -> int:
+        """The slot to drain so a request waiting for a new slot can have it: -1 when one is free or is
+        freeing by itself (it holds a replaced or unloaded version); else the longest-resident unpinned slot
+        (each adapter gets its turn), or -1 if every slot is pinned."""
+        if self._has_evictable_slot() or any(v is not None and v.state != "live" for v in self.slot_ver):
+            return -1
+        candidates = [i for i, v in enumerate(self.slot_ver) if not v.pinned]
+        return min(candidates, key=lambda i: self.slot_loaded_at[i]) if candidates else -1
 
     def stats(self) -> dict:
         s = dict(self.counters)
-        s["lora_adapters_known"] = len(self.paths)
-        s["lora_slots_used"] = sum(n is not None for n in self.slot_name)
+        s["lora_adapters_known"] = len(self.names())
+        s["lora_adapters_draining"] = sum(v.state == "draining" for v in self.live.values())
+        s["lora_slots_used"] = sum(v is not None for v in self.slot_ver)
         s["lora_slots_total"] = self.config.max_loras
+        s["lora_versions"] = {n: v.version for n, v in self.live.items() if v.state == "live"}
         return s

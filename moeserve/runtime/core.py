@@ -108,8 +108,7 @@ class EngineCore:
                                     self.allocator.num_usable)
         self.scheduler = Scheduler(
             self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_chunked_prefill,
-            lora_acquire=self.lora_manager.acquire if self.lora_manager else None,
-            lora_release=self.lora_manager.release if self.lora_manager else None,
+            lora=self.lora_manager,
             prefill_delay_steps=cfg.prefill_delay_steps,
         )
         self.seqs: dict[str, Sequence] = {}
@@ -160,6 +159,8 @@ class EngineCore:
             raise
         seq = Sequence(request_id, prompt_token_ids, params, lora, seed=self._seeds.getrandbits(63))
         self.seqs[request_id] = seq
+        if lora is not None:  # an unload now drains: the name stays until this request is done
+            self.lora_manager.add(seq)
         self.scheduler.add(seq)
         self.stats_counters["requests_total"] += 1
         self.stats_counters["prompt_tokens_total"] += len(prompt_token_ids)
@@ -254,15 +255,20 @@ class EngineCore:
         return [self._fail(seq, error) for seq in list(self.scheduler.running)]
 
     # ---- LoRA -----------------------------------------------------------------------------------
-    def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
+    def load_lora(self, name: str, path: str, pinned: bool = False, replace: bool = False) -> None:
+        """Load an adapter under `name`. `replace=True` reloads a loaded name (weight sync): the new weights go
+        into another slot as a new version; requests already started finish on the old version (its slot
+        frees when they end), every request starting later uses the new one (LoRAManager docstring)."""
         if self.lora_manager is None:
             raise RequestError("LoRA is not enabled (start the engine with enable_lora=True)")
-        self.lora_manager.register(name, path, pinned=pinned, queued=list(self.seqs.values()))
+        self.lora_manager.register(name, path, pinned=pinned, queued=list(self.seqs.values()), replace=replace)
 
     def unload_lora(self, name: str) -> None:
+        """Unload with draining: requests for `name` are refused from now on (it is no longer listed); queued
+        and running ones finish; then its slot is zeroed and the name can be loaded again."""
         if self.lora_manager is None:
             raise RequestError("LoRA is not enabled")
-        self.lora_manager.unregister(name, running=list(self.seqs.values()))
+        self.lora_manager.unregister(name)
 
     def list_loras(self) -> list[str]:
         return self.lora_manager.names() if self.lora_manager else []

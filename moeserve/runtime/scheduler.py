@@ -10,16 +10,25 @@ Why separate steps are worth their cost: at decode batch sizes of 64 and more ne
 is touched, so any step costs about one read of all weights, and a separate prefill step reads them
 again. That read is paid once per prefill step, not per prompt — so prefill steps are batched:
 waiting prompts are prefilled when nothing decodes, when they fill half the token budget, or once
-they have waited `prefill_delay_steps` decode steps (a bound on the extra time to first token).
+they have waited `prefill_delay_steps` decode steps (a bound on the extra time to first token) — but
+never in two steps in a row while sequences wait to decode, so a stream of prompts cannot starve them.
 
 When KV blocks run out, the newest running sequence is preempted (its blocks freed, recomputed
 later) — nobody else's cache is touched.
+
+LoRA slots (more active adapters than slots): admission is FIFO, but a request whose adapter version is
+already in a slot (or a base request) is admitted even when an earlier one waits for a new slot; only
+requests that need a new slot queue behind that one, in order. A slot changes adapter when its adapter's
+requests have drained (LRU among unused slots). So that no adapter waits forever behind resident ones
+that keep getting traffic, a request that has waited `lora_max_wait_steps` steps for a new slot has one
+drained for it: the longest-resident unpinned slot's adapter takes no new requests until its slot
+empties and the waiting request has it (a bounded wait; each adapter gets its turn).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol
 
 from moeserve.runtime.kv_cache import BlockAllocator
 from moeserve.runtime.sequence import Sequence, SeqStatus
@@ -32,25 +41,43 @@ class ScheduledBatch:
     is_decode: bool  # one row per sequence, each computing its next token (graph-eligible)
 
 
+class LoRASlots(Protocol):
+    """What the scheduler needs of the LoRA manager (lora/manager.py)."""
+
+    def slot_of(self, seq: Sequence) -> tuple[int, bool]: ...  # (resident slot or -1, bound to a version)
+    def acquire(self, seq: Sequence) -> bool: ...  # False: no slot for it now
+    def preempt(self, seq: Sequence) -> None: ...  # stops computing for now, keeps its version and slot
+    def release(self, seq: Sequence) -> None: ...  # done
+    def drain_victim(self) -> int: ...  # slot to drain for a request waiting for a new slot, or -1
+
+
+LORA_MAX_WAIT_STEPS = 32  # steps a request may wait for a new LoRA slot before one is drained for it
+
+
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool, lora_acquire: Callable[[Sequence], bool] | None = None,
-                 lora_release: Callable[[Sequence], None] | None = None, prefill_delay_steps: int = 0):
+                 chunked_prefill: bool, lora: LoRASlots | None = None, prefill_delay_steps: int = 0,
+                 lora_max_wait_steps: int = LORA_MAX_WAIT_STEPS):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.prefill_delay_steps = prefill_delay_steps
-        self.lora_acquire = lora_acquire or (lambda seq: True)
-        self.lora_release = lora_release or (lambda seq: None)
+        self.lora = lora
+        self.lora_max_wait_steps = lora_max_wait_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.failed: list[Sequence] = []  # refused during admission (e.g. adapter unreadable); engine reports them
         self.num_preemptions = 0
         self._decode_steps_waited = 0  # decode steps run while prefill work waited
+        self._last_was_prefill = False
+        self.num_steps = 0  # schedule() calls: the clock of waiting times
+        self._added_at: dict[Sequence, int] = {}  # waiting, never admitted -> step it arrived
+        self.lora_drain_slot = -1  # slot drained for a starving request (-1: none); exposed for stats/tests
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._added_at[seq] = self.num_steps
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.failed)
@@ -72,13 +99,19 @@ class Scheduler:
         return need
 
     def schedule(self) -> ScheduledBatch | None:
+        self.num_steps += 1
         decodes = [s for s in self.running if self._remaining(s) == 1 and not self._sampled_all(s)]
         prefilling = [s for s in self.running if self._remaining(s) > 1]
-        if (self.waiting or prefilling) and (not decodes or self._prefill_due(prefilling)):
+        # never two prefill steps in a row while sequences wait to decode: a steady stream of prompts
+        # must not starve the running requests
+        if (self.waiting or prefilling) and (not decodes or (not self._last_was_prefill
+                                                             and self._prefill_due(prefilling))):
             sb = self._schedule_prefill(prefilling, may_preempt=not decodes)
             if sb is not None:
                 self._decode_steps_waited = 0
+                self._last_was_prefill = True
                 return sb
+        self._last_was_prefill = False
         if not decodes:
             return None
         if self.waiting or prefilling:
@@ -137,8 +170,9 @@ class Scheduler:
         if self.num_preemptions != preempted:
             return ScheduledBatch(list(scheduled), list(scheduled.values()), is_decode=False) if scheduled else None
         budget = self.max_tokens - sum(scheduled.values())
-        # admit waiting sequences (FIFO; one blocked on LoRA slots holds back new adapters)
-        lora_blocked = False
+        # admit waiting sequences: FIFO, except that LoRA slot waits only hold back requests needing a new slot
+        lora_blocked = False  # a request needing a new slot got none: later ones needing one queue behind it
+        drain = self._lora_drain_slot()
         skipped: list[Sequence] = []
         try:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -147,23 +181,30 @@ class Scheduler:
                 if n > budget:
                     skipped.append(seq)
                     break
-                if seq.lora_name is not None:
+                if seq.lora_name is not None and self.lora is not None:
+                    slot, bound = self.lora.slot_of(seq)
+                    if (slot < 0 and lora_blocked) or (slot >= 0 and slot == drain and not bound):
+                        skipped.append(seq)  # behind the blocked one / its adapter's slot is being drained
+                        continue
                     try:
-                        got_slot = not lora_blocked and self.lora_acquire(seq)
+                        got_slot = self.lora.acquire(seq)
                     except Exception as e:  # noqa: BLE001 - e.g. the adapter's files vanished: fail this request only
                         seq.error = f"{type(e).__name__}: {e}"
                         self.failed.append(seq)
+                        self._added_at.pop(seq, None)
                         continue
                     if not got_slot:
                         lora_blocked = True
                         skipped.append(seq)
                         continue
                 if not self.allocator.grow(seq.block_table, seq.num_computed_tokens + n):
-                    self.lora_release(seq)
+                    if self.lora is not None and seq.lora_name is not None:
+                        self.lora.preempt(seq)  # keeps the slot it just got: it is first in line
                     skipped.append(seq)
                     break
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+                self._added_at.pop(seq, None)
                 scheduled[seq] = n
                 budget -= n
         finally:
@@ -172,10 +213,24 @@ class Scheduler:
             return None
         return ScheduledBatch(list(scheduled), list(scheduled.values()), is_decode=False)
 
+    def _lora_drain_slot(self) -> int:
+        """Bounded wait for LoRA slots: once the oldest request needing a new slot has waited
+        lora_max_wait_steps, the slot the manager picks takes no new requests until it is free."""
+        self.lora_drain_slot = -1
+        if self.lora is None:
+            return -1
+        for seq in self.waiting:  # the oldest request that needs a new slot (others get theirs without waiting)
+            if seq.lora_name is not None and self.lora.slot_of(seq)[0] < 0:
+                if self.num_steps - self._added_at.get(seq, self.num_steps) > self.lora_max_wait_steps:
+                    self.lora_drain_slot = self.lora.drain_victim()
+                break
+        return self.lora_drain_slot
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.allocator.release(seq.block_table)
-        self.lora_release(seq)
+        if self.lora is not None and seq.lora_name is not None:
+            self.lora.preempt(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -190,6 +245,8 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.failed:
             self.failed.remove(seq)
+        self._added_at.pop(seq, None)
         self.allocator.release(seq.block_table)
-        self.lora_release(seq)
+        if self.lora is not None and seq.lora_name is not None:
+            self.lora.release(seq)
         seq.status = SeqStatus.FINISHED
