@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -40,10 +41,14 @@ class EngineConfig:
     # LoRA
     enable_lora: bool = False
     max_loras: int = 8  # device slots
-    max_lora_rank: int = 64
+    max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # host cache of parsed adapters (default: max(max_loras, 16))
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> path, loaded at start
     lora_target_modules: list[str] | None = None  # None = inferred from lora_modules (or all supported)
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter answer only when this is on: loading parses files the
+    # client names, so it is the operator's choice (vLLM gates it behind VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    enable_lora_runtime_loading: bool = False
+    lora_dir: str | None = None  # runtime loads are confined to this folder (realpath); a name alone means DIR/name
 
     # CUDA graphs
     enforce_eager: bool = False  # --disable-cuda-graph
@@ -100,6 +105,13 @@ class EngineConfig:
         if self.lora_modules and not self.enable_lora:
             logger.info("lora_modules given: enabling LoRA")
             self.enable_lora = True
+        if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
+            raise ValueError(f"lora_dir {self.lora_dir!r} is not a directory")
+        if self.lora_modules:
+            from moeserve.lora.adapter import validate_adapter_name
+
+            for name in self.lora_modules:
+                validate_adapter_name(name)
         if self.cuda_graph_bs is not None:
             if not self.cuda_graph_bs or any(not isinstance(b, int) or b <= 0 for b in self.cuda_graph_bs):
                 raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")

@@ -28,10 +28,44 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
+    from moeserve.lora.adapter import LoRAAdapterError, validate_adapter_name
+
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=PATH, got {text!r} (--lora-modules takes every NAME=PATH that follows it; put other "
+            "arguments after '--', or write --lora-modules=NAME=PATH)")
+    try:
+        validate_adapter_name(name)
+    except LoRAAdapterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return name, path
+
+
+def split_lora_modules_argv(argv: list[str]) -> list[str]:
+    """Rewrite `--lora-modules a=/p b=/q` as `--lora-modules=a=/p --lora-modules=b=/q`, so that the list ends at
+    the first argument that is not NAME=PATH: `generate --lora-modules a=/p "a prompt"` then keeps its prompt.
+    The flag keeps vLLM's `nargs="+"` spelling (argparse alone would swallow the prompt as a module).
+    Stops at `--`: what follows it is positional."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        if arg != "--lora-modules":
+            out.append(arg)
+            i += 1
+            continue
+        i += 1
+        values = 0
+        while i < len(argv) and not argv[i].startswith("-") and "=" in argv[i]:
+            out.append(f"--lora-modules={argv[i]}")
+            values += 1
+            i += 1
+        if not values:  # let argparse report the missing value
+            out.append(arg)
+    return out
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -90,7 +124,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="parsed adapters kept in host memory (default: max(max_loras, 16))")
     g.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module, default=None,
-                   metavar="NAME=PATH", help="adapters loaded at start, each served under NAME")
+                   metavar="NAME=PATH",
+                   help="adapters loaded at start, each served under NAME (the list ends at the first argument that "
+                        "is not NAME=PATH, or at '--')")
+    g.add_argument("--enable-lora-runtime-loading", action="store_true",
+                   default=_default("enable_lora_runtime_loading"),
+                   help="answer /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default: loading parses "
+                        "files the client names; see --lora-dir)")
+    g.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="runtime loads may only read adapters inside DIR (symlinks resolved); a load request may "
+                        "then give just lora_name, read from DIR/<lora_name>")
     g.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="modules that may carry LoRA (default: inferred from the adapters)")
 

@@ -75,6 +75,25 @@ class ChatPrompt:
     messages: list[dict]
 
 
+@dataclass
+class PreparedPrompt:
+    """A prompt already tokenized (EngineClient.prepare): n choices of one prompt tokenize it once."""
+    token_ids: list[int]
+    text: str | None = None  # the plain-text prompt, for echo
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of text one token stands for: its vocabulary string's UTF-8 length
+    (byte-level vocabularies spell a byte with a character of up to two bytes; a byte-fallback token such as
+    <0x41> is longer than its byte), so a text of more characters than max_model_len times this cannot fit."""
+    tok = getattr(tokenizer, "tok", tokenizer)
+    try:
+        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+        return max(len(p.encode("utf-8", "surrogatepass")) for p in pieces if isinstance(p, str))
+    except Exception:  # noqa: BLE001 - an unusual tokenizer: a generous fixed bound
+        return 256
+
+
 class RequestStream:
     """Outputs of one request, in order; the last one has finish_reason set. Iterating raises the error
     the engine reported for it. abort() stops the request unless it already finished; it never blocks."""
@@ -110,6 +129,30 @@ class RequestStream:
             self._client.abort(self.request_id)
 
 
+class QueueReservation:
+    """Queue places held for requests being prepared (EngineClient.reserve)."""
+
+    def __init__(self, client: "EngineClient", n: int):
+        self._client = client
+        self.left = n
+
+    def use(self) -> None:
+        if self.left <= 0:
+            raise RuntimeError("queue reservation already used up")
+        self.left -= 1
+        self._client.reserved -= 1
+
+    def release(self) -> None:
+        self._client.reserved -= self.left
+        self.left = 0
+
+    def __enter__(self) -> "QueueReservation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "INFO"):
         self.config = config
@@ -117,12 +160,14 @@ class EngineClient:
         self.info: dict = {}
         self.tokenizer = None
         self.limits: RequestLimits | None = None
+        self.max_prompt_chars: int | None = None  # longer texts are refused without tokenizing
         self.lora_names: tuple[str, ...] = ()
         self.output: OutputProcessor | None = None
         self.streams: dict[str, RequestStream] = {}
         self.pending_adds: dict[str, asyncio.Future] = {}
         self.calls: dict[int, asyncio.Future] = {}
         self.counts = {"num_running": 0, "num_waiting": 0}
+        self.reserved = 0  # queue places held by requests still being tokenized (see reserve())
         self.dead: str | None = None  # why the core is not running
         self._call_ids = itertools.count()
         # tokenizing and chat templating run here, off the event loop
@@ -170,6 +215,9 @@ class EngineClient:
         self.lora_names = tuple(self.info["lora_names"])
         self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info["tokenizer"],
                                                     self.info["vocab_size"])
+        if self.tokenizer is not None:
+            per_token = await loop.run_in_executor(self._prep, max_token_bytes, self.tokenizer)
+            self.max_prompt_chars = self.info["max_model_len"] * max(per_token, 1)
         self.output = OutputProcessor(self.tokenizer)
         self._reader = asyncio.ensure_future(self._read())
         exited.add_done_callback(lambda _: self._on_exit())
@@ -268,7 +316,10 @@ class EngineClient:
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer: give the prompt as token ids")
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            try:
+                return self.tokenizer.encode(prompt)
+            except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate: the prompt's fault, not ours
+                raise RequestError(f"prompt could not be tokenized: {type(e).__name__}: {e}") from e
         try:
             return self.tokenizer.chat_ids(prompt.messages)
         except ValueError:
@@ -276,32 +327,78 @@ class EngineClient:
         except Exception as e:  # noqa: BLE001 - e.g. a template that refuses the conversation
             raise RequestError(f"messages: the chat template failed: {type(e).__name__}: {e}") from e
 
+    def queue_room(self) -> int:
+        """How many more requests may wait: those sent but not yet running count as waiting, and so do places
+        reserved by requests still being tokenized (else a burst would all tokenize before any was refused)."""
+        return self.info["max_queue_len"] - (len(self.streams) - self.counts["num_running"]) - self.reserved
+
+    def queue_full_error(self) -> QueueFullError:
+        return QueueFullError(f"queue is full ({self.info['max_queue_len']} waiting requests); retry later")
+
+    def reserve(self, n: int = 1) -> "QueueReservation":
+        """Hold n queue places for requests about to be prepared and submitted (QueueFullError if there is no
+        room): each submit() given the reservation turns one place into its queued request; leaving the `with`
+        block frees the places not used."""
+        if self.queue_room() < n:
+            raise self.queue_full_error()
+        self.reserved += n
+        return QueueReservation(self, n)
+
+    def check_prompt_size(self, prompt) -> None:
+        """Refuse, without tokenizing, a prompt too long to ever fit max_model_len (RequestError)."""
+        limit = self.info["max_model_len"]
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif isinstance(prompt, ChatPrompt):
+            chars = sum(len(m.get("content") or "") for m in prompt.messages)
+        else:
+            if isinstance(prompt, (list, tuple)) and len(prompt) >= limit:
+                raise RequestError(f"prompt has {len(prompt)} tokens; max_model_len is {limit} (the prompt plus at "
+                                   "least one generated token must fit)")
+            return
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise RequestError(f"prompt has {chars} characters, more than max_model_len ({limit}) tokens can "
+                               f"hold; at most {self.max_prompt_chars} characters are accepted")
+
+    async def prepare(self, prompt: str | list[int] | ChatPrompt | PreparedPrompt) -> PreparedPrompt:
+        """Size-check, then tokenize (off the event loop) or check the token ids."""
+        if isinstance(prompt, PreparedPrompt):
+            return prompt
+        self.check_prompt_size(prompt)
+        if isinstance(prompt, (str, ChatPrompt)):
+            ids = await asyncio.get_running_loop().run_in_executor(self._prep, self._tokenize, prompt)
+            return PreparedPrompt(ids, prompt if isinstance(prompt, str) else None)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return PreparedPrompt(list(prompt))
+        raise RequestError("prompt must be a string or a list of token ids")
+
     def check_model(self, lora: str | None) -> None:
         if lora is not None and lora not in self.lora_names:
             raise UnknownAdapterError(f"unknown LoRA adapter {lora!r}; loaded adapters: "
                                       f"{sorted(self.lora_names) or 'none'}")
 
-    async def submit(self, prompt: str | list[int] | ChatPrompt, params: SamplingParams | None = None,
-                     lora: str | None = None, request_id: str | None = None) -> RequestStream:
+    async def submit(self, prompt: str | list[int] | ChatPrompt | PreparedPrompt, params: SamplingParams | None = None,
+                     lora: str | None = None, request_id: str | None = None,
+                     reservation: "QueueReservation | None" = None) -> RequestStream:
         """Add a request; refusals (RequestError, QueueFullError, UnknownAdapterError, ...) are raised here,
-        before any output."""
+        before any output. `reservation`: a queue place held by reserve(); without one, a place is taken here,
+        before tokenizing, so overload is refused in microseconds."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if reservation is None:
+            with self.reserve(1) as own:
+                return await self.submit(prompt, params, lora, request_id, own)
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        prompt_text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, (str, ChatPrompt)):
-            ids = await asyncio.get_running_loop().run_in_executor(self._prep, self._tokenize, prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise RequestError("prompt must be a string or a list of token ids")
+        prepared = await self.prepare(prompt)
+        ids, prompt_text = prepared.token_ids, prepared.text
         params = self.limits.check(ids, params)
         self.check_model(lora)
-        if len(self.streams) - self.counts["num_running"] >= self.info["max_queue_len"]:
-            raise QueueFullError(f"queue is full ({self.info['max_queue_len']} waiting requests); retry later")
         if request_id in self.streams:
             raise RequestError(f"request id {request_id!r} is already in use")
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        reservation.use()  # the place passes to the stream
         stream = RequestStream(self, request_id)
         accepted = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream

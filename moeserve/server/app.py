@@ -11,19 +11,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
+import json
 import logging
 import os
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeserve.lora.adapter import CONFIG_FILE, LoRAAdapterError, validate_adapter_name
 from moeserve.runtime.core_client import EngineClient, EngineDeadError
 from moeserve.server.completions import ServerState, create_chat_completion, create_completion
-from moeserve.server.errors import ClientGone, lora_error, validation_error
+from moeserve.server.connections import (HTTPLimits, filter_repeats, guarded_protocol_class, raise_open_files_limit,
+                                         raw_response)
+from moeserve.server.errors import ClientGone, lora_error, queue_full, validation_error
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRARequest, OpenAIError, UnloadLoRARequest
 
 logger = logging.getLogger("moeserve")
@@ -31,17 +36,104 @@ logger = logging.getLogger("moeserve")
 GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
 
+def error_body(err: OpenAIError) -> bytes:
+    # ASCII-escaped: a message quoting the client's input stays encodable even with a lone surrogate in it
+    return json.dumps(err.body(), ensure_ascii=True).encode("ascii")
+
+
+class Admission:
+    """Refuses a generation request while the engine's queue is full, before its body is read or parsed (parsing
+    and validating are most of what a request costs): at the connection's first packet (`shed`, consulted by the
+    protocol class) or, when the head came in pieces, first thing in the app (`middleware`). Requests with a wrong
+    API key are let through, to be answered 401."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.auth = f"Bearer {state.api_key}".encode() if state.api_key is not None else None
+
+    def refusal(self, path: str, authorization: bytes | None) -> OpenAIError | None:
+        endpoint = GENERATION_ENDPOINTS.get(path)
+        engine = self.state.engine
+        if endpoint is None or not engine.is_running or engine.queue_room() > 0:
+            return None
+        if self.auth is not None and not hmac.compare_digest(authorization or b"", self.auth):
+            return None
+        self.state.metrics.count_request(endpoint, 503)
+        return queue_full(str(engine.queue_full_error()))
+
+    def shed(self, method: bytes, path: bytes, head: bytes) -> bytes | None:
+        if method != b"POST" or path not in _GENERATION_PATHS:
+            return None
+        err = self.refusal(path.decode("ascii"), _raw_header(head, b"authorization") if self.auth else None)
+        if err is None:
+            return None
+        extra = "".join(f"{k}: {v}\r\n" for k, v in err.headers.items())
+        return raw_response(f"{err.status} Service Unavailable", err.body(), extra)
+
+    def middleware(self, app):
+        async def admit(scope, receive, send):
+            if scope["type"] == "http" and scope["method"] == "POST":
+                auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+                err = self.refusal(scope["path"], auth)
+                if err is not None:
+                    body = error_body(err)
+                    await send({"type": "http.response.start", "status": err.status, "headers": [
+                        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                        *((k.lower().encode(), v.encode()) for k, v in err.headers.items())]})
+                    await send({"type": "http.response.body", "body": body})
+                    return
+            await app(scope, receive, send)
+
+        return admit
+
+
+_GENERATION_PATHS = {p.encode() for p in GENERATION_ENDPOINTS}
+
+
+def _raw_header(head: bytes, name: bytes) -> bytes | None:
+    for line in head.split(b"\r\n")[1:]:
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == name:
+            return value.strip()
+    return None
+
+
+def resolve_adapter_path(name: str, given: str | None, lora_dir: str | None) -> str:
+    """The real path a load request may read, or an error that reveals nothing about the filesystem: a path that is
+    missing, not a folder, unreadable or has no adapter config gets one answer (FileNotFoundError -> 404)."""
+    if lora_dir is None:
+        if given is None:
+            raise OpenAIError(400, "lora_path: field required (this server has no --lora-dir to find adapters by "
+                              "name)", param="lora_path", code="invalid_value")
+        path = os.path.realpath(given)
+    else:
+        root = os.path.realpath(lora_dir)
+        path = os.path.realpath(os.path.join(root, given if given is not None else name))  # an absolute given wins
+        if os.path.commonpath([root, path]) != root:
+            raise OpenAIError(400, "lora_path must name an adapter inside the server's --lora-dir (symlinks "
+                              "resolved)", param="lora_path", code="invalid_value")
+    config = os.path.join(path, CONFIG_FILE)
+    if not (os.path.isdir(path) and os.path.isfile(config) and os.access(config, os.R_OK)):
+        raise FileNotFoundError(path)
+    return path
+
+
 def create_app(engine: EngineClient, served_model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` as model `served_model_name` (its adapters by their names)."""
     state = ServerState(engine, served_model_name, api_key)
     app = FastAPI(title="moeserve", version="0.1.0", summary="OpenAI-compatible MoE + multi-LoRA server")
     app.state.moeserve = state
+    admission = Admission(state)
+    app.state.admission = admission
+    app.add_middleware(admission.middleware)
+    runtime_loading = engine.config.enable_lora_runtime_loading
+    lora_dir = engine.config.lora_dir
 
-    def error_response(request: Request, err: OpenAIError) -> JSONResponse:
+    def error_response(request: Request, err: OpenAIError) -> Response:
         endpoint = GENERATION_ENDPOINTS.get(request.url.path)
         if endpoint is not None:
             state.metrics.count_request(endpoint, err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+        return Response(error_body(err), status_code=err.status, media_type="application/json", headers=err.headers)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
@@ -103,31 +195,41 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
             state.metrics.count_request("chat_completions", 499)
             return Response(status_code=499)
 
+    def check_runtime_loading(name: str) -> None:
+        if not runtime_loading:
+            raise OpenAIError(403, "runtime LoRA adapter loading is disabled on this server (start it with "
+                              "--enable-lora-runtime-loading)", code="runtime_lora_loading_disabled")
+        try:
+            validate_adapter_name(name)
+        except LoRAAdapterError as e:
+            raise OpenAIError(400, str(e), param="lora_name", code="invalid_value") from None
+
     @app.post("/v1/load_lora_adapter", dependencies=auth)
     async def load_lora_adapter(body: LoadLoRARequest):
         name = body.lora_name
+        check_runtime_loading(name)
         if name == served_model_name or name in engine.lora_names:
             raise OpenAIError(400, f"adapter {name!r} is already loaded", param="lora_name",
                               code="adapter_exists")
-        if not os.path.exists(body.lora_path):
-            raise OpenAIError(404, f"adapter path {body.lora_path!r} does not exist", param="lora_path",
-                              code="adapter_not_found")
-        try:
-            await engine.load_lora(name, body.lora_path, pinned=body.pinned)
-        except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx
-            raise lora_error(e) from e
+        path = None
+        try:  # stat calls off the event loop: a slow filesystem must not stall every request
+            path = await asyncio.to_thread(resolve_adapter_path, name, body.lora_path, lora_dir)
+            await engine.load_lora(name, path, pinned=body.pinned)
+        except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx, paths redacted
+            raise lora_error(e, tuple(p for p in (body.lora_path, path, lora_dir) if p)) from e
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", dependencies=auth)
     async def unload_lora_adapter(body: UnloadLoRARequest):
         name = body.lora_name
+        check_runtime_loading(name)
         if name not in engine.lora_names:
             raise OpenAIError(404, f"adapter {name!r} is not loaded", param="lora_name",
                               code="adapter_not_found")
         try:
             await engine.unload_lora(name)
         except Exception as e:  # noqa: BLE001
-            raise lora_error(e) from e
+            raise lora_error(e, tuple(p for p in (lora_dir,) if p)) from e
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.get("/metrics")
@@ -153,8 +255,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer <key>' on /v1 endpoints (default: $MOESERVE_API_KEY)")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log level (default: %(default)s)")
+    d = HTTPLimits()
+    g.add_argument("--timeout-header", type=float, default=d.timeout_header, metavar="SECONDS",
+                   help="close a connection whose request headers are not complete this long after it opened or "
+                        "began a request (default: %(default)s)")
+    g.add_argument("--timeout-body", type=float, default=d.timeout_body, metavar="SECONDS",
+                   help="close a connection whose request body is not complete this long after its headers "
+                        "(default: %(default)s)")
+    g.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive, metavar="SECONDS",
+                   help="close an idle kept-alive connection after this long (default: %(default)s)")
+    g.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                   help="most open connections; more are answered 503 and closed at once (default: the open-files "
+                        "limit, raised towards its hard limit at start, less a reserve)")
     add_engine_args(parser)
     return parser
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
+    return HTTPLimits(timeout_header=args.timeout_header, timeout_body=args.timeout_body,
+                      timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -162,7 +281,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.api_key,
-                        args.log_level)
+                        args.log_level, limits=http_limits_from_args(args))
     try:
         import uvloop  # the faster event loop, where installed
 
@@ -172,24 +291,38 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 async def run_server(config, host: str, port: int, served_model_name: str | None = None, api_key: str | None = None,
-                     log_level: str = "info", on_start=None) -> int:
+                     log_level: str = "info", on_start=None, limits: HTTPLimits | None = None) -> int:
     """Start the engine core process, then serve HTTP until told to stop (SIGINT/SIGTERM, or
     `server.should_exit`); the core is shut down either way. `on_start(server, client)` is called once
-    the socket listens."""
+    the socket listens. `limits`: connection deadlines and cap (defaults: HTTPLimits())."""
+    limits = limits or HTTPLimits()
+    raise_open_files_limit()  # before the cap is derived from it
+    with filter_repeats():
+        return await _serve(config, host, port, served_model_name, api_key, log_level, on_start, limits)
+
+
+async def _serve(config, host, port, served_model_name, api_key, log_level, on_start, limits: HTTPLimits) -> int:
     import uvicorn
 
     client = await EngineClient.start(config, log_level.upper())
     try:
         name = served_model_name or Path(client.info["model"]).name
         app = create_app(client, name, api_key=api_key)
-        # keep-alive longer than a client's pause between requests: a connection closed by the server
-        # exactly as the client reuses it is a dropped request
+        # keep-alive (default 75 s) longer than a client's pause between requests: a connection closed by the
+        # server exactly as the client reuses it is a dropped request. The connection cap is enforced by the
+        # protocol class (uvicorn's limit_concurrency would still accept the sockets, and answer in plain text)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, backlog=4096,
-                                               timeout_keep_alive=75))
+                                               timeout_keep_alive=limits.timeout_keep_alive,
+                                               http=guarded_protocol_class(limits, app.state.admission.shed)))
         serving = asyncio.ensure_future(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
         if server.started:
+            # everything alive now (torch, transformers, the app) lives as long as the server: freezing it keeps
+            # the oldest-generation collections, which a burst of connections triggers, from scanning it each
+            # time (a few hundred ms a pass, during which nothing is answered)
+            gc.collect()
+            gc.freeze()
             adapters = ", ".join(client.lora_names) or "none"
             port = server.servers[0].sockets[0].getsockname()[1]
             print(f"moeserve: serving model {name!r} (adapters: {adapters}) at http://{host}:{port}/v1 "
@@ -198,5 +331,6 @@ async def run_server(config, host: str, port: int, served_model_name: str | None
                 on_start(server, client)
         await serving
     finally:
+        gc.unfreeze()  # what the server held may go now (and leaks checkers at exit see no frozen objects)
         await client.shutdown()
     return 0

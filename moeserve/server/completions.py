@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+import random
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -31,6 +31,10 @@ class ServerState:
         self.max_queue_len = engine.info["max_queue_len"]
         self.tokenizer = engine.tokenizer
         self._token_strs: dict[int, str] = {}
+        self._ids = random.Random()  # seeded once from the OS: ids need only be unique, not secret
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{self._ids.getrandbits(128):032x}"
 
     def resolve_model(self, name: str) -> str | None:
         """The adapter a request's `model` selects: None for the base model; 404 if unknown."""
@@ -94,12 +98,38 @@ def _sampling_params(body, i: int, max_tokens: int, logprobs: int | None, prompt
         raise engine_error(e, "prompt") from e
 
 
+def _check_text(text: str, param: str) -> None:
+    """A JSON string may carry a lone surrogate ("\\ud800"): no tokenizer or UTF-8 encoder takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpenAIError(400, f"{param}: not valid Unicode (lone surrogate at index {e.start})", param=param,
+                          code="invalid_value") from None
+
+
+def _check_request(state: ServerState, body, max_tokens_params: tuple[str, ...]) -> None:
+    """Checks that need no tokenizer, before anything is tokenized or queued."""
+    for name in max_tokens_params:
+        v = getattr(body, name)
+        if v is not None and v > state.max_model_len:
+            raise OpenAIError(400, f"{name} is {v}, more than max_model_len ({state.max_model_len})", param=name,
+                              code="invalid_value")
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    for s in stops:
+        _check_text(s, "stop")
+
+
 def _completion_prompts(prompt) -> list:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    if not prompt:
+        prompts = [prompt]
+    elif not prompt:
         raise OpenAIError(400, "prompt is empty", param="prompt", code="invalid_value")
-    return list(prompt)
+    else:
+        prompts = list(prompt)
+    for p in prompts:
+        if isinstance(p, str):
+            _check_text(p, "prompt")
+    return prompts
 
 
 def _completion_logprobs(state: ServerState, token_ids: list[int], lps: list, offset: int) -> tuple[dict, int]:
@@ -138,11 +168,12 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     if (err := body.unsupported()) is not None:
         raise err
     lora = state.resolve_model(body.model)
+    _check_request(state, body, ("max_tokens",))
     prompts = _completion_prompts(body.prompt)
     want_prompt_lps = body.logprobs if body.echo else None
     jobs = [(p, _sampling_params(body, j, body.max_tokens or 16, body.logprobs, want_prompt_lps))
             for p in prompts for j in range(body.n)]
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = state.new_id("cmpl")
     streams = await submit_all(state.engine, jobs, lora, request_id, "prompt")
     created = int(time.time())
     head = {"id": request_id, "object": "text_completion", "created": created, "model": body.model}
@@ -224,11 +255,15 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     if (err := body.unsupported()) is not None:
         raise err
     lora = state.resolve_model(body.model)
-    prompt = ChatPrompt(body.template_messages())
+    _check_request(state, body, ("max_tokens", "max_completion_tokens"))
+    messages = body.template_messages()
+    for i, m in enumerate(messages):
+        _check_text(m["content"], f"messages.{i}.content")
+    prompt = ChatPrompt(messages)
     max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len  # engine clamps
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     jobs = [(prompt, _sampling_params(body, j, max_tokens, logprobs)) for j in range(body.n)]
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = state.new_id("chatcmpl")
     streams = await submit_all(state.engine, jobs, lora, request_id, "messages")
     head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": body.model}
     if body.stream:

@@ -2,21 +2,40 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi.exceptions import RequestValidationError
 
 from moeserve.lora.adapter import LoRAAdapterError
 from moeserve.runtime.core_client import (AdapterInUseError, EngineDeadError, EngineStepError, QueueFullError,
                                           UnknownAdapterError)
-from moeserve.server.protocol import OpenAIError
+from moeserve.server.protocol import RETRY_AFTER_S, OpenAIError
 
 logger = logging.getLogger("moeserve")
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop", "stop_token_ids")
 
 
+# an absolute path in an engine message: after a space, quote, paren or '=' (so "n/a", "1/2" and adapter names,
+# which never start with '/', stay)
+_PATH_RE = re.compile(r"(?:(?<=^)|(?<=[\s'\"(=\[]))/[^\s'\"(),;\]]+?(?=[:.]?(?:[\s'\"(),;\]]|$))")
+
+
 class ClientGone(Exception):
     """The client disconnected before its response was ready."""
+
+
+def redact_paths(message: str, known: tuple[str, ...] = ()) -> str:
+    """`message` without filesystem paths: clients learn nothing of the server's files from an error (the
+    server's log keeps the full message)."""
+    for path in sorted((p for p in known if p and "/" in p and p != "/"), key=len, reverse=True):
+        message = message.replace(path, "<path>")
+    return _PATH_RE.sub("<path>", message)
+
+
+def queue_full(message: str) -> OpenAIError:
+    return OpenAIError(503, message, type="server_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def engine_error(e: BaseException, prompt_param: str) -> OpenAIError:
@@ -24,33 +43,41 @@ def engine_error(e: BaseException, prompt_param: str) -> OpenAIError:
     if isinstance(e, OpenAIError):
         return e
     if isinstance(e, QueueFullError):
-        return OpenAIError(503, str(e), type="server_error", code="queue_full")
+        return queue_full(str(e))
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), type="server_error", code="engine_unavailable")
     if isinstance(e, LookupError) and not type(e) is KeyError:
-        return OpenAIError(404, str(e), param="model", code="model_not_found")
+        return OpenAIError(404, redact_paths(str(e)), param="model", code="model_not_found")
     if isinstance(e, ValueError):
-        msg = str(e)
+        msg = redact_paths(str(e))
         first = msg.split(" ", 1)[0]
         param = "model" if isinstance(e, LoRAAdapterError) else first if first in _SAMPLING_FIELDS else prompt_param
         return OpenAIError(400, msg, param=param, code="invalid_value")
     if not isinstance(e, EngineStepError):  # already logged by the engine core
         logger.error("internal error", exc_info=e)
-    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error",
+    return OpenAIError(500, redact_paths(f"internal error: {type(e).__name__}: {e}"), type="server_error",
                        code="internal_error")
 
 
-def lora_error(e: BaseException) -> OpenAIError:
+ADAPTER_NOT_FOUND = "LoRA adapter not found: lora_path is not a readable PEFT adapter folder"
+
+
+def lora_error(e: BaseException, paths: tuple[str, ...] = ()) -> OpenAIError:
+    """Map a load/unload failure to the HTTP error; `paths` (what the request named and where it resolved) are
+    redacted from the message, which the server logs in full."""
     if isinstance(e, OpenAIError):
         return e
-    if isinstance(e, FileNotFoundError):
-        return OpenAIError(404, str(e), param="lora_path", code="adapter_not_found")
+    if isinstance(e, (ValueError, OSError, RuntimeError)) and not isinstance(e, (EngineDeadError,
+                                                                                  AdapterInUseError)):
+        logger.warning("LoRA adapter request failed: %s", e)
+    if isinstance(e, FileNotFoundError):  # one answer for "missing", "not a folder", "unreadable"
+        return OpenAIError(404, ADAPTER_NOT_FOUND, param="lora_path", code="adapter_not_found")
     if isinstance(e, UnknownAdapterError):
-        return OpenAIError(404, str(e), param="lora_name", code="adapter_not_found")
+        return OpenAIError(404, redact_paths(str(e), paths), param="lora_name", code="adapter_not_found")
     if isinstance(e, AdapterInUseError):
-        return OpenAIError(409, str(e), param="lora_name", code="adapter_in_use")
+        return OpenAIError(409, redact_paths(str(e), paths), param="lora_name", code="adapter_in_use")
     if isinstance(e, (ValueError, OSError)):
-        return OpenAIError(400, str(e), param="lora_path", code="invalid_adapter")
+        return OpenAIError(400, redact_paths(str(e), paths), param="lora_path", code="invalid_adapter")
     return engine_error(e, "lora_path")
 
 

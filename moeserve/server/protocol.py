@@ -5,25 +5,32 @@ never a silent reinterpretation. Unknown fields are ignored, as OpenAI clients s
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Size limits checked while parsing, before anything is tokenized: each bounds work done per request or per step
 MAX_N = 128  # choices per request
+MAX_STOP = 64  # stop strings, each searched for in every step's new text
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 4096  # chat messages rendered by the template
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 
 
 class OpenAIError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -46,7 +53,7 @@ class _GenerationRequest(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # extension
     ignore_eos: bool = False  # extension
     skip_special_tokens: bool = True  # extension
     stream: bool = False
@@ -56,6 +63,16 @@ class _GenerationRequest(_Request):
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters")
+        return v
 
     def unsupported(self) -> OpenAIError | None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -100,7 +117,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -137,7 +154,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
 class LoadLoRARequest(_Request):
     lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+    lora_path: str | None = Field(None, min_length=1)  # may be left out when the server has a --lora-dir
     pinned: bool = False
 
 

@@ -62,21 +62,38 @@ class MergedStreams:
 
 async def submit_all(engine: EngineClient, jobs: list[tuple], lora: str | None, request_id: str,
                      prompt_param: str) -> list[RequestStream]:
-    """Submit every (prompt, params) job; on any refusal abort those already accepted."""
+    """Submit every (prompt, params) job at once (one engine step takes them all); on any refusal abort those
+    already accepted. Each distinct prompt is tokenized once, however many choices share it."""
     limit = engine.info["max_queue_len"]
     if len(jobs) > limit:  # could never be queued at once: not a "retry later"
         raise OpenAIError(400, f"this request asks for {len(jobs)} completions (prompts x n); at most {limit} "
                           "can be queued at once", param="n", code="invalid_value")
-    streams: list[RequestStream] = []
     try:
-        for k, (prompt, params) in enumerate(jobs):
-            streams.append(await engine.submit(prompt, params, lora=lora, request_id=f"{request_id}-{k}"))
-    except BaseException as e:
+        reservation = engine.reserve(len(jobs))  # before any tokenizing: a burst is refused at once
+    except Exception as e:  # noqa: BLE001 - QueueFullError: 503
+        raise engine_error(e, prompt_param) from e
+    with reservation:
+        try:
+            for prompt, _ in jobs:  # every size check before any tokenizing
+                engine.check_prompt_size(prompt)
+            prepared = {}
+            for prompt, _ in jobs:
+                if id(prompt) not in prepared:
+                    prepared[id(prompt)] = await engine.prepare(prompt)
+        except Exception as e:  # noqa: BLE001 - mapped to the HTTP error
+            raise engine_error(e, prompt_param) from e
+        results = await asyncio.gather(*(engine.submit(prepared[id(prompt)], params, lora=lora,
+                                                       request_id=f"{request_id}-{k}", reservation=reservation)
+                                         for k, (prompt, params) in enumerate(jobs)), return_exceptions=True)
+    streams = [r for r in results if isinstance(r, RequestStream)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
         for s in streams:
             s.abort()
+        e = next((f for f in failed if not isinstance(f, Exception)), failed[0])
         if isinstance(e, Exception):
             raise engine_error(e, prompt_param) from e
-        raise
+        raise e
     return streams
 
 
