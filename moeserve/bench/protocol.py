@@ -7,9 +7,7 @@
    128 new tokens, ignore_eos, logprobs=0, 512 requests); against the LoRA servers also the same
    traffic with every request on one of 4 rank-16 adapters (attention + all routed experts); against
    the LoRA-disabled one also a single client.
-3. With `--parts prefix`: prefix caching on and off (the same LoRA server flags), a shared 1,024-token
-   system prompt before 256 distinct 64-token user turns, 64 new tokens, half the requests on two adapters.
-4. A table of ratios (server tok/s over the decode graph's, TPOT over the graph step) and one JSON.
+3. A table of ratios (server tok/s over the decode graph's, TPOT over the graph step) and one JSON.
 
     python -m moeserve.bench.protocol --preset qwen3-30b-a3b --out bench_out/protocol
 """
@@ -116,9 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--parts", default="decode,base,lora,norecord",
-                    help="comma list of parts to run: decode, base, lora, norecord, prefix (prefix caching on and "
-                         "off: a shared 1,024-token system prompt, 256 distinct user turns, 64 new tokens, half "
-                         "the requests on two adapters)")
+                    help="comma list of parts to run: decode, base, lora, norecord")
     ap.add_argument("--server-args", default="", help="extra flags for every `moeserve serve`")
     args = ap.parse_args(argv)
     from moeserve.bench import serve
@@ -141,7 +137,7 @@ def main(argv=None) -> int:
     common = ["--model", str(model), "--load-format", "dummy", "--max-num-seqs", str(args.concurrency),
               "--log-level", "warning", *args.server_args.split()]
     adapters = []
-    if parts & {"lora", "norecord", "prefix"}:
+    if parts & {"lora", "norecord"}:
         for i in range(NUM_ADAPTERS):
             adapters.append(f"ad{i}={write_adapter(model, out / 'adapters' / f'ad{i}', seed=i + 1)}")
     lora_flags = ["--enable-lora", "--max-loras", str(NUM_ADAPTERS), "--max-lora-rank", str(RANK),
@@ -151,11 +147,6 @@ def main(argv=None) -> int:
                 ("lora", lora_flags, [("lora-base", []), ("lora-active", active)]),
                 ("norecord", lora_flags + ["--no-record-nolora-graph"], [("norecord-base", []),
                                                                           ("norecord-active", active)])]
-    shared = ["--random-prefix-len", "1024", "--random-input-len", "64", "--random-output-len", "64",
-              "--num-prompts", "256", "--lora-modules", *[a.split("=")[0] for a in adapters[:2]],
-              "--lora-fraction", "0.5"]
-    flavours += [("prefix", lora_flags, [("prefix-on", shared)]),
-                 ("prefix", lora_flags + ["--no-enable-prefix-caching"], [("prefix-off", shared)])]
     runs = {}
     for name, flags, jobs in flavours:
         if name not in parts:
