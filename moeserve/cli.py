@@ -141,6 +141,11 @@ def _bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    from moeserve.engine_args import split_lora_modules_argv
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "bench" not in argv[:3]:  # bench passes its arguments through untouched
+        argv = split_lora_modules_argv(argv)  # `generate --lora-modules a=/p "prompt"` keeps its prompt
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
