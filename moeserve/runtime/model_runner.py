@@ -152,10 +152,6 @@ class ModelRunner:
             hidden = self.model(batch)
         return self._sample(sb, hidden)
 
-    def run(self, sb: ScheduledBatch) -> StepResult:
-        """launch + collect: one step, waited for (benchmarks, tests)."""
-        return self.collect(self.launch(sb))
-
     def _sample(self, sb: ScheduledBatch, hidden: torch.Tensor) -> InFlightStep:
         rows, sampling_seqs = [], []
         prompt_lp_rows: list[tuple[Sequence, int, int]] = []  # (seq, first row, count)
