@@ -116,9 +116,17 @@ def test_refusals_are_raised_before_any_output(client):
         bad.temperature = -1.0
         with pytest.raises(ValueError, match="temperature"):
             await client.submit("hi", bad)
+        # the core is held so the first "dup" is surely still running when the second arrives
+        flag = os.path.join(client._dir, "hold-dup")
+        open(flag, "w").close()
+        hold = asyncio.ensure_future(client.call("hold", flag))
+        while not os.path.exists(flag + ".held"):
+            await asyncio.sleep(0.01)
         stream = await client.submit("hi", SamplingParams(max_tokens=2), request_id="dup")
         with pytest.raises(RequestError, match="already in use"):
             await client.submit("hi", SamplingParams(max_tokens=2), request_id="dup")
+        os.remove(flag)
+        await hold
         return [o async for o in stream]
 
     assert client.lt.run(main())[-1].finished and client.is_running
