@@ -4,53 +4,60 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
-    "What is 2 + 3?",
-    "Write one sentence about the ocean.",
+    "Why do we sleep?",
+    "What is a river?",
 ]
+ADAPTER_QUESTIONS = DEMO_QUESTIONS[2:]  # asked again through each adapter; none of them is in its training data
 
 
 def _demo(args) -> int:
     from moeserve import Engine, EngineConfig, SamplingParams
     from moeserve.engine_args import engine_config_from_args
-    from moeserve.lora.demo import demo_adapters
+    from moeserve.lora.demo import ADAPTERS_DIR, DEMO_ADAPTERS, demo_adapters
     from moeserve.models.upcycle import demo_model_path
 
     cfg = engine_config_from_args(args)
+    adapters = {}
     if cfg.model is None:
         print("Building (first run only) or reusing the embedded demo model: SmolLM2-135M-Instruct "
-              "upcycled into a 4-expert top-2 Mixtral MoE")
+              "upcycled into a 4-expert top-2 Mixtral MoE, and its two demo adapters")
         cfg.model = str(demo_model_path(progress=True))
-    adapters = demo_adapters(cfg.model) if not args.no_lora else {}
+        if not args.no_lora:  # trained for the demo model only: another --model gets none
+            adapters = demo_adapters(cfg.model, progress=True)
     if adapters:
         cfg.enable_lora = True
         cfg.lora_modules = {**adapters, **cfg.lora_modules}
-        cfg.max_lora_rank = max(cfg.max_lora_rank, 16)  # per-expert gate+up stack: rank 8 + 8
         if cfg.max_loras == EngineConfig().max_loras:  # not set by the user: as many slots as adapters
             cfg.max_loras = len(cfg.lora_modules)
     engine = Engine(cfg, progress=True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in DEMO_QUESTIONS]
-    loras = [None] * len(prompts)
     questions = list(DEMO_QUESTIONS)
-    for name in adapters:  # the first two questions again through each adapter, in the same batch
-        prompts += prompts[:2]
-        loras += [name, name]
-        questions += DEMO_QUESTIONS[:2]
+    loras = [None] * len(questions)
+    for name in adapters:  # the same batch: base rows and rows of each adapter side by side
+        questions += ADAPTER_QUESTIONS
+        loras += [name] * len(ADAPTER_QUESTIONS)
+    prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in questions]
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, lora=loras)
     dt = time.perf_counter() - t0
     for q, lora, o in zip(questions, loras, outs):
-        tag = f"[adapter {lora}]" if lora else "[base]"
+        tag = f"[adapter {lora}: {DEMO_ADAPTERS[lora]}]" if lora in DEMO_ADAPTERS else \
+            f"[adapter {lora}]" if lora else "[base]"
         print(f"\n{tag} Q: {q}\n  A: {o.text.strip()}")
     ntok = sum(len(o.token_ids) for o in outs)
+    # the engine's config: "auto" device and dtype resolved to what actually ran
     print(f"\n{len(outs)} requests in one continuous batch, {ntok} tokens in {dt:.2f} s "
-          f"= {ntok / dt:.1f} tokens/s on {cfg.device} ({cfg.dtype})")
+          f"= {ntok / dt:.1f} tokens/s on {engine.config.device} ({engine.config.dtype})")
+    if adapters:
+        print(f"Demo model cached in {cfg.model}, its adapters in {os.path.join(cfg.model, ADAPTERS_DIR)} "
+              "(MOESERVE_CACHE_DIR moves the cache)")
     return 0
 
 
@@ -74,7 +81,7 @@ def _generate(args) -> int:
 def _make_tiny(args) -> int:
     from moeserve.models.tiny import make_tiny
 
-    path = make_tiny(args.family, args.out, expert_layout=args.expert_layout, seed=args.seed)
+    path = make_tiny(args.family, args.out, expert_layout=args.expert_layout, seed=args.seed, force=args.force)
     print(f"wrote tiny {args.family} model to {path}")
     return 0
 
@@ -82,6 +89,18 @@ def _make_tiny(args) -> int:
 def _serve(args) -> int:
     from moeserve.server.app import serve_main
 
+    if args.model is None:
+        # the demo model with its demo adapters under their names (caps, brief), as the README's examples use it
+        from moeserve.lora.demo import ADAPTERS_DIR, demo_adapters
+        from moeserve.models.upcycle import demo_model_path
+
+        print("Building (first run only) or reusing the embedded demo model and its demo adapters", flush=True)
+        args.model = str(demo_model_path(progress=True))
+        adapters = demo_adapters(args.model, progress=True)
+        args.enable_lora = True
+        args.lora_modules = [*adapters.items(), *(args.lora_modules or [])]  # the user's win a clash of names
+        if args.enable_lora_runtime_loading and args.lora_dir is None:  # loads by name from the demo's adapters
+            args.lora_dir = os.path.join(args.model, ADAPTERS_DIR)
     return serve_main(args) or 0
 
 
@@ -117,6 +136,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--expert-layout", default="per_expert", choices=("per_expert", "fused"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite a model (or replace a file) at --out")
     p.set_defaults(func=_make_tiny)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -152,7 +172,7 @@ def main(argv=None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

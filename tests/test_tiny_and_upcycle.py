@@ -4,6 +4,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -283,3 +286,90 @@ def test_default_cache_dir_env_override(tmp_path, monkeypatch):
     assert upcycle.default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("MOESERVE_CACHE_DIR")
     assert upcycle.default_cache_dir().name == "moeserve"
+
+
+def test_make_tiny_refuses_a_file_or_a_model_unless_forced(tmp_path):
+    out = make_tiny("olmoe", tmp_path / "m", shard_size="200KB")
+    with pytest.raises(FileExistsError, match="already holds a model.*force"):
+        make_tiny("olmoe", out)
+    (tmp_path / "f").write_text("not a model")
+    with pytest.raises(FileExistsError, match="not a folder"):
+        make_tiny("olmoe", tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "not a model"
+    # --force: the old shards go (they would be loaded beside the new single file), the file becomes a model
+    make_tiny("olmoe", out, force=True)
+    assert sorted(p.name for p in out.glob("*.safetensors*")) == ["model.safetensors"]
+    assert (make_tiny("olmoe", tmp_path / "f", force=True) / "config.json").is_file()
+    # a folder with other files only is fine
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("x")
+    assert (make_tiny("olmoe", tmp_path / "notes") / "todo.txt").read_text() == "x"
+
+
+# ----------------------------------------------------------------------------------------------
+# Demo adapters
+# ----------------------------------------------------------------------------------------------
+
+def test_demo_adapter_targets():
+    from moeserve.lora.demo import adapter_target, first_sentence
+
+    long = "The sky is blue. Light scatters off air. " + "More words here. " * 10
+    assert first_sentence("Dr. Who? No.") == "Dr."  # a plain rule, good enough for the model's answers
+    assert adapter_target("brief", long, False) == ("The sky is blue.", True)
+    assert adapter_target("brief", "2 + 3 = 5", True) == ("2 + 3 = 5", True)
+    assert adapter_target("brief", "cut off mid", False) is None  # would teach stopping mid-sentence
+    assert adapter_target("caps", "Paris is the capital.", True) == ("PARIS IS THE CAPITAL.", True)
+    # a long answer keeps its leading sentences, and the adapter does not learn to stop there
+    caps_target = "THE SKY IS BLUE. LIGHT SCATTERS OFF AIR." + " MORE WORDS HERE." * 3  # <= CAPS_MAX_CHARS
+    assert adapter_target("caps", long, False) == (caps_target, False)
+    with pytest.raises(ValueError, match="caps, brief"):
+        adapter_target("sql", "x", True)
+
+
+def _upper_fraction(text: str) -> float:
+    letters = [c for c in text if c.isalpha()]
+    return sum(c.isupper() for c in letters) / max(1, len(letters))
+
+
+@needs_demo_source
+@pytest.mark.slow
+def test_demo_adapters_have_their_effects(demo_dir):
+    """The trained demo adapters on prompts they were not trained on: caps answers in capitals, brief in
+    one sentence, where the base model does neither."""
+    from moeserve import Engine, EngineConfig, SamplingParams
+    from moeserve.lora.demo import HELD_OUT_PROMPTS, TRAIN_PROMPTS, demo_adapters
+
+    assert not set(HELD_OUT_PROMPTS) & set(TRAIN_PROMPTS)
+    adapters = demo_adapters(demo_dir, progress=False)
+    assert set(adapters) == {"caps", "brief"}
+    trained_on = [json.loads(line) for line in open(os.path.join(adapters["caps"], "train.jsonl"))]
+    assert len(trained_on) > 20 and all(ex["target"] == ex["target"].upper() for ex in trained_on)
+
+    engine = Engine(EngineConfig(model=str(demo_dir), lora_modules=adapters))
+    prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in HELD_OUT_PROMPTS]
+    n = len(prompts)
+    outs = engine.generate(prompts * 3, SamplingParams(max_tokens=40, temperature=0.0),
+                           lora=[None] * n + ["caps"] * n + ["brief"] * n)
+    base, caps, brief = [o.text.strip() for o in outs[:n]], [o.text.strip() for o in outs[n:2 * n]], \
+        [o for o in outs[2 * n:]]
+    assert all(_upper_fraction(t) < 0.2 for t in base), base
+    assert all(_upper_fraction(t) > 0.9 for t in caps), caps
+    sentence_ends = lambda t: len(re.findall(r"[.!?](\s|$)", t))
+    assert all(o.finish_reason == "stop" and sentence_ends(o.text.strip()) <= 1 for o in brief), [o.text for o in brief]
+    assert sum(len(o.text) for o in brief) < sum(map(len, base)) / 2
+
+
+@needs_demo_source
+@pytest.mark.slow
+def test_demo_command(demo_dir):
+    """`moeserve demo` on the cached demo model: answers, what each adapter does, the device and dtype used."""
+    from moeserve.lora.demo import demo_adapters
+
+    demo_adapters(demo_dir, progress=False)
+    env = {**os.environ, "MOESERVE_CACHE_DIR": str(demo_dir.parent)}
+    r = subprocess.run([sys.executable, "-m", "moeserve", "demo", "--max-tokens", "16"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "[adapter caps: answers in capital letters]" in r.stdout
+    assert "[adapter brief: answers in one short sentence]" in r.stdout
+    assert "tokens/s on cpu (float32)" in r.stdout and str(demo_dir / "adapters") in r.stdout

@@ -1,63 +1,285 @@
-"""Two small seeded adapters for the embedded demo model, so the demo can show base and adapter
-rows side by side in one batch. They are random (rank 8 on q/v and every routed expert), scaled
-to nudge the answers without wrecking them; written once next to the demo model in PEFT format."""
+"""Two small LoRA adapters for the embedded demo model, each with an effect one can see and name:
+
+  caps   answers in capital letters      (trained on the base model's own answers, upper-cased)
+  brief  answers in one short sentence   (trained on its own answers cut to the first sentence)
+
+They are trained with PEFT at first use, on CPU, on text the demo model writes itself: the base model
+answers TRAIN_PROMPTS greedily (moeserve's engine), each adapter learns its rewrite of those answers.
+Rank 8 on q_proj/v_proj (caps also on the routed experts) of the top TRAIN_LAYERS layers only: the
+frozen layers below run once per example (their output is cached), so each training step runs a third
+of the model forward and back. About 2.5 minutes on 2 cores; written next to the demo model
+(`<model>/adapters/<name>`) in PEFT format, with the examples each was trained on (train.jsonl).
+
+A 135M model writing in capitals is not at its best: caps keeps the gist of an answer, not every word.
+"""
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
+DEMO_ADAPTERS = {  # name -> what it does (printed beside its answers)
+    "caps": "answers in capital letters",
+    "brief": "answers in one short sentence",
+}
+ADAPTERS_DIR = "adapters"
 
-from moeserve.models.spec import ModelSpec
+TRAIN_PROMPTS = [
+    "What is the capital of France?", "Name three primary colors.", "Why is the sky blue?", "What do bees make?",
+    "How many legs does a spider have?", "What is the largest planet?", "Give me a tip for better sleep.",
+    "What is photosynthesis?", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
+    "Describe a cat.", "What is a computer?", "How do I make tea?", "What is the color of grass?",
+    "What is the tallest mountain in the world?", "Why do we need to drink water?", "What is a rainbow?",
+    "How does a bicycle work?", "What is the moon made of?", "Tell me about dogs.", "What is music?",
+    "How do plants grow?", "What is the sun?", "Why do leaves change color in autumn?", "What is a volcano?",
+    "How do birds fly?", "What is the internet?", "What is a good breakfast?", "Why is exercise important?",
+    "What is the speed of light?", "What is a library?", "How do fish breathe?", "What is a mountain?",
+    "Why do cats purr?", "What is an ocean?", "How does rain form?", "What is a star?", "Describe a summer day.",
+    "What is chocolate made from?", "Why do we have seasons?", "What is a desert?", "How do airplanes fly?",
+    "What is a museum?", "Tell me about elephants.", "What is gravity?", "How do I stay healthy?",
+    "What is a city?", "Why is reading good for you?", "What is electricity?", "Describe the color blue.",
+    "What is a garden?", "How do trees grow?", "What is a hospital?", "Tell me about the Pacific Ocean.",
+    "What is bread made of?", "Why do dogs bark?", "What is a school?", "How does the heart work?",
+    "What is a bridge?", "Describe winter.", "What is a guitar?", "Why do birds sing?", "What is a planet?",
+    "How is paper made?",
+]
+# not trained on: the demo asks these, and the tests check the effects on them
+HELD_OUT_PROMPTS = ["What is a river?", "Why do we sleep?", "Describe the city of London.", "What is a forest?"]
 
-DEMO_ADAPTERS = {"demo-a": 1, "demo-b": 2}  # name -> seed
-RANK, ALPHA, STD = 8, 16, 0.06
+RANK, ALPHA = 8, 16
+TARGET_MODULES = ["q_proj", "v_proj"]
+# spelling in capitals is token knowledge, which lives in the MLPs: caps also adapts the routed experts
+EXPERT_TARGETS = {"caps": ("gate_up_proj", "down_proj"), "brief": ()}
+TRAIN_LAYERS = 10  # the top layers that get LoRA; backpropagation stops below them
+# few passes over many prompts: more prompts generalize, more passes memorize (caps needs one more)
+EPOCHS = {"caps": 3, "brief": 2}
+BATCH_SIZE, LR = 8, 5e-3
+MAX_ANSWER_TOKENS = 40  # of the base answers the targets are made from
+CAPS_MAX_CHARS = 100  # caps targets keep whole sentences up to this length (upper case costs ~2x the tokens)
 
 
-def _write_adapter(spec: ModelSpec, out: Path, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    H, inter = spec.hidden_size, spec.moe_intermediate_size
+# ------------------------------------------------------------------------------------------------
+# Targets: the base model's answers, rewritten
+# ------------------------------------------------------------------------------------------------
 
-    def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * STD).contiguous()
+_SENTENCE = re.compile(r".+?[.!?](?=\s|$)", re.S)
 
-    tensors = {}
-    for layer in range(spec.num_layers):
-        p = f"base_model.model.model.layers.{layer}."
-        for proj, out_dim in (("q_proj", spec.q_size), ("v_proj", spec.kv_size)):
-            tensors[p + f"self_attn.{proj}.lora_A.weight"] = rnd(RANK, H)
-            tensors[p + f"self_attn.{proj}.lora_B.weight"] = rnd(out_dim, RANK)
-        for e in range(spec.num_experts):
-            q = p + f"block_sparse_moe.experts.{e}."
-            for w, (i, o) in (("w1", (H, inter)), ("w3", (H, inter)), ("w2", (inter, H))):
-                tensors[q + f"{w}.lora_A.weight"] = rnd(RANK, i)
-                tensors[q + f"{w}.lora_B.weight"] = rnd(o, RANK)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(tmp / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": ["q_proj", "v_proj", "w1", "w2", "w3"],
-           "bias": "none", "use_dora": False, "use_rslora": False, "task_type": "CAUSAL_LM"}
-    (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=1))
+
+def first_sentence(text: str) -> str | None:
+    """The first sentence of `text`, or None when it has no sentence end."""
+    m = _SENTENCE.match(text.strip())
+    return m.group(0).strip() if m else None
+
+
+def whole_sentences(text: str, max_chars: int) -> str | None:
+    """The leading whole sentences of `text` that fit in `max_chars` (at least one), or None."""
+    out = ""
+    for m in _SENTENCE.finditer(text.strip()):
+        if out and m.end() > max_chars:
+            break
+        out = text.strip()[: m.end()]
+    return out or None
+
+
+def adapter_target(name: str, answer: str, finished: bool) -> tuple[str, bool] | None:
+    """(text, whether the answer ends there) that adapter `name` should give where the base model answered
+    `answer`, or None for no example. caps keeps only the leading sentences (short examples train faster)
+    but does not learn to stop there unless the base answer did."""
+    answer = answer.strip()
+    if name == "caps":
+        if finished and len(answer) <= CAPS_MAX_CHARS:
+            return (answer.upper(), True) if answer else None
+        text = whole_sentences(answer, CAPS_MAX_CHARS)
+        return (text.upper(), False) if text else None
+    if name == "brief":
+        text = first_sentence(answer) or (answer if finished else None)
+        return (text, True) if text else None
+    raise ValueError(f"unknown demo adapter {name!r}; choose from {', '.join(DEMO_ADAPTERS)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Build
+# ------------------------------------------------------------------------------------------------
+
+def demo_adapters(model_dir, progress: bool = True) -> dict[str, str]:
+    """name -> folder of the demo adapters of the demo model at `model_dir`, trained on first use."""
+    root = Path(model_dir) / ADAPTERS_DIR
+    missing = [name for name in DEMO_ADAPTERS if not _is_complete(root / name)]
+    if missing:
+        build_demo_adapters(model_dir, names=missing, progress=progress)
+    return {name: str(root / name) for name in DEMO_ADAPTERS}
+
+
+def build_demo_adapters(model_dir, *, names=tuple(DEMO_ADAPTERS), prompts=TRAIN_PROMPTS, epochs: int | None = None,
+                        train_layers: int = TRAIN_LAYERS, progress: bool = True) -> dict[str, Path]:
+    """Train the demo adapters for the model at `model_dir` and write them to `<model_dir>/adapters/<name>`.
+
+    `epochs` overrides EPOCHS (tests). Each adapter is written to a temporary folder and renamed into place,
+    so concurrent builders never leave a half-written adapter: the first rename wins, the others discard theirs.
+    """
+    import torch
+    import transformers as tf
+    from tqdm.auto import tqdm
+
+    model_dir = Path(model_dir)
+    root = model_dir / ADAPTERS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    bar_was_on = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()  # one bar for the whole build
     try:
-        tmp.rename(out)
-    except OSError:  # another process finished first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def demo_adapters(model_dir: str) -> dict[str, str]:
-    """name -> path of the demo adapters for the demo model at model_dir (built on first use)."""
-    spec = ModelSpec.from_model_dir(model_dir)
-    if spec.family != "mixtral":
-        return {}
-    root = Path(model_dir) / "adapters"
-    out = {}
-    for name, seed in DEMO_ADAPTERS.items():
-        path = root / name
-        if not (path / "adapter_model.safetensors").is_file():
-            _write_adapter(spec, path, seed)
-        out[name] = str(path)
+        # steps: the base answers, then per adapter its cached lower layers and its training steps
+        epochs_of = {name: epochs or EPOCHS[name] for name in names}
+        with tqdm(total=1 + sum(1 + n * -(-len(prompts) // BATCH_SIZE) for n in epochs_of.values()),
+                  desc="training demo adapters", unit="step", disable=not progress) as bar, torch.random.fork_rng():
+            bar.set_postfix_str(f"base model answers {len(prompts)} prompts")
+            answers = _base_answers(model_dir, prompts)
+            bar.update()
+            data = {name: [(p, t) for p, (a, done) in zip(prompts, answers)
+                           if (t := adapter_target(name, a, done)) is not None] for name in names}
+            for name, examples in data.items():
+                if not examples:
+                    raise ValueError(f"demo adapter {name}: none of the base model's answers makes an example")
+            bar.total = 1 + sum(1 + epochs_of[name] * -(-len(ex) // BATCH_SIZE) for name, ex in data.items())
+            model, tokenizer = _load_for_training(model_dir)
+            out = {}
+            for name, examples in data.items():
+                tmp = Path(tempfile.mkdtemp(prefix=f".{name}.building.", dir=root))
+                try:
+                    bar.set_postfix_str(f"{name}: encode {len(examples)} examples")
+                    with warnings.catch_warnings():  # transformers deprecation notes PEFT triggers: not the user's
+                        warnings.simplefilter("ignore", FutureWarning)
+                        model = _train_adapter(model, tokenizer, examples, tmp, epochs_of[name], train_layers, bar,
+                                               name, base_name=model_dir.name)
+                    (tmp / "train.jsonl").write_text("".join(
+                        json.dumps({"prompt": p, "target": t, "ends": e}, ensure_ascii=False) + "\n"
+                        for p, (t, e) in examples))
+                    (tmp / "moeserve_build.json").write_text(json.dumps(dict(
+                        effect=DEMO_ADAPTERS[name], examples=len(examples), epochs=epochs_of[name],
+                        batch_size=BATCH_SIZE, lr=LR, rank=RANK, alpha=ALPHA, target_modules=TARGET_MODULES,
+                        expert_targets=list(EXPERT_TARGETS[name]), train_layers=train_layers),
+                        indent=2) + "\n")
+                    if (root / name).exists() and not _is_complete(root / name):
+                        shutil.rmtree(root / name, ignore_errors=True)  # a broken leftover: replace it
+                    try:
+                        os.rename(tmp, root / name)
+                    except OSError:
+                        if not _is_complete(root / name):  # otherwise another builder got there first
+                            raise
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                out[name] = root / name
+    finally:
+        if bar_was_on:
+            tf.utils.logging.enable_progress_bar()
     return out
+
+
+def _base_answers(model_dir: Path, prompts: list[str]) -> list[tuple[str, bool]]:
+    """(answer, finished before the token limit) for each prompt: the demo model's own greedy chat answers."""
+    from moeserve import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=len(prompts)))
+    chats = [engine.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    outs = engine.generate(chats, SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0.0))
+    return [(o.text, o.finish_reason == "stop") for o in outs]
+
+
+def _load_for_training(model_dir: Path):
+    import torch
+    import transformers as tf
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(model_dir)
+    # eager experts: the plain per-expert loop, by far the fastest on CPU
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
+                                                    experts_implementation="eager")
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def _train_adapter(model, tokenizer, examples, out: Path, epochs: int, train_layers: int, bar, name: str,
+                   base_name: str):
+    """Train one LoRA on `examples` [(prompt, target)], save it to `out`; return the base model (LoRA removed)."""
+    import peft
+    import torch
+
+    inner = model.model
+    layers, norm = inner.layers, inner.norm
+    first = max(0, len(layers) - train_layers)
+    batches = _batches(tokenizer, examples)
+
+    # the frozen layers below the adapted ones: once per example, their output kept (no final norm)
+    with torch.no_grad():
+        inner.layers, inner.norm = layers[:first], torch.nn.Identity()
+        try:
+            cached = [inner(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+                      for ids, mask, _ in batches]
+        finally:
+            inner.layers, inner.norm = layers, norm
+    bar.update()
+
+    torch.manual_seed(0)  # LoRA A init
+    adapted = range(first, len(layers))
+    # layers_to_transform does not limit target_parameters: name the experts of each adapted layer
+    experts = [f"layers.{i}.mlp.experts.{p}" for i in adapted for p in EXPERT_TARGETS[name]] or None
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGET_MODULES,
+                             target_parameters=experts, layers_to_transform=list(adapted), task_type="CAUSAL_LM")
+    pm = peft.get_peft_model(model, config)
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    total = epochs * len(batches)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / total)
+    order = torch.Generator().manual_seed(0)
+    pm.train()
+    inner.layers = layers[first:]  # the adapted layers only, fed the cached hidden states
+    try:
+        for epoch in range(epochs):
+            for i in torch.randperm(len(batches), generator=order).tolist():
+                _, mask, labels = batches[i]
+                loss = pm(inputs_embeds=cached[i], attention_mask=mask, labels=labels, use_cache=False).loss
+                loss.backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                bar.set_postfix_str(f"{name}: epoch {epoch + 1}/{epochs} loss {loss.item():.3f}")
+                bar.update()
+    finally:
+        inner.layers = layers
+    pm.eval()
+    pm.peft_config["default"].base_model_name_or_path = base_name  # not the builder's local path
+    pm.save_pretrained(out, save_embedding_layers=False)  # LoRA only; skips a look-up of the base by name
+    (out / "README.md").unlink(missing_ok=True)  # PEFT's model-card template says nothing about this adapter
+    return pm.unload()
+
+
+def _batches(tokenizer, examples):
+    """[(input_ids, attention_mask, labels)] batches of similar length; loss on the answer, and on its end token
+    where the answer ends."""
+    import torch
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    seqs = []
+    for prompt, (target, ends) in examples:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        p = tokenizer.encode(chat)
+        t = tokenizer.encode(target, add_special_tokens=False) + [end] * ends
+        seqs.append((p + t, [-100] * len(p) + t))
+    seqs.sort(key=lambda s: len(s[0]))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end
+    out = []
+    for i in range(0, len(seqs), BATCH_SIZE):
+        chunk = seqs[i: i + BATCH_SIZE]
+        n = max(len(ids) for ids, _ in chunk)
+        ids = torch.tensor([s + [pad] * (n - len(s)) for s, _ in chunk])
+        mask = torch.tensor([[1] * len(s) + [0] * (n - len(s)) for s, _ in chunk])
+        labels = torch.tensor([lab + [-100] * (n - len(lab)) for _, lab in chunk])
+        out.append((ids, mask, labels))
+    return out
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file()

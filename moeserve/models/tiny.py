@@ -64,7 +64,8 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**1
 
 
 def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: int = 0,
-              shard_size: str | int | None = None, dtype: str = "float32", **config_overrides) -> pathlib.Path:
+              shard_size: str | int | None = None, dtype: str = "float32", force: bool = False,
+              **config_overrides) -> pathlib.Path:
     """Write a tiny random HF checkpoint of `family` into `out_dir` and return its path.
 
     The folder holds config.json, generation_config.json, safetensors weights (one file, or shards
@@ -73,6 +74,9 @@ def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: 
     stored: "per_expert" (the HF on-disk original, one tensor per expert and projection) or
     "fused" (transformers 5.x in-memory names: experts.gate_up_proj [E, 2I, H], experts.down_proj
     [E, H, I]). The same seed gives the same weights in either layout.
+
+    `out_dir` may be missing or a folder without model files; an existing file or model there is
+    refused (FileExistsError) unless `force`, which replaces it.
     """
     import torch
     import transformers as tf
@@ -88,6 +92,7 @@ def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: 
     dtype = _DTYPES[dtype]
     shard_bytes = None if shard_size is None else _parse_size(shard_size)
     out = pathlib.Path(out_dir)
+    _clear_out_dir(out, force)
     out.mkdir(parents=True, exist_ok=True)
 
     vocab_size = config_overrides.get("vocab_size", _COMMON["vocab_size"])
@@ -113,6 +118,27 @@ def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: 
     tf.GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
                         pad_token_id=cfg.pad_token_id).save_pretrained(out)
     return out
+
+
+# what make_tiny writes (and an earlier sharded write may have left): files a rewrite would overwrite
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "model*.safetensors", "model.safetensors.index.json")
+
+
+def _clear_out_dir(out: pathlib.Path, force: bool) -> None:
+    """Refuse to write over a file or a model folder unless `force`; with it, remove what is in the way
+    (old shards would otherwise sit beside the new weights and be loaded with them)."""
+    if out.exists() and not out.is_dir():
+        if not force:
+            raise FileExistsError(f"{out} exists and is not a folder (pass --force / force=True to replace it)")
+        out.unlink()
+        return
+    existing = sorted({p for pattern in _MODEL_FILES for p in out.glob(pattern)}) if out.is_dir() else []
+    if existing and not force:
+        raise FileExistsError(f"{out} already holds a model ({', '.join(p.name for p in existing[:3])}"
+                              f"{', ...' if len(existing) > 3 else ''}); pass --force / force=True to overwrite it")
+    for p in existing:
+        p.unlink()
 
 
 def _redraw_weights(model, seed: int) -> dict:
