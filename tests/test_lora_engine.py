@@ -6,7 +6,8 @@ import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.lora.manager import LoRAInUseError, LoRASlotPool, UnknownLoRAError
+from moeserve.lora.manager import LoRAInUseError, UnknownLoRAError
+from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models.tiny import TINY_FAMILIES
 
 from engine_probe import prompt_logits

@@ -22,7 +22,7 @@ import torch
 
 from moeserve.bench.common import bandwidths
 from moeserve.config import EngineConfig
-from moeserve.lora.manager import LoRASlotPool
+from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models import loader
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.spec import ModelSpec
