@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from moeserve.bench.common import bandwidths
+from moeserve.bench import layer_profile
+from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.config import EngineConfig
 from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models import loader
@@ -151,6 +152,17 @@ class DecodeBench:
         return statistics.median(times)
 
 
+    @torch.inference_mode()
+    def layer_budget(self, B: int, bandwidth: float, timer=graph_time_us) -> list[dict]:
+        """Per-region kernel budget of one decode layer at batch B, base model (see layer_profile)."""
+        seqs = self.sequences(B, [-1] * B)
+        batch = self.runner.prepare(ScheduledBatch(seqs, [1] * B, is_decode=True))
+        x = torch.nn.functional.embedding(batch.input_ids, self.model.embed_tokens)
+        rows = layer_profile.layer_budget(self.model, batch, x, PROMPT, bandwidth, timer)
+        layer_profile.print_budget(B, rows)
+        return rows
+
+
 def slots_for(mode: str, B: int) -> list[int]:
     if mode == "active":
         return [i % NUM_ADAPTERS for i in range(B)]
@@ -169,6 +181,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each batch size's per-layer kernel budget (time, bytes, share of the floor, "
+                         "kernel count per region of a layer)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench decode needs a CUDA device")
@@ -178,6 +193,7 @@ def main(argv=None) -> int:
     bench = DecodeBench(spec, max(batches), args.steps)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    budgets = {B: bench.layer_budget(B, bw) for B in batches} if args.profile else {}
     results: dict[str, dict[int, float]] = {m: {} for m in modes}
     capture: dict[str, dict] = {}
     plan = {  # mode -> (needs LoRA pool, graph variants or None for eager)
@@ -239,6 +255,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
                "read_bandwidth": bw, "gpu": torch.cuda.get_device_name(), "rows": rows, "capture": capture,
+               "layer_budget": budgets,
                "date": time.strftime("%Y-%m-%d")}
     (out / f"decode_{args.preset}.json").write_text(json.dumps(payload, indent=1))
     try:

@@ -1,0 +1,181 @@
+"""Per-layer kernel budget of a decode step (`bench decode --profile`).
+
+A decoder layer is cut into the regions its forward runs one after another (input norm, qkv GEMM,
+q/k norm + rotary, KV write, attention, o_proj, residual add + norm, router, experts, residual add).
+Each region is timed as one CUDA graph that runs it for every layer of the model in turn, so no
+layer's weights are still in L2 when it runs again (a region replayed on one layer alone would read
+from L2 and look faster than it is). Its floor is the bytes it must move at the read bandwidth
+measured in the same run; the kernel count comes from the profiler over one replay.
+
+`layer_regions` rebuilds the layer forward from the same modules the model uses; a CPU test chains the
+regions and checks that they reproduce `DecoderLayer.forward`, so the budget cannot drift from the layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from moeserve.layers.batch import ForwardBatch
+from moeserve.models.moe_decoder import DecoderLayer
+
+
+@dataclass
+class Region:
+    name: str
+    run: Callable[[], torch.Tensor]  # runs the region on static inputs, returns its output
+    nbytes: int  # bytes it must read + write at this batch size
+
+
+def _elem(t: torch.Tensor) -> int:
+    return t.element_size()
+
+
+def layer_regions(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, k_cache, v_cache,
+                  ctx_len: int) -> tuple[list[Region], torch.Tensor]:
+    """The regions of `layer` at input x [T, H] (a decode batch), each bound to the inputs the previous
+    region produced, and the layer's output computed by chaining them (for the equivalence test)."""
+    attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
+    T, H = x.shape
+    b = _elem(x)
+    q_size, kv_size, nh, nkv, d = spec.q_size, spec.kv_size, attn.nh, attn.nkv, attn.d
+    regions: list[Region] = []
+    state: dict = {"x": x}  # each region reads what the one before it produced
+
+    def add(name: str, fn, nbytes: int, key: str):
+        state[key] = fn()
+        regions.append(Region(name, fn, int(nbytes)))
+
+    add("input_layernorm", lambda: layer.input_layernorm(state["x"]), 2 * T * H * b + H * 4, "h")
+    qkv_w = attn.qkv_proj.weight
+    add("qkv_proj", lambda: attn.qkv_proj(state["h"], batch.lora),
+        qkv_w.numel() * _elem(qkv_w) + T * (H + q_size + 2 * kv_size) * b, "qkv")
+
+    def qk_norm_rotary():
+        q, k, v = state["qkv"].split((q_size, kv_size, kv_size), dim=-1)
+        if spec.qk_norm == "full":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        if spec.clip_qkv is not None:
+            c = spec.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q, k, v = q.reshape(T, nh, d), k.reshape(T, nkv, d), v.reshape(T, nkv, d)
+        if spec.qk_norm == "head":
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = attn.rotary(batch.positions, q, k)
+        return q, k, v
+
+    add("qk_norm+rotary", qk_norm_rotary, 2 * T * (q_size + 2 * kv_size) * b + 2 * T * d * 4, "qkv_rot")
+
+    def kv_write():
+        _, k, v = state["qkv_rot"]
+        meta = batch.attn
+        k_cache.view(-1, nkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, nkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        return k_cache
+
+    add("kv_write", kv_write, 2 * 2 * T * kv_size * b, "_kv")
+
+    def attention():
+        q = state["qkv_rot"][0]
+        o = attn.backend.decode(q, k_cache, v_cache, batch.attn, attn.scale)
+        return o.reshape(T, nh * d)
+
+    add("attention", attention, T * ctx_len * 2 * kv_size * _elem(k_cache) + 2 * T * q_size * b, "o")
+    o_w = attn.o_proj.weight
+    add("o_proj", lambda: attn.o_proj(state["o"], batch.lora), o_w.numel() * _elem(o_w) + T * (q_size + H) * b,
+        "attn_out")
+
+    def add_norm():
+        x2 = state["x"] + state["attn_out"]
+        return x2, layer.post_attention_layernorm(x2)
+
+    add("add+post_norm", add_norm, 4 * T * H * b + H * 4, "x2h")
+    if not layer.is_sparse:
+        mlp_bytes = sum(p.numel() * _elem(p) for p in mlp.parameters())
+        add("dense_mlp", lambda: mlp(state["x2h"][1], batch.lora), mlp_bytes + 2 * T * H * b, "y")
+    else:
+        E, k_top, inter = spec.num_experts, spec.top_k, spec.moe_intermediate_size
+        add("router", lambda: mlp.route(state["x2h"][1]),
+            E * H * _elem(mlp.router) + T * H * b, "routing")
+        touched = E * (1 - (1 - k_top / E) ** T)  # experts a batch of T tokens is expected to touch
+
+        def experts():
+            w, ids = state["routing"]
+            h = state["x2h"][1]
+            lora_bufs = mlp.lora_bufs if batch.lora is not None else None
+            if mlp.backend == "triton":
+                args = None
+                if lora_bufs is not None:
+                    lb = lora_bufs
+                    args = mlp._fused.MoELoRAArgs(batch.lora.token_slots, batch.lora.slot_ranks, lb.gate_up_a,
+                                                  lb.gate_up_b, lb.down_a, lb.down_b)
+                out = mlp._fused.fused_moe(h, mlp.w13, mlp.w2, w, ids, lora=args)
+            else:
+                from moeserve.layers.moe import moe_experts_torch
+
+                out = moe_experts_torch(h, mlp.w13, mlp.w2, w, ids, batch.lora, lora_bufs)
+            if mlp.shared_expert is not None:
+                shared = mlp.shared_expert(h, batch.lora)
+                out = out + torch.sigmoid(torch.nn.functional.linear(h, mlp.shared_expert_gate)) * shared
+            return out
+
+        shared_bytes = 0 if mlp.shared_expert is None else sum(
+            p.numel() * _elem(p) for p in mlp.shared_expert.parameters())
+        add("experts", experts, touched * 3 * H * inter * _elem(mlp.w13) + shared_bytes + 2 * T * H * b, "y")
+    add("residual_add", lambda: state["x2h"][0] + state["y"], 3 * T * H * b, "out")
+    return regions, state["out"]
+
+
+def kernel_names(fn: Callable[[], object]) -> list[str] | None:
+    """Names of the device kernels one call of `fn` launches, in order (torch profiler); None where the
+    profiler cannot tell."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.name.startswith(("Memcpy", "Memset"))]
+        return [e.name for e in sorted(events, key=lambda e: e.time_range.start)]
+    except Exception:  # a profiler that is not built for this device: the table still has times
+        return None
+
+
+def layer_budget(model, batch: ForwardBatch, x: torch.Tensor, ctx_len: int, bandwidth: float,
+                 timer: Callable[[list], float]) -> list[dict]:
+    """One row per region: µs per layer (timed over every routed-expert layer in turn), bytes, floor µs,
+    share of the floor, kernels per layer; and a last row for the whole layer."""
+    # the routed-expert layers (dense layers, where a family has them, cut into other regions)
+    pairs = [(layer, kv) for layer, kv in zip(model.layers, model.kv_caches) if layer.is_sparse] or \
+        list(zip(model.layers, model.kv_caches))
+    per_layer = [layer_regions(layer, x, batch, k, v, ctx_len)[0] for layer, (k, v) in pairs]
+    rows = []
+    for i, region in enumerate(per_layer[0]):
+        fns = [regions[i].run for regions in per_layer]
+        us = timer(fns)
+        names = kernel_names(region.run) if x.is_cuda else None
+        floor_us = region.nbytes / bandwidth * 1e6
+        rows.append({"region": region.name, "us": us, "bytes": region.nbytes, "floor_us": floor_us,
+                     "share_of_floor": floor_us / us if us > 0 else None,
+                     "kernels": None if names is None else len(names), "kernel_names": names})
+    n = len(pairs)
+    layer_fns = [lambda layer=layer, k=k, v=v: layer(x, batch, k, v) for layer, (k, v) in pairs]
+    us = timer(layer_fns)
+    nbytes = sum(r["bytes"] for r in rows)
+    floor_us = nbytes / bandwidth * 1e6
+    names = kernel_names(layer_fns[0]) if x.is_cuda else None
+    rows.append({"region": f"layer (of {n})", "us": us, "bytes": nbytes, "floor_us": floor_us,
+                 "share_of_floor": floor_us / us if us > 0 else None,
+                 "kernels": None if names is None else len(names), "kernel_names": names})
+    return rows
+
+
+def print_budget(B: int, rows: list[dict]) -> None:
+    print(f"\nkernel budget of one layer, decode B={B} (regions timed across all layers in one CUDA graph)")
+    print(f"{'region':>18} {'us':>8} {'bytes':>12} {'floor us':>9} {'share':>6} {'kernels':>7}")
+    for r in rows:
+        share = f"{r['share_of_floor']:.0%}" if r["share_of_floor"] is not None else "-"
+        kern = r["kernels"] if r["kernels"] is not None else "-"
+        print(f"{r['region']:>18} {r['us']:8.1f} {r['bytes']:12,d} {r['floor_us']:9.1f} {share:>6} {kern!s:>7}")
