@@ -362,3 +362,32 @@ def test_cached_tokens_in_openai_usage_and_metrics(tmp_path):
         assert server.wait_idle()["kv_blocks_free"] == server.stats()["kv_blocks_total"]
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# on the GPU: Triton prefill over cached context, decode graphs unchanged
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_cache_on_equals_cache_off_with_triton_and_decode_graphs(setup):
+    """fp32 so that the comparison is about the cache, not bf16 rounding of different prefill shapes."""
+    from moeserve.runtime.graph_runner import LORA, GraphKey
+
+    base, ads = setup
+    g = torch.Generator().manual_seed(7)
+    shared = rand(40, g)  # 2 full blocks of 16
+    waves = [[(shared + rand(5, g), None), (shared + rand(9, g), "a"), (rand(20, g), "b")],
+             [(shared + rand(30, g), None), (shared + rand(3, g), "a"), (shared[:33], "b"), (shared[:20], None)]]
+    outs = {}
+    for on in (True, False):
+        engine = Engine(EngineConfig(model=str(base), device="cuda", dtype="float32", block_size=16,
+                                     kv_cache_memory_bytes=64 << 20, cuda_graph_bs=[1, 2, 4], max_loras=2,
+                                     max_lora_rank=8, lora_modules=dict(ads), enable_prefix_caching=on))
+        outs[on] = [engine.generate([p for p, _ in w], SP, lora=[lo for _, lo in w]) for w in waves]
+        assert engine.runner.graph_runner.replays[GraphKey(4, LORA)] > 0  # decode ran in its graph
+        check_idle(engine.allocator)
+    assert [o.num_cached_tokens for o in outs[True][1]] == [32, 32, 0, 16]
+    for wave_on, wave_off in zip(outs[True], outs[False]):
+        for a, b in zip(wave_on, wave_off):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-2
