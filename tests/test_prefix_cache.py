@@ -304,6 +304,30 @@ def test_chunked_prefill_starts_after_the_cached_blocks(setup):
         assert_same(a, b)
 
 
+def test_prefill_batching_counts_only_uncached_tokens(setup):
+    """A waiting prompt that is mostly cached is little work: it waits for prefill_delay_steps like any small
+    prompt instead of forcing a prefill step (which reads every weight) at once."""
+    g = torch.Generator().manual_seed(8)
+    p, other = rand(40, g), rand(5, g)
+    waited = {}
+    for on in (True, False):
+        engine = make_engine(setup, on, max_num_batched_tokens=64, prefill_delay_steps=4)
+        engine.generate([p], SP)  # p's blocks are cached (with the cache on)
+        engine.add_request(other, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        for _ in range(3):
+            engine.step()  # `other` decodes
+        rid = engine.add_request(p + [7, 8], SP)  # 42 tokens: 40 of them cached
+        steps = 0
+        while rid not in {s.request_id for s in engine.scheduler.running}:
+            engine.step()
+            steps += 1
+        waited[on] = steps
+        while engine.has_unfinished():
+            engine.step()
+        check_idle(engine.allocator)
+    assert waited[False] == 1 and waited[True] == 5  # 42 >= 64 / 2 tokens are due at once; 2 tokens wait 4 steps
+
+
 def test_prompt_logprobs_requests_compute_their_whole_prompt(setup):
     g = torch.Generator().manual_seed(5)
     p = rand(14, g)

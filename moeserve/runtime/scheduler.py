@@ -134,7 +134,7 @@ class Scheduler:
         for seq in self.waiting:  # enough admissible prompt tokens to be worth a read of the weights?
             if want >= self.max_tokens // 2 or room <= 0:
                 break
-            want += self._remaining(seq)
+            want += self._remaining(seq) - len(self._cached_prefix(seq)) * self.allocator.block_size
             room -= 1
         return want >= self.max_tokens // 2
 
@@ -229,16 +229,19 @@ class Scheduler:
         return ScheduledBatch(list(scheduled), list(scheduled.values()), is_decode=False)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks seq can start from (not yet taken)."""
+        """The cached blocks seq can start from (not yet taken); none while its adapter version is unbound."""
         if not self.allocator.enable_prefix_caching:
             return []
-        bs = self.allocator.block_size
         if seq.block_hashes is None:  # a sequence keeps its adapter version to its end, preempted or not
-            key = self.lora.identity(seq) if self.lora is not None and seq.lora_name is not None else None
-            seq.block_hashes = prefix_hashes(seq.prompt_token_ids, bs, key)
+            key = None
+            if seq.lora_name is not None and self.lora is not None:
+                key = self.lora.identity(seq)  # bound by acquire, before admission looks here
+                if key is None:
+                    return []
+            seq.block_hashes = prefix_hashes(seq.prompt_token_ids, self.allocator.block_size, key)
         if seq.wants_prompt_logprobs:
-            return []  # every prompt position's logits are wanted: compute them all
-        return self.allocator.match(seq.block_hashes[:(seq.num_tokens - 1) // bs])
+            return []  # every prompt position's logits are wanted: compute them all (its blocks are still cached)
+        return self.allocator.match(seq.block_hashes[:(seq.num_tokens - 1) // self.allocator.block_size])
 
     def cache_computed_blocks(self, sb: ScheduledBatch) -> None:
         """After `sb` was launched (num_computed_tokens advanced): register the full prompt blocks it computed."""
