@@ -165,6 +165,7 @@ def test_outputs_equal_the_cache_off_engine_in_two_waves_for_base_and_adapters(s
     wave1 = [(shared + rand(5, g), None),  # registers shared's 6 blocks for base
              (shared[:4] + rand(10, g), None),  # shares 1 block
              (distinct, None),  # shares nothing
+             (list(distinct), None),  # computed twice side by side: one copy is cached, the other freed
              (shared[:6] + rand(3, g), None),  # shares a block and a half
              (shared + rand(3, g), "a"),
              (shared[:9] + rand(6, g), "b")]
