@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192  # token budget of a prefill step (chunked prefill slices long prompts)
     prefill_delay_steps: int = 8  # decode steps waiting prompts may wait to be prefilled together
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # reuse KV blocks of prompt prefixes (keyed by adapter version)
     block_size: int = 16
     gpu_memory_utilization: float = 0.90  # fraction of free device memory for the KV cache (cuda)
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization

@@ -97,6 +97,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=_default("enable_chunked_prefill"),
                    help="split long prompts across steps (default: on)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_default("enable_prefix_caching"),
+                   help="reuse the KV blocks of prompt prefixes computed before, keyed by adapter version "
+                        "(default: on)")
     g.add_argument("--block-size", type=int, default=_default("block_size"),
                    help="tokens per KV-cache block, a power of two (default: %(default)s)")
     g.add_argument("--gpu-memory-utilization", type=float, default=_default("gpu_memory_utilization"),

@@ -7,7 +7,10 @@
    128 new tokens, ignore_eos, logprobs=0, 512 requests); against the LoRA servers also the same
    traffic with every request on one of 4 rank-16 adapters (attention + all routed experts); against
    the LoRA-disabled one also a single client.
-3. A table of ratios (server tok/s over the decode graph's, TPOT over the graph step) and one JSON.
+3. With `--parts prefix`: prefix caching on and off (the same LoRA server flags), a shared 1,024-token
+   system prompt before 256 distinct 64-token user turns, 64 new tokens, half the requests on two adapters;
+   TTFT p50, output tok/s and the prefix-cache hit rate, on over off.
+4. A table of ratios (server tok/s over the decode graph's, TPOT over the graph step) and one JSON.
 
     python -m moeserve.bench.protocol --preset qwen3-30b-a3b --out bench_out/protocol
 """
@@ -114,7 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--parts", default="decode,base,lora,norecord",
-                    help="comma list of parts to run: decode, base, lora, norecord")
+                    help="comma list of parts to run: decode, base, lora, norecord, prefix (prefix caching on and "
+                         "off: a shared 1,024-token system prompt, 256 distinct user turns, 64 new tokens, half "
+                         "the requests on two adapters)")
     ap.add_argument("--server-args", default="", help="extra flags for every `moeserve serve`")
     args = ap.parse_args(argv)
     from moeserve.bench import serve
@@ -137,7 +142,7 @@ def main(argv=None) -> int:
     common = ["--model", str(model), "--load-format", "dummy", "--max-num-seqs", str(args.concurrency),
               "--log-level", "warning", *args.server_args.split()]
     adapters = []
-    if parts & {"lora", "norecord"}:
+    if parts & {"lora", "norecord", "prefix"}:
         for i in range(NUM_ADAPTERS):
             adapters.append(f"ad{i}={write_adapter(model, out / 'adapters' / f'ad{i}', seed=i + 1)}")
     lora_flags = ["--enable-lora", "--max-loras", str(NUM_ADAPTERS), "--max-lora-rank", str(RANK),
@@ -147,6 +152,11 @@ def main(argv=None) -> int:
                 ("lora", lora_flags, [("lora-base", []), ("lora-active", active)]),
                 ("norecord", lora_flags + ["--no-record-nolora-graph"], [("norecord-base", []),
                                                                           ("norecord-active", active)])]
+    shared = ["--random-prefix-len", "1024", "--random-input-len", "64", "--random-output-len", "64",
+              "--num-prompts", "256", "--lora-modules", *[a.split("=")[0] for a in adapters[:2]],
+              "--lora-fraction", "0.5"]
+    flavours += [("prefix", lora_flags, [("prefix-on", shared)]),
+                 ("prefix", lora_flags + ["--no-enable-prefix-caching"], [("prefix-off", shared)])]
     runs = {}
     for name, flags, jobs in flavours:
         if name not in parts:
@@ -188,6 +198,16 @@ def print_summary(results: dict) -> None:
         print(f"{label:<16}{tok:>11,.0f}{ratio:>8.2f}{tpot:>9.1f}m{(tpot / step) if step else float('nan'):>7.2f}"
               f"{m.get('median_ttft_ms', float('nan')):>9.0f}m{m.get('p99_ttft_ms', float('nan')):>9.0f}m"
               f"{m.get('failed', 0):>8}")
+    serve = results.get("serve", {})
+    for label in ("prefix-on", "prefix-off"):
+        if label in serve:
+            em = serve[label].get("engine_metrics", {})
+            q, h = em.get("moeserve_prefix_cache_queries_total", 0.0), em.get("moeserve_prefix_cache_hits_total", 0.0)
+            print(f"{label}: prefix-cache hit rate {h / q if q else 0.0:.1%} ({h:,.0f} of {q:,.0f} prompt tokens)")
+    on, off = serve.get("prefix-on"), serve.get("prefix-off")
+    if on and off and on.get("median_ttft_ms") and off.get("output_throughput"):
+        print(f"prefix caching on / off: TTFT p50 {off['median_ttft_ms'] / on['median_ttft_ms']:.2f}x lower "
+              f"(target >= 3), output tok/s {on['output_throughput'] / off['output_throughput']:.2f}x (target >= 1.5)")
 
 
 if __name__ == "__main__":

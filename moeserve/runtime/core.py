@@ -96,7 +96,7 @@ class EngineCore:
             for name, path in cfg.lora_modules.items():
                 self.lora_manager.register(name, path, pinned=False)
         num_blocks = self.runner.allocate_kv_cache()
-        self.allocator = BlockAllocator(num_blocks, cfg.block_size)
+        self.allocator = BlockAllocator(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         fits = self.allocator.num_usable * cfg.block_size
         if cfg.max_model_len > fits:
             if not auto_len:
@@ -196,6 +196,7 @@ class EngineCore:
             self.stats_counters["decode_steps_total"] += sb.is_decode
             for seq, n in zip(sb.seqs, sb.num_new_tokens):
                 seq.num_computed_tokens += n
+            self.scheduler.cache_computed_blocks(sb)
             for row, seq in enumerate(launched.sampling_seqs):
                 seq.output_token_ids.append(PENDING)
                 seq.num_pending += 1
@@ -213,9 +214,19 @@ class EngineCore:
     def _process(self, step: InFlightStep) -> list[CoreOutput]:
         result = self.runner.collect(step)
         outputs: dict[Sequence, CoreOutput] = {}
+
+        def output(seq: Sequence) -> CoreOutput:
+            out = outputs.get(seq)
+            if out is None:
+                out = outputs[seq] = CoreOutput(seq.request_id, [])
+                if not seq.reported_cached_tokens:  # a request's first output says how much of its prompt was cached
+                    out.num_cached_tokens = seq.num_cached_tokens or 0
+                    seq.reported_cached_tokens = True
+            return out
+
         for seq, lps in result.prompt_logprobs.items():
             if not seq.is_finished:
-                outputs[seq] = CoreOutput(seq.request_id, [], new_prompt_logprobs=lps)
+                output(seq).new_prompt_logprobs = lps
         for seq, token in result.sampled.items():
             if seq.is_finished:
                 continue  # aborted, or ended by the step before (a wasted row)
@@ -223,7 +234,7 @@ class EngineCore:
             seq.output_token_ids[idx] = token
             seq.num_pending -= 1
             self.stats_counters["generation_tokens_total"] += 1
-            out = outputs.setdefault(seq, CoreOutput(seq.request_id, []))
+            out = output(seq)
             out.new_token_ids.append(token)
             if seq in result.logprobs:
                 out.new_logprobs = [result.logprobs[seq]]
@@ -252,6 +263,7 @@ class EngineCore:
         """After a failed step: fail the requests it was working on; waiting ones stay queued."""
         self.inflight = None
         self.runner.prev_tokens = None
+        self.allocator.reset_prefix_cache()  # blocks that step was writing may hold garbage
         return [self._fail(seq, error) for seq in list(self.scheduler.running)]
 
     # ---- LoRA -----------------------------------------------------------------------------------
@@ -283,6 +295,11 @@ class EngineCore:
             kv_blocks_free=self.allocator.num_free,
             kv_usage=1.0 - self.allocator.num_free / self.allocator.num_usable,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            prefix_cache_hit_rate=self.scheduler.prefix_cache_hits / max(self.scheduler.prefix_cache_queries, 1),
+            prefix_cache_blocks=self.allocator.num_cached,
+            prefix_cache_evictions=self.allocator.num_evictions,
         )
         if self.runner.graph_runner is not None:
             s["graph_replays"] = self.runner.graph_runner.replay_counts()

@@ -31,13 +31,15 @@ class RequestState:
         self.hold = max((len(s) - 1 for s in params.stop), default=0)
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.num_cached_tokens: int | None = None
 
     def output(self, delta_text: str, delta_ids: list[int]) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             token_ids=list(self.output_token_ids), text=self.text[:self.stream_offset], delta_text=delta_text,
             delta_token_ids=delta_ids, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
-            finish_reason=self.finish_reason, lora_name=self.lora_name, error=self.error)
+            finish_reason=self.finish_reason, lora_name=self.lora_name, error=self.error,
+            num_cached_tokens=self.num_cached_tokens)
 
 
 def find_stop(text: str, stops: list[str], text_before: int) -> int:
@@ -67,6 +69,8 @@ class OutputProcessor:
             st = self.requests.get(o.request_id)
             if st is None:
                 continue  # ended here already (stop string, abort)
+            if o.num_cached_tokens is not None:
+                st.num_cached_tokens = o.num_cached_tokens
             if o.new_prompt_logprobs:
                 st.prompt_logprobs.extend(o.new_prompt_logprobs)
             delta_ids = []

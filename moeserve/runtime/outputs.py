@@ -28,19 +28,20 @@ class CoreOutput:
     new_prompt_logprobs: list[TokenLogprobs | None] | None = None  # prompt tokens scored this step
     finish_reason: str | None = None  # "stop" (eos / stop id) | "length" | "abort" | "error"
     error: str | None = None
+    num_cached_tokens: int | None = None  # on a request's first output: prompt tokens found in the prefix cache
 
     def to_wire(self) -> list:
         return [self.request_id, self.new_token_ids,
                 None if self.new_logprobs is None else [lp.to_wire() for lp in self.new_logprobs],
                 None if self.new_prompt_logprobs is None else [
                     None if lp is None else lp.to_wire() for lp in self.new_prompt_logprobs],
-                self.finish_reason, self.error]
+                self.finish_reason, self.error, self.num_cached_tokens]
 
     @classmethod
     def from_wire(cls, w: list) -> "CoreOutput":
-        rid, ids, lps, plps, finish, error = w
+        rid, ids, lps, plps, finish, error, cached = w
         return cls(rid, ids, None if lps is None else [TokenLogprobs.from_wire(x) for x in lps],
-                   None if plps is None else [TokenLogprobs.from_wire(x) for x in plps], finish, error)
+                   None if plps is None else [TokenLogprobs.from_wire(x) for x in plps], finish, error, cached)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class RequestOutput:
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
     lora_name: str | None = None
     error: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (None until it started)
 
     @property
     def finished(self) -> bool:

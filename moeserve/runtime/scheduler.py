@@ -16,6 +16,12 @@ never in two steps in a row while sequences wait to decode, so a stream of promp
 When KV blocks run out, the newest running sequence is preempted (its blocks freed, recomputed
 later) — nobody else's cache is touched.
 
+Prefix caching: an admitted sequence takes the longest run of its full prompt blocks the cache holds
+(under its adapter version) and starts computing at the first uncached block; at least one token is always
+computed, since the last one's logits are sampled. Blocks are registered once a launched step has
+computed them (their token ids are prompt tokens, known on the host). A preempted sequence's blocks stay
+cached, so its recompute finds them again.
+
 LoRA slots (more active adapters than slots): admission is FIFO, but a request whose adapter version is
 already in a slot (or a base request) is admitted even when an earlier one waits for a new slot; only
 requests that need a new slot queue behind that one, in order. A slot changes adapter when its adapter's
@@ -30,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from moeserve.runtime.kv_cache import BlockAllocator
+from moeserve.runtime.kv_cache import BlockAllocator, prefix_hashes
 from moeserve.runtime.sequence import Sequence, SeqStatus
 
 
@@ -48,6 +54,7 @@ class LoRASlots(Protocol):
     def acquire(self, seq: Sequence) -> bool: ...  # False: no slot for it now
     def preempt(self, seq: Sequence) -> None: ...  # stops computing for now, keeps its version and slot
     def release(self, seq: Sequence) -> None: ...  # done
+    def identity(self, seq: Sequence) -> tuple[str, int] | None: ...  # bound adapter version (prefix-cache key)
     def drain_victim(self) -> int: ...  # slot to drain for a request waiting for a new slot, or -1
 
 
@@ -74,6 +81,8 @@ class Scheduler:
         self.num_steps = 0  # schedule() calls: the clock of waiting times
         self._added_at: dict[Sequence, int] = {}  # waiting, never admitted -> step it arrived
         self.lora_drain_slot = -1  # slot drained for a starving request (-1: none); exposed for stats/tests
+        self.prefix_cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of them, tokens found cached
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -125,7 +134,7 @@ class Scheduler:
         for seq in self.waiting:  # enough admissible prompt tokens to be worth a read of the weights?
             if want >= self.max_tokens // 2 or room <= 0:
                 break
-            want += self._remaining(seq)
+            want += self._remaining(seq) - len(self._cached_prefix(seq)) * self.allocator.block_size
             room -= 1
         return want >= self.max_tokens // 2
 
@@ -177,10 +186,6 @@ class Scheduler:
         try:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting.popleft()
-                n = self._chunk(self._remaining(seq), budget)
-                if n > budget:
-                    skipped.append(seq)
-                    break
                 if seq.lora_name is not None and self.lora is not None:
                     slot, bound = self.lora.slot_of(seq)
                     if (slot < 0 and lora_blocked) or (slot >= 0 and slot == drain and not bound):
@@ -197,11 +202,21 @@ class Scheduler:
                         lora_blocked = True
                         skipped.append(seq)
                         continue
-                if not self.allocator.grow(seq.block_table, seq.num_computed_tokens + n):
+                cached = self._cached_prefix(seq)  # after acquire: the key holds the version it runs with
+                num_cached = len(cached) * self.allocator.block_size
+                n = self._chunk(self._remaining(seq) - num_cached, budget)
+                if n > budget or not self.allocator.grow(seq.block_table, num_cached + n, cached):
                     if self.lora is not None and seq.lora_name is not None:
                         self.lora.preempt(seq)  # keeps the slot it just got: it is first in line
                     skipped.append(seq)
                     break
+                seq.num_computed_tokens = num_cached
+                seq.num_hashed_blocks = len(cached)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = num_cached
+                if self.allocator.enable_prefix_caching:
+                    self.prefix_cache_queries += seq.num_tokens
+                    self.prefix_cache_hits += num_cached
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 self._added_at.pop(seq, None)
@@ -212,6 +227,35 @@ class Scheduler:
         if not scheduled:
             return None
         return ScheduledBatch(list(scheduled), list(scheduled.values()), is_decode=False)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks seq can start from (not yet taken); none while its adapter version is unbound."""
+        if not self.allocator.enable_prefix_caching:
+            return []
+        if seq.block_hashes is None:  # a sequence keeps its adapter version to its end, preempted or not
+            key = None
+            if seq.lora_name is not None and self.lora is not None:
+                key = self.lora.identity(seq)  # bound by acquire, before admission looks here
+                if key is None:
+                    return []
+            seq.block_hashes = prefix_hashes(seq.prompt_token_ids, self.allocator.block_size, key)
+        if seq.wants_prompt_logprobs:
+            return []  # every prompt position's logits are wanted: compute them all (its blocks are still cached)
+        return self.allocator.match(seq.block_hashes[:(seq.num_tokens - 1) // self.allocator.block_size])
+
+    def cache_computed_blocks(self, sb: ScheduledBatch) -> None:
+        """After `sb` was launched (num_computed_tokens advanced): register the full prompt blocks it computed."""
+        if not self.allocator.enable_prefix_caching:
+            return
+        bs = self.allocator.block_size
+        for seq in sb.seqs:
+            hashes = seq.block_hashes
+            if hashes is None or seq.num_hashed_blocks >= len(hashes):
+                continue
+            full = min(seq.num_computed_tokens // bs, len(hashes))
+            for i in range(seq.num_hashed_blocks, full):
+                self.allocator.register(seq.block_table[i], hashes[i])
+            seq.num_hashed_blocks = max(full, seq.num_hashed_blocks)
 
     def _lora_drain_slot(self) -> int:
         """Bounded wait for LoRA slots: once the oldest request needing a new slot has waited
@@ -228,10 +272,11 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.release(seq.block_table)
+        self.allocator.release(seq.block_table)  # its computed prompt blocks stay cached for the recompute
         if self.lora is not None and seq.lora_name is not None:
             self.lora.preempt(seq)
         seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

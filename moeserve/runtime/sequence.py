@@ -38,6 +38,12 @@ class Sequence:
         self.pending_row = -1  # row of the newest PENDING token in the last launched step
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written by the step in flight)
         self.block_table: list[int] = []
+        # prefix cache (kv_cache.py): names of its full prompt blocks, set once its adapter version is bound;
+        # how many leading blocks of block_table the cache knows; prompt tokens found cached when it started
+        self.block_hashes: list[bytes] | None = None
+        self.num_hashed_blocks = 0
+        self.num_cached_tokens: int | None = None
+        self.reported_cached_tokens = False  # num_cached_tokens went out with its first output
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None

@@ -72,9 +72,10 @@ def _delta_logprobs(out: RequestOutput) -> list[TokenLogprobs]:
     return list(out.logprobs[end - len(out.delta_token_ids):end]) if out.logprobs is not None else []
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _seed(seed: int | None, i: int) -> int | None:
@@ -193,7 +194,8 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
                                                                        list(out.logprobs or []), offset)[0])
         choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason})
     prompt_tokens = sum(len(finals[p * body.n].prompt_token_ids) for p in range(len(prompts)))
-    usage = _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))
+    cached_tokens = sum(finals[p * body.n].num_cached_tokens or 0 for p in range(len(prompts)))
+    usage = _usage(prompt_tokens, sum(len(o.token_ids) for o in finals), cached_tokens)
     state.metrics.count_request("completions", 200)
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
@@ -202,7 +204,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
     merged = MergedStreams(streams)
     n = len(streams)
     started, first = [False] * n, [None] * n
-    offsets, completion_tokens, prompt_tokens = [0] * n, [0] * n, [0] * n
+    offsets, completion_tokens, prompt_tokens, cached_tokens = [0] * n, [0] * n, [0] * n, [0] * n
     extra = {"usage": None} if body.include_usage else {}
     status = 499  # until the stream completes
     try:
@@ -222,6 +224,7 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
                 lp, offsets[i] = _completion_logprobs(state, out.delta_token_ids, _delta_logprobs(out), offsets[i])
                 logprobs = _merge_logprobs(logprobs, lp)
             completion_tokens[i] = len(out.token_ids)
+            cached_tokens[i] = out.num_cached_tokens or 0
             if out.finished:
                 state.metrics.observe_choice(arrival, first[i], now, len(out.token_ids))
             if text or out.finished or (logprobs and logprobs["tokens"]):
@@ -229,7 +232,8 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
                 yield sse({**head, "choices": [choice], **extra})
         if body.include_usage:
             p = sum(prompt_tokens[k] for k in range(0, n, body.n))
-            yield sse({**head, "choices": [], "usage": _usage(p, sum(completion_tokens))})
+            c = sum(cached_tokens[k] for k in range(0, n, body.n))
+            yield sse({**head, "choices": [], "usage": _usage(p, sum(completion_tokens), c)})
         yield "data: [DONE]\n\n"
         status = 200
     except Exception as e:  # noqa: BLE001 - the response has started: report in-band
@@ -274,7 +278,8 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     choices = [{"index": k, "message": {"role": "assistant", "content": out.text},
                 "logprobs": {"content": _chat_logprobs(state, out.logprobs or [])} if body.logprobs else None,
                 "finish_reason": out.finish_reason} for k, out in enumerate(finals)]
-    usage = _usage(len(finals[0].prompt_token_ids), sum(len(o.token_ids) for o in finals))
+    usage = _usage(len(finals[0].prompt_token_ids), sum(len(o.token_ids) for o in finals),
+                   finals[0].num_cached_tokens or 0)
     state.metrics.count_request("chat_completions", 200)
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
@@ -283,7 +288,7 @@ async def _chat_events(state: ServerState, body: ChatCompletionRequest, streams,
     merged = MergedStreams(streams)
     n = len(streams)
     first = [None] * n
-    completion_tokens, prompt_tokens = [0] * n, 0
+    completion_tokens, prompt_tokens, cached_tokens = [0] * n, 0, 0
     extra = {"usage": None} if body.include_usage else {}
     status = 499
     try:
@@ -297,6 +302,8 @@ async def _chat_events(state: ServerState, body: ChatCompletionRequest, streams,
                 first[i] = now
             prompt_tokens = len(out.prompt_token_ids)
             completion_tokens[i] = len(out.token_ids)
+            if i == 0:
+                cached_tokens = out.num_cached_tokens or 0
             logprobs = {"content": _chat_logprobs(state, _delta_logprobs(out))} if body.logprobs else None
             if out.finished:
                 state.metrics.observe_choice(arrival, first[i], now, len(out.token_ids))
@@ -305,7 +312,7 @@ async def _chat_events(state: ServerState, body: ChatCompletionRequest, streams,
                 choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
                 yield sse({**head, "choices": [choice], **extra})
         if body.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(prompt_tokens, sum(completion_tokens))})
+            yield sse({**head, "choices": [], "usage": _usage(prompt_tokens, sum(completion_tokens), cached_tokens)})
         yield "data: [DONE]\n\n"
         status = 200
     except Exception as e:  # noqa: BLE001 - the response has started: report in-band
