@@ -97,14 +97,14 @@ class CoreServer:
         runner.launch = failing
 
     def _hold_reads(self, flag: str) -> None:
-        parse = type(self)._parse
-
+        """The next adapter read waits while `flag` exists (it creates flag + '.reading' when it starts)."""
         def held(manager, name, path):
+            del self._parse  # one read only
             open(flag + ".reading", "w").close()
             deadline = time.monotonic() + 60
             while os.path.exists(flag) and time.monotonic() < deadline:
                 time.sleep(0.005)
-            return parse(self, manager, name, path)
+            return self._parse(manager, name, path)
 
         self._parse = held
 
