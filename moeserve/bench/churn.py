@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-fraction", type=float, default=0.2, help="share of requests on the base model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--no-churn", action="store_true", help="the same traffic without churn (a baseline)")
     p.add_argument("--save-result", default=None, metavar="PATH", help="write the numbers as JSON")
     return p
 
@@ -84,7 +85,8 @@ def parse_adapters(items: list[str]) -> dict[str, str]:
 
 async def run_churn(base_url: str, adapters: dict[str, str], *, model: str | None = None, num_requests: int = 400,
                     max_concurrency: int = 16, num_prompts: int = 8, input_words: int = 12, output_len: int = 16,
-                    base_fraction: float = 0.2, seed: int = 0, timeout: float = 300.0) -> ChurnResult:
+                    base_fraction: float = 0.2, seed: int = 0, timeout: float = 300.0,
+                    churn: bool = True) -> ChurnResult:
     import httpx
 
     rng = random.Random(seed)
@@ -135,7 +137,7 @@ async def run_churn(base_url: str, adapters: dict[str, str], *, model: str | Non
                         changed.notify_all()
             answers[i] = (ok, text)
 
-        async def churn(done: asyncio.Event) -> None:
+        async def churn_loop(done: asyncio.Event) -> None:
             for op, name in zip(itertools.cycle(("reload", "unload_load")), itertools.cycle(names)):
                 if done.is_set():
                     return
@@ -163,7 +165,7 @@ async def run_churn(base_url: str, adapters: dict[str, str], *, model: str | Non
                     await asyncio.sleep(0.05)
 
         done = asyncio.Event()
-        churner = asyncio.ensure_future(churn(done))
+        churner = asyncio.ensure_future(churn_loop(done) if churn else done.wait())
         t0 = time.perf_counter()
         await asyncio.gather(*(send(i) for i in range(num_requests)))
         res.duration_s = time.perf_counter() - t0
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         res = asyncio.run(run_churn(base, adapters, model=args.model, num_requests=args.num_requests,
                                     max_concurrency=args.max_concurrency, num_prompts=args.num_prompts,
                                     input_words=args.input_words, output_len=args.output_len,
-                                    base_fraction=args.base_fraction, seed=args.seed, timeout=args.timeout))
+                                    base_fraction=args.base_fraction, seed=args.seed, timeout=args.timeout,
+                                    churn=not args.no_churn))
     finally:
         if proc is not None:
             stop_server(proc)
