@@ -4,6 +4,7 @@ read off the engine-core step loop. References: an offline engine with each adap
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 import threading
@@ -111,6 +112,8 @@ def test_load_inplace_swaps_weights_and_bumps_the_version(server, ref):
     assert versions(s) == {"a": 1}
     r = s.http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "a2"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_exists", r.text  # load_inplace not set
+    r = s.http.post("/v1/load_lora_adapter", json={"lora_name": MODEL, "lora_path": "a2", "load_inplace": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name" and "base model" in r.text, r.text
     want_a, want_a2 = ref_texts(ref, "a"), ref_texts(ref, "a2")
     assert want_a != want_a2
     assert complete(s, "a") == want_a
@@ -124,7 +127,6 @@ def test_load_inplace_swaps_weights_and_bumps_the_version(server, ref):
         r = s.http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "a2", "load_inplace": True})
         assert r.status_code == 200, r.text
         rest = [line for line in lines if line.startswith("data: ")]
-    import json
     chunks = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == want_long
     assert versions(s) == {"a": 2}

@@ -209,8 +209,11 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     async def load_lora_adapter(body: LoadLoRARequest):
         name = body.lora_name
         check_runtime_loading(name)
+        if name == served_model_name:
+            raise OpenAIError(400, f"{name!r} is the base model's name; an adapter needs another",
+                              param="lora_name", code="invalid_value")
         # load_inplace (vLLM's field): reload a loaded name as a new version; started requests finish on the old
-        if name == served_model_name or (name in engine.lora_versions and not body.load_inplace):
+        if name in engine.lora_versions and not body.load_inplace:
             raise OpenAIError(400, f"adapter {name!r} is already loaded (set load_inplace to reload it)",
                               param="lora_name", code="adapter_exists")
         path = None
