@@ -80,7 +80,8 @@ class LoRAManager:
         self._queued_per_name: dict[str, int] = {}
         self.reader: Executor | None = None  # where evicted adapters are re-read; None: at once, on the caller's thread
         self._reading: dict[tuple[str, int], Future] = {}  # (name, version) -> its re-read in progress
-        self.counters = {"lora_loads_total": 0, "lora_evictions_total": 0}
+        # lora_rereads_total: adapters read from disk again after they fell out of the host cache
+        self.counters = {"lora_loads_total": 0, "lora_evictions_total": 0, "lora_rereads_total": 0}
 
     def _resolve_targets(self, config: EngineConfig) -> set[str]:
         if config.lora_target_modules:
@@ -237,6 +238,7 @@ class LoRAManager:
                 return None
             del self._reading[key]
             adapter = read.result()
+        self.counters["lora_rereads_total"] += 1
         self._cache(v, adapter)
         return adapter
 
