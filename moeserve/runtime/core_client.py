@@ -88,7 +88,7 @@ def resolve_adapter_path(name: str, given: str | None, lora_dir: str | None) -> 
         path = os.path.realpath(os.path.join(root, given if given is not None else name))  # an absolute given wins
         if os.path.commonpath([root, path]) != root:
             raise AdapterPathError("lora_path must name an adapter inside the server's --lora-dir (symlinks "
-                                     "resolved)")
+                                   "resolved)")
     config = os.path.join(path, CONFIG_FILE)
     if not (os.path.isdir(path) and os.path.isfile(config) and os.access(config, os.R_OK)):
         raise FileNotFoundError(path)
@@ -519,17 +519,13 @@ class EngineClient:
             await self.load_lora(name, path)
             logger.info("loaded LoRA adapter %r from --lora-dir at its first request", name)
             return
-        except (EngineDeadError, QueueFullError):
+        except EngineDeadError:
             raise
-        except (FileNotFoundError, LoRAAdapterError) as e:  # nothing by that name, or an invalid name
+        except Exception as e:  # noqa: BLE001 - one answer to the client, the reason in the server's log
             if name in self.lora_versions:  # loaded meanwhile by a load request
                 return
-            if not isinstance(e, FileNotFoundError) and "invalid adapter name" not in str(e):
+            if not (isinstance(e, FileNotFoundError) or "invalid adapter name" in str(e)):  # not a client's typo
                 logger.warning("could not load LoRA adapter %r from --lora-dir at its first request: %s", name, e)
-        except Exception as e:  # noqa: BLE001 - one answer to the client, the reason in the log
-            if name in self.lora_versions:
-                return
-            logger.warning("could not load LoRA adapter %r from --lora-dir at its first request: %s", name, e)
         raise UnknownAdapterError(f"unknown LoRA adapter {name!r}: it is not loaded, and no adapter by that name "
                                   "could be loaded from the server's --lora-dir")
 

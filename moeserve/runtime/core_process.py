@@ -63,8 +63,12 @@ class LoRACall:
     """A load or unload waiting its turn; a load's file is read by `parsed` (None: nothing to wait for)."""
     call_id: int
     method: str
-    args: list
+    args: list  # load_lora: name, path[, pinned[, replace]]; unload_lora: name
     parsed: Future | None = None
+
+    def load_args(self) -> tuple[str, str, bool, bool]:
+        name, path, *flags = self.args
+        return name, path, bool(flags[0]) if flags else False, bool(flags[1]) if len(flags) > 1 else False
 
 
 class CoreServer:
@@ -166,9 +170,8 @@ class CoreServer:
     def queue_lora_call(self, call: LoRACall) -> None:
         manager = self.core.lora_manager
         if call.method == "load_lora" and manager is not None:
-            name, path = call.args[0], call.args[1]
-            replace = len(call.args) > 3 and bool(call.args[3])
-            try:  # refusals that need no file answer at once (nothing queued ahead may change them: see below)
+            name, path, _, replace = call.load_args()
+            try:  # a refusal that needs no file is answered at once, unless a call ahead (an unload) may change it
                 if not self.lora_calls:
                     manager.check_name(name, replace)
             except Exception as e:  # noqa: BLE001
@@ -198,10 +201,8 @@ class CoreServer:
     def _register(self, call: LoRACall) -> None:
         manager = self.core.lora_manager
         if manager is None:
-            return self.core.load_lora(*call.args)  # raises: LoRA is not enabled
-        name, path, *rest = call.args
-        pinned = bool(rest[0]) if rest else False
-        replace = bool(rest[1]) if len(rest) > 1 else False
+            return self.core.load_lora(*call.load_args())  # raises: LoRA is not enabled
+        name, path, pinned, replace = call.load_args()
         adapter = call.parsed.result()  # raises the reading error
         manager.register(name, path, pinned=pinned, queued=list(self.core.seqs.values()), replace=replace,
                          adapter=adapter)
