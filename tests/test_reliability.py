@@ -684,8 +684,9 @@ def test_serve_flags_for_connection_limits_and_runtime_loading():
     p = argparse.ArgumentParser()
     add_serve_args(p)
     args = p.parse_args(["--timeout-header", "3", "--timeout-body", "7", "--timeout-keep-alive", "9",
-                         "--limit-concurrency", "100", "--enable-lora-runtime-loading", "--lora-dir", "/srv/ad"])
-    assert http_limits_from_args(args) == HTTPLimits(3.0, 7.0, 9.0, 100)
+                         "--limit-concurrency", "100", "--enable-lora-runtime-loading", "--lora-dir", "/srv/ad",
+                         "--max-request-body-bytes", "1000"])
+    assert http_limits_from_args(args) == HTTPLimits(3.0, 7.0, 9.0, 100, max_request_body_bytes=1000)
     cfg = engine_config_from_args(args)
     assert cfg.enable_lora_runtime_loading and cfg.lora_dir == "/srv/ad"
     default = engine_config_from_args(p.parse_args([]))
@@ -693,3 +694,5 @@ def test_serve_flags_for_connection_limits_and_runtime_loading():
     assert http_limits_from_args(p.parse_args([])) == HTTPLimits()
     with pytest.raises(ValueError):
         HTTPLimits(timeout_header=0)
+    with pytest.raises(ValueError):
+        HTTPLimits(max_request_body_bytes=0)

@@ -5,7 +5,9 @@ tokenizes, detokenizes and formats SSE, and talks to the core only through Engin
 messages. Every request is validated (pydantic, then SamplingParams, then the core's limits)
 before a byte of the response is sent, so each mistake is a 4xx in the OpenAI error shape and a
 streaming response only starts for a request the engine accepted. A client that goes away aborts
-its requests, which frees their KV blocks at the next step.
+its requests, which frees their KV blocks at the next step. A body over --max-request-body-bytes is a 413 before it
+is read. With runtime adapter loading on and a --lora-dir, a request naming an adapter that is not loaded but is a
+folder there loads it first (once, however many such requests arrive together).
 """
 from __future__ import annotations
 
@@ -23,11 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeserve.log_filter import filter_repeats
 from moeserve.lora.adapter import LoRAAdapterError, validate_adapter_name
 from moeserve.runtime.core_client import (AdapterPathError, EngineClient, EngineDeadError, UnknownAdapterError,
                                           resolve_adapter_path)
 from moeserve.server.completions import ServerState, create_chat_completion, create_completion
-from moeserve.log_filter import filter_repeats
 from moeserve.server.connections import (HTTPLimits, guarded_protocol_class, limit_request_body,
                                          raise_open_files_limit, raw_response)
 from moeserve.server.errors import ClientGone, engine_error, lora_error, queue_full, validation_error
