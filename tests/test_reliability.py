@@ -696,3 +696,26 @@ def test_serve_flags_for_connection_limits_and_runtime_loading():
         HTTPLimits(timeout_header=0)
     with pytest.raises(ValueError):
         HTTPLimits(max_request_body_bytes=0)
+
+
+def test_adapters_are_checked_against_the_engines_serving_dtype(model_dir, tmp_path):
+    """The engine validates an adapter in the dtype it serves in: a factor of 7e4 fits fp32 but not fp16, so the
+    same files load into an fp32 engine and are refused, naming the tensor, by an fp16 one."""
+    from safetensors.torch import load_file, save_file
+
+    from moeserve import Engine
+    from moeserve.lora.adapter import LoRAAdapterError
+    from peft_fixtures import make_peft_adapter
+
+    path = make_peft_adapter("qwen3_moe", tmp_path / "a", kind="attn", rank=4, seed=1)[0]
+    weights = path / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key].view(-1)[3] = 7e4
+    save_file(tensors, str(weights))
+    kw = dict(model=str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64,
+              num_kv_blocks=16, enforce_eager=True)
+    Engine(EngineConfig(dtype="float32", **kw)).load_lora("x", str(path))
+    with pytest.raises(LoRAAdapterError, match="overflow the serving dtype torch.float16") as err:
+        Engine(EngineConfig(dtype="float16", **kw)).load_lora("x", str(path))
+    assert key in str(err.value)
