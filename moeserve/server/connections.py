@@ -244,7 +244,7 @@ def limit_request_body(app, max_bytes: int):
         await send({"type": "http.response.body", "body": body})
 
     async def limited(scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             return await app(scope, receive, send)
         headers = dict(scope["headers"])  # names arrive lower-cased
         declared = headers.get(b"content-length")
