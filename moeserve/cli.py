@@ -147,7 +147,7 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="benchmarks (GPU): kernels | decode")
-    p.add_argument("which", choices=("kernels", "decode", "attention", "serve"))
+    p.add_argument("which", choices=("kernels", "decode", "attention", "serve", "churn"))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=_bench)
     return parser

@@ -29,8 +29,10 @@ from moeserve import EngineConfig  # noqa: E402
 from moeserve.models.tiny import make_tiny  # noqa: E402
 from moeserve.server.app import (Admission, add_serve_args, http_limits_from_args, resolve_adapter_path,  # noqa: E402
                                  run_server)
+from moeserve.runtime.core_client import AdapterPathError  # noqa: E402
 from moeserve.server.metrics import ServerMetrics  # noqa: E402
-from moeserve.server.connections import HTTPLimits, RepeatFilter, guarded_protocol_class  # noqa: E402
+from moeserve.log_filter import RepeatFilter  # noqa: E402
+from moeserve.server.connections import HTTPLimits, guarded_protocol_class  # noqa: E402
 from moeserve.server.errors import redact_paths  # noqa: E402
 from moeserve.server.protocol import MAX_MESSAGES, MAX_N, MAX_STOP, MAX_STOP_CHARS, OpenAIError  # noqa: E402
 from server_harness import RunningServer, wait_until  # noqa: E402
@@ -60,7 +62,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = start_server(EngineConfig(model=str(model_dir), **ENGINE_KW), HTTPLimits())
+    # bodies up to 64 MB: the size limits checked after parsing (prompt, stop, messages) are exercised with bodies
+    # larger than the default cap (4 MiB, tested on impatient_server)
+    s = start_server(EngineConfig(model=str(model_dir), **ENGINE_KW), HTTPLimits(max_request_body_bytes=64 << 20))
     yield s
     s.close()
 
@@ -234,6 +238,60 @@ def test_repeated_log_lines_are_rate_limited():
     now[0] = 10.5
     r = rec("socket.accept() out of system resource\nsocket: <fd=7>")
     assert f.filter(r) and "1000 more like this suppressed" in r.getMessage()
+
+
+def _assert_413(head: bytes, body: bytes) -> None:
+    assert head.startswith(b"HTTP/1.1 413 "), head
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
+    assert "--max-request-body-bytes" in err["message"], err
+
+
+def test_request_body_over_the_cap_is_413_before_it_is_read(impatient_server):
+    """Default cap (4 MiB): a declared 50 MB body is answered 413 after 1 MB of it was sent; a chunked body
+    as soon as it passes the cap; the server keeps answering, and bodies under the cap are served."""
+    server = impatient_server
+    host, port = server.url.removeprefix("http://").split(":")
+    cap = HTTPLimits().max_request_body_bytes
+    for path in ("/v1/completions", "/v1/load_lora_adapter"):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {50 * 10**6}\r\n\r\n".encode() + b" " * 10**6)
+            _assert_413(*_read_response(s))  # 49 MB of the body never sent
+            s.sendall(b" " * 65536)  # what the client still sends is dropped, then the server closes
+            wait_until(lambda: _closed_by_server(s), timeout=10)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b" " * 65536
+        for _ in range(cap // len(chunk) + 2):  # just past the cap, no final chunk: the answer must not wait for it
+            s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        _assert_413(*_read_response(s))
+    # under the cap, chunked or not: served
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "x" * (cap // 2)}).encode()
+    assert server.http.post("/v1/completions", content=body, headers={"content-type": "application/json"}
+                            ).status_code == 200
+    assert server.http.post("/v1/completions", content=iter([body[:1000], body[1000:]]),
+                            headers={"content-type": "application/json"}).status_code == 200
+    assert server.http.get("/health").status_code == 200
+
+
+def test_core_process_rate_limits_repeated_log_lines(model_dir, capfd):
+    """The engine-core process filters its log as the frontend does (moeserve/log_filter.py): six failed steps in a
+    row, one 'engine step failed' line (with its traceback) in the core's stderr, not six."""
+    s = start_server(EngineConfig(model=str(model_dir), **ENGINE_KW), HTTPLimits())  # its core writes to capfd
+    try:
+        s.fail_next_steps(6, "injected device fault")
+        for _ in range(6):
+            r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 500 and "injected device fault" in r.text, r.text
+        assert s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+                           ).status_code == 200
+    finally:
+        s.close()
+    err = capfd.readouterr().err
+    assert err.count("injected device fault") >= 1  # the core's log is what was captured
+    assert 1 <= err.count("engine step failed; failing the running requests") <= 2, err  # 2: a 10 s interval passed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,9 +645,8 @@ def test_resolve_adapter_path_without_a_lora_dir(tmp_path):
     for path in ("missing", "file", "empty"):
         with pytest.raises(FileNotFoundError):
             resolve_adapter_path("n", str(tmp_path / path), None)
-    with pytest.raises(OpenAIError) as e:
+    with pytest.raises(AdapterPathError, match="lora_path: field required"):  # the app answers it 400 on lora_path
         resolve_adapter_path("n", None, None)
-    assert e.value.param == "lora_path" and e.value.status == 400
 
 
 def test_redact_paths():
@@ -627,8 +684,9 @@ def test_serve_flags_for_connection_limits_and_runtime_loading():
     p = argparse.ArgumentParser()
     add_serve_args(p)
     args = p.parse_args(["--timeout-header", "3", "--timeout-body", "7", "--timeout-keep-alive", "9",
-                         "--limit-concurrency", "100", "--enable-lora-runtime-loading", "--lora-dir", "/srv/ad"])
-    assert http_limits_from_args(args) == HTTPLimits(3.0, 7.0, 9.0, 100)
+                         "--limit-concurrency", "100", "--enable-lora-runtime-loading", "--lora-dir", "/srv/ad",
+                         "--max-request-body-bytes", "1000"])
+    assert http_limits_from_args(args) == HTTPLimits(3.0, 7.0, 9.0, 100, max_request_body_bytes=1000)
     cfg = engine_config_from_args(args)
     assert cfg.enable_lora_runtime_loading and cfg.lora_dir == "/srv/ad"
     default = engine_config_from_args(p.parse_args([]))
@@ -636,3 +694,28 @@ def test_serve_flags_for_connection_limits_and_runtime_loading():
     assert http_limits_from_args(p.parse_args([])) == HTTPLimits()
     with pytest.raises(ValueError):
         HTTPLimits(timeout_header=0)
+    with pytest.raises(ValueError):
+        HTTPLimits(max_request_body_bytes=0)
+
+
+def test_adapters_are_checked_against_the_engines_serving_dtype(model_dir, tmp_path):
+    """The engine validates an adapter in the dtype it serves in: a factor of 7e4 fits fp32 but not fp16, so the
+    same files load into an fp32 engine and are refused, naming the tensor, by an fp16 one."""
+    from safetensors.torch import load_file, save_file
+
+    from moeserve import Engine
+    from moeserve.lora.adapter import LoRAAdapterError
+    from peft_fixtures import make_peft_adapter
+
+    path = make_peft_adapter("qwen3_moe", tmp_path / "a", kind="attn", rank=4, seed=1)[0]
+    weights = path / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key].view(-1)[3] = 7e4
+    save_file(tensors, str(weights))
+    kw = dict(model=str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64,
+              num_kv_blocks=16, enforce_eager=True)
+    Engine(EngineConfig(dtype="float32", **kw)).load_lora("x", str(path))
+    with pytest.raises(LoRAAdapterError, match="overflow the serving dtype torch.float16") as err:
+        Engine(EngineConfig(dtype="float16", **kw)).load_lora("x", str(path))
+    assert key in str(err.value)

@@ -3,11 +3,16 @@
 A slot is held by the requests bound to its adapter version (started
 and not finished, preempted ones included) and is only evicted (LRU) when none is: a started request
 never sees its weights change.
+
+Reading adapter files (`parse`) touches no manager state, so the engine-core process runs it on a worker thread
+and hands the parsed adapter to `register`; with `reader` set, a version that fell out of the host cache is also
+re-read there (its requests wait) instead of on the step loop.
 """
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,7 +78,10 @@ class LoRAManager:
         self._bound: dict[Sequence, LoRAVersion] = {}
         self._queued: dict[Sequence, str] = {}  # accepted, not yet bound (see add)
         self._queued_per_name: dict[str, int] = {}
-        self.counters = {"lora_loads_total": 0, "lora_evictions_total": 0}
+        self.reader: Executor | None = None  # where evicted adapters are re-read; None: at once, on the caller's thread
+        self._reading: dict[tuple[str, int], Future] = {}  # (name, version) -> its re-read in progress
+        # lora_rereads_total: adapters read from disk again after they fell out of the host cache
+        self.counters = {"lora_loads_total": 0, "lora_evictions_total": 0, "lora_rereads_total": 0}
 
     def _resolve_targets(self, config: EngineConfig) -> set[str]:
         if config.lora_target_modules:
@@ -107,6 +115,10 @@ class LoRAManager:
         self._require_known(name)
         return self.live[name].version
 
+    def versions(self) -> dict[str, int]:
+        """name -> version new requests get, for every name new requests may use."""
+        return {n: v.version for n, v in self.live.items() if v.state == "live"}
+
     def _require_known(self, name: str) -> None:
         v = self.live.get(name)
         if v is None or v.state != "live":
@@ -121,19 +133,32 @@ class LoRAManager:
             raise LoRAAdapterError(f"adapter {name!r} cannot be served: all {len(self.slot_ver)} LoRA slots are "
                                    f"pinned by {sorted(pinned)}")
 
-    def register(self, name: str, path: str, pinned: bool = False, queued: list[Sequence] = (),
-                 replace: bool = False) -> None:
-        """Parse and validate now (errors leave every state unchanged), then make the name known.
-        `replace=True` gives an already loaded name a new version (see the class docstring).
-        Pinning the last unpinned slot is refused while `queued` requests need other adapters."""
+    def parse(self, name: str, path: str) -> LoRAAdapter:
+        """Read and validate the adapter folder `path` for this engine (LoRAAdapterError if it cannot be served).
+        Touches no manager state: safe on another thread while the engine steps."""
+        adapter = load_lora_adapter(name, path, self.spec, self.config.max_lora_rank,
+                                    serve_dtype=self.config.torch_dtype)
+        self.pool.check_fits(adapter)
+        return adapter
+
+    def check_name(self, name: str, replace: bool = False) -> None:
+        """Raise unless `name` may be registered now (valid; not loaded, or `replace`)."""
         if not isinstance(name, str) or not name or ":" in name:
             raise LoRAAdapterError(f"invalid adapter name {name!r} (non-empty, no ':')")
         old = self.live.get(name)
         if old is not None and old.state == "live" and not replace:
             raise LoRAAdapterError(f"an adapter named {name!r} is already loaded (from {old.path}); "
                                    "reload it with replace=True")
-        adapter = load_lora_adapter(name, path, self.spec, self.config.max_lora_rank)
-        self.pool.check_fits(adapter)
+
+    def register(self, name: str, path: str, pinned: bool = False, queued: list[Sequence] = (),
+                 replace: bool = False, adapter: LoRAAdapter | None = None) -> None:
+        """Make the name known (errors leave every state unchanged). `adapter`: what `parse(name, path)` returned
+        (parsed elsewhere); None parses here. `replace=True` gives an already loaded name a new version (see the
+        class docstring). Pinning the last unpinned slot is refused while `queued` requests need other adapters."""
+        self.check_name(name, replace)
+        old = self.live.get(name)
+        if adapter is None:
+            adapter = self.parse(name, path)
         slot = None
         if pinned:
             others = self.pinned - {name}
@@ -179,6 +204,7 @@ class LoRAManager:
             if self._queued_per_name.get(v.name, 0) > 0:
                 return
             del self.live[v.name]
+        self._reading.pop((v.name, v.version), None)  # a re-read still running is dropped when it ends
         if v.slot >= 0:
             slot = v.slot
             self.pool.clear(slot)
@@ -194,12 +220,25 @@ class LoRAManager:
         while len(self.host_cache) > self.config.max_cpu_loras:
             self.host_cache.popitem(last=False)
 
-    def _adapter(self, v: LoRAVersion) -> LoRAAdapter:
+    def _adapter(self, v: LoRAVersion) -> LoRAAdapter | None:
+        """The parsed adapter of `v`: from the host cache, else read again (on `reader` when set: None until that
+        read is done; its error is raised to the request that collects it, and the next one reads again)."""
         key = (v.name, v.version)
         if key in self.host_cache:
             self.host_cache.move_to_end(key)
             return self.host_cache[key]
-        adapter = load_lora_adapter(v.name, v.path, self.spec, self.config.max_lora_rank)
+        if self.reader is None:
+            adapter = self.parse(v.name, v.path)
+        else:
+            read = self._reading.get(key)
+            if read is None:
+                self._reading[key] = self.reader.submit(self.parse, v.name, v.path)
+                return None
+            if not read.done():
+                return None
+            del self._reading[key]
+            adapter = read.result()
+        self.counters["lora_rereads_total"] += 1
         self._cache(v, adapter)
         return adapter
 
@@ -282,6 +321,8 @@ class LoRAManager:
                 if not self._has_evictable_slot():
                     return False
                 adapter = self._adapter(v)  # may re-read from disk: fail before touching any slot
+                if adapter is None:  # being read on the reader thread: wait for it like for a slot
+                    return False
                 self._load_into(self._free_slot(), v, adapter)
             self._unqueue(seq)
             self._bound[seq] = v

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from moeserve.config import EngineConfig
-from moeserve.lora.adapter import LoRAAdapterError
+from moeserve.lora.adapter import CONFIG_FILE, LoRAAdapterError, validate_adapter_name
 from moeserve.runtime.core import RequestError, RequestLimits
 from moeserve.runtime.core_process import config_to_wire, pack, run_core, unpack
 from moeserve.runtime.detokenizer import load_tokenizer
@@ -51,7 +51,8 @@ class UnknownAdapterError(LookupError):
 
 
 class AdapterInUseError(RuntimeError):
-    """The adapter is used by queued or running requests."""
+    """The core refused a LoRA call because of the adapter's requests: pinning it would take the last slot that
+    queued or running requests for other adapters need. (An unload never answers this: it drains.)"""
 
 
 # error types raised in the core, as the frontend re-raises them (the HTTP layer maps them to statuses)
@@ -67,6 +68,31 @@ def _error(kind: str, message: str) -> Exception:
     if kind in ("RequestError", "ValueError"):
         return (QueueFullError if message.startswith("queue is full") else RequestError)(message)
     return RuntimeError(f"{kind}: {message}")
+
+
+class AdapterPathError(RequestError):
+    """A load names no path where one is needed, or a path outside --lora-dir."""
+
+
+def resolve_adapter_path(name: str, given: str | None, lora_dir: str | None) -> str:
+    """The real path a load request may read, or an error that reveals nothing about the filesystem: a path that is
+    missing, not a folder, unreadable or has no adapter config gets one answer (FileNotFoundError -> 404).
+    Blocking (stat calls): run it off the event loop."""
+    if lora_dir is None:
+        if given is None:
+            raise AdapterPathError("lora_path: field required (this server has no --lora-dir to find adapters by "
+                                   "name)")
+        path = os.path.realpath(given)
+    else:
+        root = os.path.realpath(lora_dir)
+        path = os.path.realpath(os.path.join(root, given if given is not None else name))  # an absolute given wins
+        if os.path.commonpath([root, path]) != root:
+            raise AdapterPathError("lora_path must name an adapter inside the server's --lora-dir (symlinks "
+                                   "resolved)")
+    config = os.path.join(path, CONFIG_FILE)
+    if not (os.path.isdir(path) and os.path.isfile(config) and os.access(config, os.R_OK)):
+        raise FileNotFoundError(path)
+    return path
 
 
 @dataclass
@@ -161,7 +187,8 @@ class EngineClient:
         self.tokenizer = None
         self.limits: RequestLimits | None = None
         self.max_prompt_chars: int | None = None  # longer texts are refused without tokenizing
-        self.lora_names: tuple[str, ...] = ()
+        self.lora_versions: dict[str, int] = {}  # adapters new requests may use -> their version
+        self._on_demand: dict[str, asyncio.Future] = {}  # name -> its load from --lora-dir at first use
         self.output: OutputProcessor | None = None
         self.streams: dict[str, RequestStream] = {}
         self.pending_adds: dict[str, asyncio.Future] = {}
@@ -212,7 +239,7 @@ class EngineClient:
         self.info = msg[1]
         self.limits = RequestLimits(self.info["vocab_size"], self.info["max_model_len"], self.info["block_size"],
                                     self.info["num_kv_blocks"])
-        self.lora_names = tuple(self.info["lora_names"])
+        self.lora_versions = {name: 1 for name in self.info["lora_names"]}  # loaded at start: first versions
         self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info["tokenizer"],
                                                     self.info["vocab_size"])
         if self.tokenizer is not None:
@@ -221,6 +248,10 @@ class EngineClient:
         self.output = OutputProcessor(self.tokenizer)
         self._reader = asyncio.ensure_future(self._read())
         exited.add_done_callback(lambda _: self._on_exit())
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(self.lora_versions)
 
     @property
     def is_running(self) -> bool:
@@ -393,7 +424,8 @@ class EngineClient:
         prepared = await self.prepare(prompt)
         ids, prompt_text = prepared.token_ids, prepared.text
         params = self.limits.check(ids, params)
-        self.check_model(lora)
+        if lora is not None:
+            await self.ensure_adapter(lora)
         if request_id in self.streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         if self.dead is not None:
@@ -440,17 +472,62 @@ class EngineClient:
         self._send(["call", call_id, method, list(args)])
         return await fut
 
-    async def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
+    async def load_lora(self, name: str, path: str, pinned: bool = False, replace: bool = False) -> None:
+        """Load an adapter (the core reads it off its step loop). `replace=True` reloads a loaded name as a new
+        version: requests already started finish on the old one, every later request gets the new one."""
         try:
-            await self.call("load_lora", name, path, pinned)
+            await self.call("load_lora", name, path, pinned, replace)
         finally:
-            self.lora_names = tuple(await self.call("list_loras"))
+            await self._refresh_loras()
 
     async def unload_lora(self, name: str) -> None:
         try:
             await self.call("unload_lora", name)
         finally:
-            self.lora_names = tuple(await self.call("list_loras"))
+            await self._refresh_loras()
+
+    async def _refresh_loras(self) -> None:
+        if self.dead is None:
+            self.lora_versions = dict(await self.call("lora_versions"))
+
+    @property
+    def loads_on_demand(self) -> bool:
+        """Adapters not loaded are looked for in --lora-dir at first use (runtime loading on, a --lora-dir)."""
+        return bool(self.config.enable_lora and self.config.enable_lora_runtime_loading and self.config.lora_dir)
+
+    async def ensure_adapter(self, name: str) -> None:
+        """Make `name` servable: loaded already, or loaded now from --lora-dir/<name> (loads_on_demand). Concurrent
+        first requests for one name share one load. Raises UnknownAdapterError when the name is not loaded and
+        cannot be loaded from there; the answer is the same whether the folder is missing or unreadable or holds
+        an adapter that fails to load (the server's log says which)."""
+        if name in self.lora_versions:
+            return
+        if not self.loads_on_demand:
+            self.check_model(name)
+        load = self._on_demand.get(name)
+        if load is None:
+            load = asyncio.ensure_future(self._load_on_demand(name))
+            self._on_demand[name] = load
+            load.add_done_callback(lambda _: self._on_demand.pop(name, None))
+        await asyncio.shield(load)  # one waiter giving up (a client gone) does not cancel the others' load
+
+    async def _load_on_demand(self, name: str) -> None:
+        try:
+            validate_adapter_name(name)
+            path = await asyncio.get_running_loop().run_in_executor(None, resolve_adapter_path, name, None,
+                                                                    self.config.lora_dir)
+            await self.load_lora(name, path)
+            logger.info("loaded LoRA adapter %r from --lora-dir at its first request", name)
+            return
+        except EngineDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one answer to the client, the reason in the server's log
+            if name in self.lora_versions:  # loaded meanwhile by a load request
+                return
+            if not (isinstance(e, FileNotFoundError) or "invalid adapter name" in str(e)):  # not a client's typo
+                logger.warning("could not load LoRA adapter %r from --lora-dir at its first request: %s", name, e)
+        raise UnknownAdapterError(f"unknown LoRA adapter {name!r}: it is not loaded, and no adapter by that name "
+                                  "could be loaded from the server's --lora-dir")
 
     async def stats(self) -> dict:
         return await self.call("stats")

@@ -103,8 +103,16 @@ class Engine:
         return self.tokenizer.chat_ids(messages)
 
     # ---- LoRA and introspection -----------------------------------------------------------------
-    def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
-        self.core.load_lora(name, path, pinned)
+    def load_lora(self, name: str, path: str, pinned: bool = False, replace: bool = False) -> None:
+        """Load a PEFT adapter folder as `name`. `replace=True` reloads a loaded name (weight sync): requests already
+        started finish on the old version, every request starting later uses the new one."""
+        self.core.load_lora(name, path, pinned, replace)
+
+    def lora_version(self, name: str) -> int:
+        """The version new requests for `name` get: 1 at its first load, +1 per reload (replace=True)."""
+        if self.core.lora_manager is None:
+            raise RequestError("LoRA is not enabled")
+        return self.core.lora_manager.version(name)
 
     def unload_lora(self, name: str) -> None:
         self.core.unload_lora(name)

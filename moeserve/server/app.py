@@ -5,7 +5,9 @@ tokenizes, detokenizes and formats SSE, and talks to the core only through Engin
 messages. Every request is validated (pydantic, then SamplingParams, then the core's limits)
 before a byte of the response is sent, so each mistake is a 4xx in the OpenAI error shape and a
 streaming response only starts for a request the engine accepted. A client that goes away aborts
-its requests, which frees their KV blocks at the next step.
+its requests, which frees their KV blocks at the next step. A body over --max-request-body-bytes is a 413 before it
+is read. With runtime adapter loading on and a --lora-dir, a request naming an adapter that is not loaded but is a
+folder there loads it first (once, however many such requests arrive together).
 """
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moeserve.lora.adapter import CONFIG_FILE, LoRAAdapterError, validate_adapter_name
-from moeserve.runtime.core_client import EngineClient, EngineDeadError
+from moeserve.log_filter import filter_repeats
+from moeserve.lora.adapter import LoRAAdapterError, validate_adapter_name
+from moeserve.runtime.core_client import (AdapterPathError, EngineClient, EngineDeadError, UnknownAdapterError,
+                                          resolve_adapter_path)
 from moeserve.server.completions import ServerState, create_chat_completion, create_completion
-from moeserve.server.connections import (HTTPLimits, filter_repeats, guarded_protocol_class, raise_open_files_limit,
-                                         raw_response)
-from moeserve.server.errors import ClientGone, lora_error, queue_full, validation_error
+from moeserve.server.connections import (HTTPLimits, guarded_protocol_class, limit_request_body,
+                                         raise_open_files_limit, raw_response)
+from moeserve.server.errors import ClientGone, engine_error, lora_error, queue_full, validation_error
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRARequest, OpenAIError, UnloadLoRARequest
 
 logger = logging.getLogger("moeserve")
@@ -98,34 +102,16 @@ def _raw_header(head: bytes, name: bytes) -> bytes | None:
     return None
 
 
-def resolve_adapter_path(name: str, given: str | None, lora_dir: str | None) -> str:
-    """The real path a load request may read, or an error that reveals nothing about the filesystem: a path that is
-    missing, not a folder, unreadable or has no adapter config gets one answer (FileNotFoundError -> 404)."""
-    if lora_dir is None:
-        if given is None:
-            raise OpenAIError(400, "lora_path: field required (this server has no --lora-dir to find adapters by "
-                              "name)", param="lora_path", code="invalid_value")
-        path = os.path.realpath(given)
-    else:
-        root = os.path.realpath(lora_dir)
-        path = os.path.realpath(os.path.join(root, given if given is not None else name))  # an absolute given wins
-        if os.path.commonpath([root, path]) != root:
-            raise OpenAIError(400, "lora_path must name an adapter inside the server's --lora-dir (symlinks "
-                              "resolved)", param="lora_path", code="invalid_value")
-    config = os.path.join(path, CONFIG_FILE)
-    if not (os.path.isdir(path) and os.path.isfile(config) and os.access(config, os.R_OK)):
-        raise FileNotFoundError(path)
-    return path
-
-
-def create_app(engine: EngineClient, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(engine: EngineClient, served_model_name: str, api_key: str | None = None,
+               max_request_body_bytes: int = HTTPLimits.max_request_body_bytes) -> FastAPI:
     """The FastAPI app serving `engine` as model `served_model_name` (its adapters by their names)."""
     state = ServerState(engine, served_model_name, api_key)
     app = FastAPI(title="moeserve", version="0.1.0", summary="OpenAI-compatible MoE + multi-LoRA server")
     app.state.moeserve = state
     admission = Admission(state)
     app.state.admission = admission
-    app.add_middleware(admission.middleware)
+    app.add_middleware(limit_request_body, max_bytes=max_request_body_bytes)
+    app.add_middleware(admission.middleware)  # added last: runs first
     runtime_loading = engine.config.enable_lora_runtime_loading
     lora_dir = engine.config.lora_dir
 
@@ -174,13 +160,29 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     async def list_models():
         base = {"id": served_model_name, "object": "model", "created": state.created, "owned_by": "moeserve",
                 "root": served_model_name, "parent": None, "max_model_len": state.max_model_len}
+        # "version": 1 at an adapter's first load, +1 per reload under its name (load_inplace)
         adapters = [{"id": name, "object": "model", "created": state.created, "owned_by": "moeserve",
-                     "root": name, "parent": served_model_name, "max_model_len": state.max_model_len}
-                    for name in engine.lora_names]
+                     "root": name, "parent": served_model_name, "max_model_len": state.max_model_len,
+                     "version": version}
+                    for name, version in engine.lora_versions.items()]
         return {"object": "list", "data": [base, *adapters]}
+
+    async def load_on_demand(model: str) -> None:
+        """An adapter not loaded but found in --lora-dir is loaded at its first request (runtime loading on)."""
+        if not engine.loads_on_demand or model == served_model_name:
+            return
+        base, sep, adapter = model.partition(":")
+        name = adapter if sep and base == served_model_name else model
+        try:
+            await engine.ensure_adapter(name)
+        except UnknownAdapterError:
+            pass  # the request is answered 404 as for any unknown model
+        except Exception as e:  # noqa: BLE001 - engine gone, queue full
+            raise engine_error(e, "model") from e
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
+        await load_on_demand(body.model)
         try:
             return await create_completion(state, body, request)
         except ClientGone:
@@ -189,6 +191,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        await load_on_demand(body.model)
         try:
             return await create_chat_completion(state, body, request)
         except ClientGone:
@@ -208,13 +211,19 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     async def load_lora_adapter(body: LoadLoRARequest):
         name = body.lora_name
         check_runtime_loading(name)
-        if name == served_model_name or name in engine.lora_names:
-            raise OpenAIError(400, f"adapter {name!r} is already loaded", param="lora_name",
-                              code="adapter_exists")
+        if name == served_model_name:
+            raise OpenAIError(400, f"{name!r} is the base model's name; an adapter needs another",
+                              param="lora_name", code="invalid_value")
+        # load_inplace (vLLM's field): reload a loaded name as a new version; started requests finish on the old
+        if name in engine.lora_versions and not body.load_inplace:
+            raise OpenAIError(400, f"adapter {name!r} is already loaded (set load_inplace to reload it)",
+                              param="lora_name", code="adapter_exists")
         path = None
         try:  # stat calls off the event loop: a slow filesystem must not stall every request
             path = await asyncio.to_thread(resolve_adapter_path, name, body.lora_path, lora_dir)
-            await engine.load_lora(name, path, pinned=body.pinned)
+            await engine.load_lora(name, path, pinned=body.pinned, replace=body.load_inplace)
+        except AdapterPathError as e:
+            raise OpenAIError(400, str(e), param="lora_path", code="invalid_value") from None
         except Exception as e:  # noqa: BLE001 - mapped to 4xx/5xx, paths redacted
             raise lora_error(e, tuple(p for p in (body.lora_path, path, lora_dir) if p)) from e
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -264,6 +273,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     g.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive, metavar="SECONDS",
                    help="close an idle kept-alive connection after this long (default: %(default)s)")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes, metavar="BYTES",
+                   help="largest request body accepted; a larger one is answered 413 before it is read "
+                        "(default: %(default)s)")
     g.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
                    help="most open connections; more are answered 503 and closed at once (default: the open-files "
                         "limit, raised towards its hard limit at start, less a reserve)")
@@ -273,7 +285,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
     return HTTPLimits(timeout_header=args.timeout_header, timeout_body=args.timeout_body,
-                      timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+                      timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+                      max_request_body_bytes=args.max_request_body_bytes)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -307,7 +320,7 @@ async def _serve(config, host, port, served_model_name, api_key, log_level, on_s
     client = await EngineClient.start(config, log_level.upper())
     try:
         name = served_model_name or Path(client.info["model"]).name
-        app = create_app(client, name, api_key=api_key)
+        app = create_app(client, name, api_key=api_key, max_request_body_bytes=limits.max_request_body_bytes)
         # keep-alive (default 75 s) longer than a client's pause between requests: a connection closed by the
         # server exactly as the client reuses it is a dropped request. The connection cap is enforced by the
         # protocol class (uvicorn's limit_concurrency would still accept the sockets, and answer in plain text)

@@ -1,5 +1,5 @@
-"""Connection hygiene for the HTTP server: deadlines for reading a request, a cap on open connections,
-and repeated log lines rate-limited.
+"""Connection hygiene for the HTTP server: deadlines for reading a request, a cap on open connections, a cap
+on request bodies (repeated log lines are rate-limited by moeserve/log_filter.py).
 
 uvicorn has a keep-alive timeout but none for a connection that is still sending its request: one that
 trickles its headers (or body) a byte at a time holds a socket forever, and enough of them exhaust the
@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +35,7 @@ class HTTPLimits:
     timeout_body: float = 60.0  # seconds to receive a request's body once its headers are in
     timeout_keep_alive: float = 75.0  # idle seconds before a kept-alive connection is closed
     limit_concurrency: int | None = None  # open connections; None = what the descriptor limit allows
+    max_request_body_bytes: int = 4 << 20  # larger bodies are answered 413 before they are read
 
     def __post_init__(self):
         for name in ("timeout_header", "timeout_body", "timeout_keep_alive"):
@@ -46,6 +45,8 @@ class HTTPLimits:
         if self.limit_concurrency is not None and (not isinstance(self.limit_concurrency, int)
                                                    or self.limit_concurrency <= 0):
             raise ValueError(f"limit_concurrency must be a positive integer, got {self.limit_concurrency!r}")
+        if not isinstance(self.max_request_body_bytes, int) or self.max_request_body_bytes <= 0:
+            raise ValueError(f"max_request_body_bytes must be a positive integer, got {self.max_request_body_bytes!r}")
 
     def connection_cap(self) -> int:
         if self.limit_concurrency is not None:
@@ -165,6 +166,13 @@ class _GuardedProtocol:
             transport.close()
 
     def on_response_complete(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not self.transport.is_closing():
+            # answered before its body was read in full (413, an early refusal): read no more of it, and close once
+            # the client has the answer
+            self._shed_done = True
+            self._answer_and_close(self.transport, b"")
+            return
         super().on_response_complete()
         self._check_new_request()  # a pipelined request may have started
 
@@ -219,57 +227,50 @@ def guarded_protocol_class(limits: HTTPLimits, shed: Shed | None = None) -> type
                 {"limits": limits, "cap": limits.connection_cap(), "shed": staticmethod(shed) if shed else None})
 
 
-class RepeatFilter(logging.Filter):
-    """Lets a WARNING-or-worse message through at most once per `interval` seconds; the next one that passes says
-    how many were suppressed. Messages are the same when their first lines are (asyncio's accept error, say,
-    differs per socket only after the first line). Quieter records pass untouched."""
-
-    def __init__(self, interval: float = 10.0, max_keys: int = 1024, clock=time.monotonic):
-        super().__init__()
-        self.interval = interval
-        self.max_keys = max_keys
-        self.clock = clock
-        self._last: dict[tuple, list] = {}  # key -> [time let through, suppressed since]
-        self._lock = threading.Lock()  # handlers may run on any thread (the engine client's, uvicorn's)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
-            return True
-        try:
-            first = record.getMessage().split("\n", 1)[0]
-        except Exception:  # noqa: BLE001 - a broken record is logging's business, not ours
-            return True
-        key = (record.name, record.levelno, first)
-        now = self.clock()
-        with self._lock:
-            seen = self._last.get(key)
-            if seen is not None and now - seen[0] < self.interval:
-                seen[1] += 1
-                return False
-            suppressed = seen[1] if seen is not None else 0
-            if len(self._last) >= self.max_keys:
-                self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval}
-            self._last[key] = [now, 0]
-        if suppressed:
-            record.msg = f"{record.getMessage()} [{suppressed} more like this suppressed in the last " \
-                         f"{self.interval:g}s]"
-            record.args = None
-        return True
+def _too_large(max_bytes: int) -> bytes:
+    return json.dumps({"error": {
+        "message": f"request body is larger than this server accepts ({max_bytes} bytes, --max-request-body-bytes)",
+        "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
 
 
-class filter_repeats:
-    """Context manager: a RepeatFilter on the loggers a flood of connections or requests writes to."""
+def limit_request_body(app, max_bytes: int):
+    """ASGI middleware: a request body over `max_bytes` is answered 413 before it is read in full — at once when
+    its Content-Length says so (h11 holds a body to its declared length), else (chunked) as soon as the bytes
+    received pass the limit; such a body is read here, as the framework would read it anyway, and replayed."""
+    async def send_413(send) -> None:
+        body = _too_large(max_bytes)
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
-    LOGGERS = ("asyncio", "uvicorn.error", "uvicorn.access", "moeserve")
+    async def limited(scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await app(scope, receive, send)
+        headers = dict(scope["headers"])  # names arrive lower-cased
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > max_bytes:
+                return await send_413(send)
+            return await app(scope, receive, send)
+        if b"transfer-encoding" not in headers:  # no body
+            return await app(scope, receive, send)
+        chunks, size, message = [], 0, None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left: the app sees that next
+            size += len(message.get("body", b""))
+            if size > max_bytes:
+                return await send_413(send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replay = [message]
 
-    def __init__(self, interval: float = 10.0):
-        self.filter = RepeatFilter(interval)
+        async def replayed():
+            return replay.pop() if replay else await receive()
 
-    def __enter__(self) -> RepeatFilter:
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self.filter)
-        return self.filter
+        return await app(scope, replayed, send)
 
-    def __exit__(self, *exc) -> None:
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self.filter)
+    return limited

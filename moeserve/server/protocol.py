@@ -156,6 +156,7 @@ class LoadLoRARequest(_Request):
     lora_name: str = Field(min_length=1)
     lora_path: str | None = Field(None, min_length=1)  # may be left out when the server has a --lora-dir
     pinned: bool = False
+    load_inplace: bool = False  # vLLM's field: reload a loaded name as a new version (weight sync)
 
 
 class UnloadLoRARequest(_Request):
