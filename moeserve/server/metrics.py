@@ -42,6 +42,8 @@ _KNOWN = {
                                "Cached prefix blocks evicted to make room"),
     "lora_loads_total": ("moeserve_lora_loads", "counter", "LoRA adapters copied into a device slot"),
     "lora_evictions_total": ("moeserve_lora_evictions", "counter", "LoRA adapters evicted from a device slot"),
+    "lora_rereads_total": ("moeserve_lora_rereads", "counter",
+                           "LoRA adapters read from disk again after they fell out of the host cache"),
     "lora_adapters_known": ("moeserve_lora_adapters", "gauge", "LoRA adapters registered"),
     "lora_slots_used": ("moeserve_lora_slots_used", "gauge", "Device LoRA slots holding an adapter"),
     "lora_slots_total": ("moeserve_lora_slots", "gauge", "Device LoRA slots"),
