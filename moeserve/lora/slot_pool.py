@@ -20,7 +20,10 @@ logger = logging.getLogger("moeserve")
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + ("shared_expert", "experts")
+# "router": a dense LoRA on the MoE router's logits (PEFT `all-linear` puts one there); its buffers are tiny
+# ([E + H] x rank per slot and sparse layer), so it is part of the default targets. "shared_expert_gate": qwen2's
+# [1, H] sigmoid gate of the shared expert, also an `all-linear` target.
+ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + ("shared_expert", "shared_expert_gate", "experts", "router")
 
 
 class LoRASlotPool:
@@ -55,6 +58,7 @@ class LoRASlotPool:
                 attach("gate_proj/up_proj/down_proj", mlp.gate_up_proj, mlp_wanted)
                 attach("gate_proj/up_proj/down_proj", mlp.down_proj, mlp_wanted)
                 continue
+            attach("router", mlp.router, "router" in targets)
             if "experts" in targets:
                 E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
                 mlp.lora_bufs = ExpertLoRABuffers(*(alloc("experts", *shape) for shape in (
@@ -62,6 +66,8 @@ class LoRASlotPool:
             if mlp.shared_expert is not None and "shared_expert" in targets:
                 attach("shared_expert", mlp.shared_expert.gate_up_proj, True)
                 attach("shared_expert", mlp.shared_expert.down_proj, True)
+            if mlp.shared_expert is not None and "shared_expert_gate" in targets:
+                attach("shared_expert_gate", mlp.shared_expert_gate, True)
         self.nbytes = sum(self.nbytes_by_target.values())
         per_target = ", ".join(f"{g} {b / 2**20:.1f} MiB" for g, b in
                                sorted(self.nbytes_by_target.items(), key=lambda kv: -kv[1]))
@@ -77,6 +83,10 @@ class LoRASlotPool:
         if target == "o_proj":
             return layer.self_attn.o_proj, 0
         mlp = layer.mlp
+        if target == "router":
+            return mlp.router, 0
+        if target == "shared_expert_gate":
+            return mlp.shared_expert_gate, 0
         if target.startswith("shared_expert."):
             mlp, target = mlp.shared_expert, target.split(".", 1)[1]
         if target == "down_proj":
@@ -88,14 +98,17 @@ class LoRASlotPool:
         for (layer_idx, target) in adapter.dense:
             linear, _ = self._dense_site(layer_idx, target)
             if linear is None or linear.lora_a is None:
+                group = "shared_expert" if target.startswith("shared_expert.") else target
                 raise LoRAAdapterError(
                     f"adapter {adapter.name!r} targets {target} (layer {layer_idx}) but the engine's LoRA targets are "
-                    f"{sorted(self.targets)}; start it with lora_target_modules including it")
+                    f"{sorted(self.targets)}; start it with lora_target_modules (--lora-target-modules) including "
+                    f"{group!r}")
         for layer_idx in adapter.experts:
             if self.model.layers[layer_idx].mlp.lora_bufs is None:
                 raise LoRAAdapterError(
                     f"adapter {adapter.name!r} has routed-expert LoRA (layer {layer_idx}) but the engine's LoRA "
-                    f"targets are {sorted(self.targets)}; start it with lora_target_modules including 'experts'")
+                    f"targets are {sorted(self.targets)}; start it with lora_target_modules (--lora-target-modules) "
+                    "including 'experts'")
 
     def clear(self, slot: int) -> None:
         for layer in self.model.layers:
@@ -136,6 +149,8 @@ class LoRASlotPool:
         mlp = layer.mlp
         if not layer.is_sparse:
             out += [mlp.gate_up_proj, mlp.down_proj]
-        elif mlp.shared_expert is not None:
-            out += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj]
+            return out
+        out.append(mlp.router)
+        if mlp.shared_expert is not None:
+            out += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj, mlp.shared_expert_gate]
         return out
