@@ -33,6 +33,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90  # fraction of free device memory for the KV cache (cuda)
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization
     num_kv_blocks: int | None = None  # explicit block count (tests); overrides both
+    # device memory the engine may use in all (weights, LoRA pool, KV cache, activations); default: what the
+    # device reports free at start. Start-up refuses when weights + LoRA pool + one max_model_len sequence of KV
+    # do not fit. On CPU it gives the planning a budget (there is none otherwise).
+    device_memory_bytes: int | None = None
 
     # backends
     moe_backend: str = "auto"
@@ -96,6 +100,10 @@ class EngineConfig:
             raise ValueError(f"prefill_delay_steps must be a non-negative integer, got {self.prefill_delay_steps!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("kv_cache_memory_bytes", "num_kv_blocks", "device_memory_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_cpu_loras is None:

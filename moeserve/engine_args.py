@@ -105,6 +105,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="explicit KV-cache budget, e.g. 8GiB; overrides --gpu-memory-utilization")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="explicit number of KV-cache blocks; overrides both memory flags")
+    g.add_argument("--device-memory-bytes", type=parse_bytes, default=None,
+                   help="device memory the engine may use in all, e.g. 40GiB (default: what the device reports free "
+                        "at start); start-up refuses when the weights, the LoRA pool and one --max-model-len "
+                        "sequence of KV cache do not fit")
     g.add_argument("--max-queue-len", type=int, default=_default("max_queue_len"),
                    help="waiting requests beyond this are refused with HTTP 503 (default: %(default)s)")
 
