@@ -151,7 +151,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--record-nolora-graph", action=argparse.BooleanOptionalAction,
                    default=_default("record_nolora_graph"),
                    help="with LoRA on, also capture a graph with no LoRA work per batch size, replayed for "
-                        "batches without adapters (default: on)")
+                        "batches without adapters (default: on where it takes effect: CUDA graphs with the triton "
+                        "MoE backend)")
     return parser
 
 

@@ -335,7 +335,7 @@ def make_malformed_adapters(base_adapter_dir, out_root) -> dict[str, tuple[Path,
         a, b = t[q_a], t[q_b]
         t[q_a] = torch.cat([a, torch.randn(big - r, a.shape[1]) * 0.01])
         t[q_b] = torch.cat([b, torch.randn(b.shape[0], big - r) * 0.01], dim=1)
-    case("rank_too_high", f"rank {big} exceeds the engine's max_rank {MALFORMED_MAX_RANK}",
+    case("rank_too_high", f"rank {big} exceeds the engine's max_lora_rank {MALFORMED_MAX_RANK}",
          tensors=widen_q, config=lambda c: {**c, "rank_pattern": {"model.layers.0.self_attn.q_proj": big}})
 
     def wrong_shape(t):

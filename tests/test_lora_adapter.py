@@ -173,7 +173,7 @@ def test_per_expert_gate_and_up_of_different_ranks_stack(tmp_path):
     assert l2.gate_up_a is None and l2.down_a.shape == (E, 2, I) and l2.down_b.shape == (E, H, 2)
     torch.testing.assert_close(torch.bmm(l0.gate_up_b, l0.gate_up_a), want_gate_up, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.bmm(l2.down_b, l2.down_a), want_down, rtol=1e-5, atol=1e-5)
-    with pytest.raises(LoRAAdapterError, match="LoRA rank 5 exceeds the engine's max_rank 4"):
+    with pytest.raises(LoRAAdapterError, match="LoRA rank 5 exceeds the engine's max_lora_rank 4"):
         load_lora_adapter("stack", tmp_path, spec, max_rank=4)
 
 
@@ -295,7 +295,7 @@ def test_output_layout_dtype_and_rank_limit(tmp_path):
     assert all(torch.equal(again.dense[k][1], v[1]) for k, v in adapter.dense.items())
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest
     assert torch.get_default_dtype() == dtype_before
-    with pytest.raises(LoRAAdapterError, match="LoRA rank 4 exceeds the engine's max_rank 3"):
+    with pytest.raises(LoRAAdapterError, match="LoRA rank 4 exceeds the engine's max_lora_rank 3"):
         load_lora_adapter("bf16", path, spec, max_rank=3)
 
 

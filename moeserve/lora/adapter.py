@@ -182,7 +182,7 @@ def _load(ctx: _Ctx, spec: ModelSpec, max_rank: int) -> LoRAAdapter:
     if rank > max_rank:
         note = " (separate gate and up LoRAs are stacked into one, so their ranks add)" if "gate_up" in where else ""
         raise ctx.error(f"{WEIGHTS_FILE} ({where})",
-                        f"LoRA rank {rank} exceeds the engine's max_rank {max_rank}{note}")
+                        f"LoRA rank {rank} exceeds the engine's max_lora_rank {max_rank} (--max-lora-rank){note}")
     targets = {t for (_, t) in dense} | ({"experts"} if experts else set())
     return LoRAAdapter(name=ctx.name, path=str(ctx.path), rank=rank, dense=dense, experts=experts,
                        target_modules=frozenset(targets))
