@@ -139,7 +139,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="runtime loads may only read adapters inside DIR (symlinks resolved); a load request may "
                         "then give just lora_name, read from DIR/<lora_name>")
     g.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
-                   help="modules that may carry LoRA (default: inferred from the adapters)")
+                   help="modules that may carry LoRA, each with device buffers for --max-loras adapters at "
+                        "--max-lora-rank: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (dense layers) "
+                        "shared_expert shared_expert_gate experts router (default: those the --lora-modules adapters "
+                        "use; without --lora-modules, all)")
 
     g = parser.add_argument_group("CUDA graphs")
     g.add_argument("--enforce-eager", "--disable-cuda-graph", dest="enforce_eager", action="store_true",

@@ -1,6 +1,7 @@
 """Read a PEFT LoRA adapter folder, validate it against the base model, normalize it.
 
-The result is one fixed layout the slot pool can copy from: dense targets as (A [r, in], B [out, r]),
+The result is one fixed layout the slot pool can copy from: dense targets (attention, dense MLP, shared expert,
+the MoE router and qwen2's shared-expert gate) as (A [r, in], B [out, r]),
 routed experts as stacked [E, ...] factors with gate and up fused into one gate_up LoRA, every
 tensor fp32, on CPU, contiguous, with the LoRA scaling (alpha/r, or alpha/sqrt(r) with rsLoRA)
 already folded into B.
