@@ -73,3 +73,11 @@ def test_record_nolora_graph_is_mentioned_only_when_set(tmp_path, caplog):
     assert notes(record_nolora_graph=False) == []
     asked = notes(record_nolora_graph=True)
     assert len(asked) == 1 and "has no effect: CUDA graphs are disabled" in asked[0].getMessage()
+
+
+def test_lora_target_modules_help_lists_every_target():
+    from moeserve.lora.slot_pool import ALL_TARGETS
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    help_text = next(a.help for a in parser._actions if a.dest == "lora_target_modules")
+    assert all(f" {t} " in help_text.replace("(", " ").replace(")", " ") for t in ALL_TARGETS), help_text
