@@ -123,8 +123,9 @@ class ModelRunner:
                              "reserved for padded rows); raise num_kv_blocks (--num-kv-blocks) or "
                              "kv_cache_memory_bytes (--kv-cache-memory-bytes)")
         self.model.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    num_blocks * per_block / 2**20)
+        pool = f", LoRA slot pool {format_bytes(self.lora_pool.nbytes)}" if self.lora_pool is not None else ""
+        logger.info("KV cache: %d blocks x %d tokens (%s) beside weights %s%s", num_blocks, self.block_size,
+                    format_bytes(num_blocks * per_block), format_bytes(self.weight_bytes()), pool)
         return num_blocks
 
     def _check_fits(self, num_blocks: int, per_block: int, free: int, budget: int) -> None:
