@@ -83,7 +83,7 @@ def test_device_memory_bytes_flag_and_validation():
     parser = add_engine_args(argparse.ArgumentParser())
     cfg = engine_config_from_args(parser.parse_args(["--device-memory-bytes", "3GiB"]))
     assert cfg.device_memory_bytes == 3 << 30
-    with pytest.raises(ValueError, match="device_memory_bytes must be a positive integer"):
+    with pytest.raises(ValueError, match=r"device_memory_bytes \(--device-memory-bytes\) must be a positive integer"):
         EngineConfig(device="cpu", device_memory_bytes=0).resolve()
 
 
