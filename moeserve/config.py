@@ -14,6 +14,15 @@ BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
+def flag(field_name: str) -> str:
+    """A config field as errors name it, with its command-line flag: 'max_lora_rank (--max-lora-rank)'."""
+    return f"{field_name} (--{field_name.replace('_', '-')})"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # HF model folder; None = the embedded demo model
@@ -34,6 +43,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90  # fraction of free device memory for the KV cache (cuda)
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization
     num_kv_blocks: int | None = None  # explicit block count (tests); overrides both
+    # device memory the engine may use in all (weights, LoRA pool, KV cache, activations); default: what the
+    # device reports free at start. Start-up refuses when weights + LoRA pool + one max_model_len sequence of KV
+    # do not fit. On CPU it gives the planning a budget (there is none otherwise).
+    device_memory_bytes: int | None = None
 
     # backends
     moe_backend: str = "auto"
@@ -55,7 +68,10 @@ class EngineConfig:
     enforce_eager: bool = False  # --disable-cuda-graph
     cuda_graph_max_bs: int = 256
     cuda_graph_bs: list[int] | None = None
-    record_nolora_graph: bool = True
+    # with LoRA on, also capture a no-LoRA graph per batch size. None (default): on where it takes effect (CUDA
+    # graphs and the triton MoE backend), silently off elsewhere; True: asked for, so a setting where it cannot
+    # take effect is warned about; False: off
+    record_nolora_graph: bool | None = None
 
     # serving
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server answers 503)
@@ -70,18 +86,18 @@ class EngineConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+            raise ValueError(f"{flag('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but no CUDA device is available")
+            raise ValueError(f"{flag('device')}={self.device!r} but no CUDA device is available")
         on_cuda = self.device.startswith("cuda")
         if self.dtype == "auto":
             self.dtype = "bfloat16" if on_cuda else "float32"
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"{flag('dtype')} must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("moe_backend", "attention_backend"):
             v = getattr(self, name)
             if v not in BACKENDS:
-                raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {v!r}")
+                raise ValueError(f"{flag(name)} must be one of {', '.join(BACKENDS)}, got {v!r}")
             if v == "auto":
                 setattr(self, name, "triton" if on_cuda else "torch")
         if not on_cuda:
@@ -89,33 +105,48 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank",
                      "cuda_graph_max_bs", "max_queue_len"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            if not _is_int(v) or v <= 0:
+                raise ValueError(f"{flag(name)} must be a positive integer, got {v!r}")
         if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if not isinstance(self.prefill_delay_steps, int) or self.prefill_delay_steps < 0:
-            raise ValueError(f"prefill_delay_steps must be a non-negative integer, got {self.prefill_delay_steps!r}")
+            raise ValueError(f"{flag('load_format')} must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if not _is_int(self.prefill_delay_steps) or self.prefill_delay_steps < 0:
+            raise ValueError(f"{flag('prefill_delay_steps')} must be a non-negative integer, got "
+                             f"{self.prefill_delay_steps!r}")
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(f"{flag('block_size')} must be a power of two, got {self.block_size}")
+        for name in ("max_model_len", "kv_cache_memory_bytes", "num_kv_blocks", "device_memory_bytes", "max_cpu_loras"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v <= 0):
+                raise ValueError(f"{flag(name)} must be a positive integer (or unset), got {v!r}")
+        u = self.gpu_memory_utilization
+        if not (isinstance(u, (int, float)) and not isinstance(u, bool) and 0.0 < u <= 1.0):
+            raise ValueError(f"{flag('gpu_memory_utilization')} must be a number in (0, 1], got {u!r}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = max(self.max_loras, 16)
         if self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+            raise ValueError(f"{flag('max_cpu_loras')} ({self.max_cpu_loras}) must be >= {flag('max_loras')} "
+                             f"({self.max_loras})")
         if self.lora_modules and not self.enable_lora:
-            logger.info("lora_modules given: enabling LoRA")
+            logger.info("lora_modules (--lora-modules) given: enabling LoRA")
             self.enable_lora = True
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
-            raise ValueError(f"lora_dir {self.lora_dir!r} is not a directory")
+            raise ValueError(f"{flag('lora_dir')} {self.lora_dir!r} is not a directory")
         if self.lora_modules:
             from moeserve.lora.adapter import validate_adapter_name
 
             for name in self.lora_modules:
                 validate_adapter_name(name)
+        if self.lora_target_modules:  # None or empty: inferred from lora_modules
+            from moeserve.lora.slot_pool import ALL_TARGETS
+
+            bad = [t for t in self.lora_target_modules if t not in ALL_TARGETS]
+            if bad:
+                raise ValueError(f"{flag('lora_target_modules')}: unsupported {bad}; supported: "
+                                 f"{', '.join(ALL_TARGETS)}")
         if self.cuda_graph_bs is not None:
-            if not self.cuda_graph_bs or any(not isinstance(b, int) or b <= 0 for b in self.cuda_graph_bs):
-                raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")
+            if not self.cuda_graph_bs or any(not _is_int(b) or b <= 0 for b in self.cuda_graph_bs):
+                raise ValueError(f"{flag('cuda_graph_bs')} must be a list of positive integers, got "
+                                 f"{self.cuda_graph_bs!r}")
         self._resolved = True
         return self
 

@@ -109,6 +109,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="explicit KV-cache budget, e.g. 8GiB; overrides --gpu-memory-utilization")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="explicit number of KV-cache blocks; overrides both memory flags")
+    g.add_argument("--device-memory-bytes", type=parse_bytes, default=None,
+                   help="device memory the engine may use in all, e.g. 40GiB (default: what the device reports free "
+                        "at start); start-up refuses when the weights, the LoRA pool and one --max-model-len "
+                        "sequence of KV cache do not fit")
     g.add_argument("--max-queue-len", type=int, default=_default("max_queue_len"),
                    help="waiting requests beyond this are refused with HTTP 503 (default: %(default)s)")
 
@@ -139,7 +143,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="runtime loads may only read adapters inside DIR (symlinks resolved); a load request may "
                         "then give just lora_name, read from DIR/<lora_name>")
     g.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
-                   help="modules that may carry LoRA (default: inferred from the adapters)")
+                   help="modules that may carry LoRA, each with device buffers for --max-loras adapters at "
+                        "--max-lora-rank: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (dense layers) "
+                        "shared_expert shared_expert_gate experts router (default: those the --lora-modules adapters "
+                        "use; without --lora-modules, all)")
 
     g = parser.add_argument_group("CUDA graphs")
     g.add_argument("--enforce-eager", "--disable-cuda-graph", dest="enforce_eager", action="store_true",
@@ -151,7 +158,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--record-nolora-graph", action=argparse.BooleanOptionalAction,
                    default=_default("record_nolora_graph"),
                    help="with LoRA on, also capture a graph with no LoRA work per batch size, replayed for "
-                        "batches without adapters (default: on)")
+                        "batches without adapters (default: on where it takes effect: CUDA graphs with the triton "
+                        "MoE backend)")
     return parser
 
 

@@ -26,7 +26,8 @@ WEIGHT_STD = 0.02  # base weights ~ N(0, 0.02)
 LORA_STD = 0.05  # LoRA factors ~ N(0, 0.05): ΔW comparable to W, so a wrong ΔW changes logits visibly
 ATTN_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-KINDS = ("attn", "experts", "attn+experts", "dense-mlp", "shared-expert", "all-linear")
+ROUTER_PARAMS = ["mlp.gate.weight"]  # the MoE router's weight (transformers 5 routers are not nn.Linear)
+KINDS = ("attn", "experts", "attn+experts", "dense-mlp", "shared-expert", "all-linear", "router", "all-linear+router")
 EXPERT_FORMATS = ("target_parameters", "per-expert", "stacked")
 MALFORMED_MAX_RANK = 16  # the max_rank make_malformed_adapters' expectations assume
 _PREFIX = "base_model.model."
@@ -64,11 +65,15 @@ def save_base_checkpoint(family: str, out_dir, seed: int = 0, **config_overrides
 def make_peft_adapter(family: str, out_dir, *, kind: str = "attn+experts", rank: int = 4, alpha: float = 8,
                       seed: int = 0, base_seed: int = 0, expert_format: str = "target_parameters",
                       shared_outer: bool = False, drop_experts=(), mixtral_prefix: str = "block_sparse_moe",
-                      config_overrides: dict | None = None, **lora_kw):
+                      config_overrides: dict | None = None, router_b_scale: float = 1.0, **lora_kw):
     """Build a LoRA adapter with PEFT on `tiny_base_model(family, base_seed)`, re-draw every LoRA factor
     from `seed` (PEFT inits B to zero), save it to `out_dir`, and return (path, peft_model).
 
-    kind: which modules carry LoRA (see KINDS). lora_kw go to peft.LoraConfig (rank_pattern, alpha_pattern,
+    kind: which modules carry LoRA (see KINDS). "all-linear" is PEFT's own choice: on transformers 5 it adds the
+    router (`mlp.gate.weight`) and the routed experts for Mixtral, Qwen3-MoE and OLMoE, but neither for Qwen2-MoE
+    (whose shared-expert gate it does adapt); "all-linear+router" adds the router for every family; "router" adapts
+    the router alone. router_b_scale multiplies the router's lora_B after the re-draw (a larger router ΔW changes
+    which experts tokens pick). lora_kw go to peft.LoraConfig (rank_pattern, alpha_pattern,
     use_rslora, target_modules, target_parameters, ...).
     Routed-expert LoRA is written in `expert_format`:
       "target_parameters": PEFT's own file (nested ParamWrapper keys on mlp.experts);
@@ -101,6 +106,8 @@ def make_peft_adapter(family: str, out_dir, *, kind: str = "attn+experts", rank:
         "dense-mlp": (r".*\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)", None),
         "shared-expert": (["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"], None),
         "all-linear": ("all-linear", None),
+        "router": ([], ROUTER_PARAMS),
+        "all-linear+router": ("all-linear", ROUTER_PARAMS),
     }[kind]
     lora_kw.setdefault("target_modules", targets[0])
     lora_kw.setdefault("target_parameters", targets[1])
@@ -114,6 +121,8 @@ def make_peft_adapter(family: str, out_dir, *, kind: str = "attn+experts", rank:
         for name, p in pm.named_parameters():
             if ".lora_A." in name or ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=g) * LORA_STD)
+                if ".mlp.gate.lora_B." in name:
+                    p.mul_(router_b_scale)
         wrappers = _expert_wrappers(pm)
         if shared_outer:
             for w in wrappers:
@@ -157,7 +166,7 @@ def _expert_wrappers(pm) -> list:
     """PEFT ParamWrappers (all nesting levels) on routed-expert parameters."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    return [m for m in pm.modules() if isinstance(m, ParamWrapper)]
+    return [m for m in pm.modules() if isinstance(m, ParamWrapper) and m.parameter_name != "weight"]  # not routers
 
 
 def _module_path(pm, module) -> str:
@@ -326,7 +335,7 @@ def make_malformed_adapters(base_adapter_dir, out_root) -> dict[str, tuple[Path,
         a, b = t[q_a], t[q_b]
         t[q_a] = torch.cat([a, torch.randn(big - r, a.shape[1]) * 0.01])
         t[q_b] = torch.cat([b, torch.randn(b.shape[0], big - r) * 0.01], dim=1)
-    case("rank_too_high", f"rank {big} exceeds the engine's max_rank {MALFORMED_MAX_RANK}",
+    case("rank_too_high", f"rank {big} exceeds the engine's max_lora_rank {MALFORMED_MAX_RANK}",
          tensors=widen_q, config=lambda c: {**c, "rank_pattern": {"model.layers.0.self_attn.q_proj": big}})
 
     def wrong_shape(t):
@@ -346,8 +355,8 @@ def make_malformed_adapters(base_adapter_dir, out_root) -> dict[str, tuple[Path,
             t[f"{_PREFIX}{module}.lora_A.weight"] = torch.randn(a_shape)
             t[f"{_PREFIX}{module}.lora_B.weight"] = torch.randn(b_shape)
         return f
-    case("router", "LoRA on the MoE router (mlp.gate) is not supported",
-         tensors=add("model.layers.0.mlp.gate", (r, H), (E, r)))
+    case("router_shape", f"mlp.gate.lora_B.weight]: shape ({E + 1}, {r}) does not match the base model",
+         tensors=add("model.layers.0.mlp.gate", (r, H), (E + 1, r)))
     case("lm_head", "'lm_head' is not supported", tensors=add("lm_head", (r, H), (64, r)))
 
     def bad_expert_rows(t):

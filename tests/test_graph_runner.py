@@ -47,11 +47,14 @@ def test_record_nolora_flag_plan_and_warning():
         return c
 
     assert dual_capture_plan(cfg()) == ([NOLORA], None)  # LoRA off: one graph per size, no warning
-    eager = EngineConfig(model="x", device="cpu", enable_lora=True, moe_backend="triton").resolve()
-    assert "CUDA graphs are disabled" in dual_capture_plan(eager)[1]
+    eager = EngineConfig(model="x", device="cpu", enable_lora=True, moe_backend="triton")
+    assert dual_capture_plan(eager.resolve()) == ([LORA], None)  # the default where it cannot apply: no note
+    eager = EngineConfig(model="x", device="cpu", enable_lora=True, moe_backend="triton", record_nolora_graph=True)
+    assert "CUDA graphs are disabled" in dual_capture_plan(eager.resolve())[1]  # asked for: warned
     c = cfg(enable_lora=True, moe_backend="triton")
     assert dual_capture_plan(c) == ([LORA, NOLORA], None)
-    variants, warning = dual_capture_plan(cfg(enable_lora=True, moe_backend="torch"))
+    assert dual_capture_plan(cfg(enable_lora=True, moe_backend="torch")) == ([LORA], None)
+    variants, warning = dual_capture_plan(cfg(enable_lora=True, moe_backend="torch", record_nolora_graph=True))
     assert variants == [LORA] and "moe_backend='torch'" in warning
     assert dual_capture_plan(cfg(enable_lora=True, moe_backend="triton", record_nolora_graph=False)) == ([LORA], None)
 
@@ -102,8 +105,7 @@ def test_padded_replay_equals_eager_for_mixed_traffic(lora_setup):
     eager = _engine(base, loras)
     graphed = _engine(base, loras, cuda_graph_bs=[1, 2, 4])
     graphed.config.enforce_eager = False  # as on a CUDA device; the stand-in graph replays on CPU
-    variants, warning = dual_capture_plan(graphed.config)
-    assert variants == [LORA] and "moe_backend='torch'" in warning  # single-graph baseline, warned
+    assert dual_capture_plan(graphed.config) == ([LORA], None)  # single-graph baseline (torch MoE backend)
     graphed.runner.graph_runner = GraphRunner.for_engine(graphed.runner, graphed.config)
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 7)]
     sp = SamplingParams(max_tokens=6, logprobs=1, **GREEDY)
@@ -150,8 +152,9 @@ def test_dual_variant_routing_with_fake_triton_flag(lora_setup, monkeypatch):
 
 
 def test_engine_warns_once_when_the_flag_cannot_take_effect(lora_setup, caplog):
+    """Only when the user asked for it (the default says nothing: see test_config_errors)."""
     base, loras = lora_setup
     with caplog.at_level("INFO", logger="moeserve"):
-        _engine(base, loras)
+        _engine(base, loras, record_nolora_graph=True)
     assert caplog.text.count("--record-nolora-graph has no effect") == 1
     assert "CUDA graphs are disabled" in caplog.text

@@ -21,7 +21,8 @@ def parsed_deltas(adapter) -> dict[str, torch.Tensor]:
     """Our ΔW (scaling already in B), by transformers parameter name."""
     out = {}
     for (layer, target), (a, b) in adapter.dense.items():
-        module = f"self_attn.{target}" if target in ATTN_TARGETS else f"mlp.{target}"
+        module = (f"self_attn.{target}" if target in ATTN_TARGETS else "mlp.gate" if target == "router"
+                  else f"mlp.{target}")
         out[f"model.layers.{layer}.{module}.weight"] = b @ a
     for layer, ex in adapter.experts.items():
         if ex.gate_up_a is not None:
@@ -172,7 +173,7 @@ def test_per_expert_gate_and_up_of_different_ranks_stack(tmp_path):
     assert l2.gate_up_a is None and l2.down_a.shape == (E, 2, I) and l2.down_b.shape == (E, H, 2)
     torch.testing.assert_close(torch.bmm(l0.gate_up_b, l0.gate_up_a), want_gate_up, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.bmm(l2.down_b, l2.down_a), want_down, rtol=1e-5, atol=1e-5)
-    with pytest.raises(LoRAAdapterError, match="LoRA rank 5 exceeds the engine's max_rank 4"):
+    with pytest.raises(LoRAAdapterError, match="LoRA rank 5 exceeds the engine's max_lora_rank 4"):
         load_lora_adapter("stack", tmp_path, spec, max_rank=4)
 
 
@@ -211,17 +212,53 @@ def test_one_targeted_expert_parameter_leaves_the_other_none(param, present, tmp
     assert_deltas_match(parsed_deltas(adapter), reference_deltas(pm, tiny_base_model("mixtral")))
 
 
-def test_router_lora_from_all_linear_is_refused(tmp_path):
-    path, _ = make_peft_adapter("qwen3_moe", tmp_path / "q", kind="all-linear")
-    with pytest.raises(LoRAAdapterError, match=r"LoRA on the MoE router \(mlp\.gate\) is not supported"):
-        load("qwen3_moe", path)
-    # the transformers 4.x Mixtral spelling
-    mix, _ = make_peft_adapter("mixtral", tmp_path / "m", kind="all-linear")
-    t = load_file(str(mix / "adapter_model.safetensors"))
+@pytest.mark.parametrize("family,kind", [
+    ("qwen3_moe", "all-linear"), ("mixtral", "all-linear"), ("olmoe", "all-linear"),
+    ("qwen2_moe", "all-linear+router"),  # PEFT's all-linear skips qwen2's router but adapts its shared-expert gate
+])
+def test_all_linear_router_and_shared_expert_gate_deltas_match_peft(family, kind, tmp_path):
+    """PEFT's `all-linear` puts a LoRA on the router (`mlp.gate.weight`, a target parameter on transformers 5);
+    rank_pattern / alpha_pattern keys for it name that parameter."""
+    spec = tiny_spec(family)
+    sparse = [i for i, s in enumerate(spec.sparse_layers) if s]
+    path, pm = make_peft_adapter(family, tmp_path, kind=kind, seed=13, rank=4,
+                                 rank_pattern={f"layers.{sparse[0]}.mlp.gate.weight": 2},
+                                 alpha_pattern={"mlp.gate.weight": 3.0})
+    adapter = load(family, path)
+    router = {layer: a.shape[0] for (layer, t), (a, _) in adapter.dense.items() if t == "router"}
+    assert router == {i: 2 if i == sparse[0] else 4 for i in sparse}
+    assert "router" in adapter.target_modules
+    assert ("shared_expert_gate" in adapter.target_modules) == (family == "qwen2_moe")
+    assert_deltas_match(parsed_deltas(adapter), reference_deltas(pm, tiny_base_model(family)))
+
+
+def test_router_lora_as_a_module_uses_the_module_key_for_patterns(tmp_path):
+    """transformers 4 routers are nn.Linear: PEFT adapts `block_sparse_moe.gate` as a module, and its patterns
+    match the module name (no `.weight`)."""
+    spec = tiny_spec("mixtral")
+    path, pm = make_peft_adapter("mixtral", tmp_path, kind="router", seed=14, rank=4, alpha=8)
+    t = load_file(str(path / "adapter_model.safetensors"))
     save_file({k.replace("mlp.gate.", "block_sparse_moe.gate."): v for k, v in t.items()},
-              str(mix / "adapter_model.safetensors"))
-    with pytest.raises(LoRAAdapterError, match=r"router \(block_sparse_moe\.gate\)"):
-        load("mixtral", mix)
+              str(path / "adapter_model.safetensors"))
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(target_modules=["gate"], target_parameters=None, alpha_pattern={"block_sparse_moe.gate": 2.0})
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    adapter = load("mixtral", path)
+    ref = reference_deltas(pm, tiny_base_model("mixtral"))
+    for layer in range(spec.num_layers):  # alpha 2 instead of 8: a quarter of PEFT's ΔW (alpha 8)
+        a, b = adapter.dense[(layer, "router")]
+        assert torch.allclose(b @ a, ref[f"model.layers.{layer}.mlp.gate.weight"] / 4, rtol=1e-5, atol=1e-7)
+
+
+def test_router_lora_on_a_dense_layer_is_refused(tmp_path):
+    assert tuple(tiny_spec("qwen3_moe").sparse_layers[:2]) == (True, False)
+    path, _ = make_peft_adapter("qwen3_moe", tmp_path, kind="router")
+    t = load_file(str(path / "adapter_model.safetensors"))
+    t = {k: v for k, v in t.items() if "layers.0." in k}
+    t.update({k.replace("layers.0.", "layers.1."): v.clone() for k, v in t.items()})
+    save_file(t, str(path / "adapter_model.safetensors"))
+    with pytest.raises(LoRAAdapterError, match="layer 1 is a dense MLP layer in the base model; it has no router"):
+        load("qwen3_moe", path)
 
 
 def test_mixtral_per_expert_spellings_agree(tmp_path):
@@ -258,7 +295,7 @@ def test_output_layout_dtype_and_rank_limit(tmp_path):
     assert all(torch.equal(again.dense[k][1], v[1]) for k, v in adapter.dense.items())
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest
     assert torch.get_default_dtype() == dtype_before
-    with pytest.raises(LoRAAdapterError, match="LoRA rank 4 exceeds the engine's max_rank 3"):
+    with pytest.raises(LoRAAdapterError, match="LoRA rank 4 exceeds the engine's max_lora_rank 3"):
         load_lora_adapter("bf16", path, spec, max_rank=3)
 
 

@@ -259,6 +259,8 @@ def test_default_max_lora_rank_is_16_and_the_pool_logs_its_bytes_per_target(tmp_
         "o_proj": s.num_layers * (q + H),
         "experts": sparse * E * (H + 2 * inter + inter + H),
         "shared_expert": sparse * ((2 * H + 2 * shared) + (shared + H)),
+        "shared_expert_gate": sparse * (H + 1),
+        "router": sparse * (H + E),
         "gate_proj/up_proj/down_proj": dense * ((2 * H + 2 * s.intermediate_size) + (s.intermediate_size + H)),
     }
     want = {k: 4 * L * R * v for k, v in elements.items()}  # fp32

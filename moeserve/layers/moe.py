@@ -3,7 +3,8 @@
 Expert weights live fused: w13 [E, 2I, H] (rows [:I] gate, [I:] up), w2 [E, H, I].
 Expert LoRA buffers (per slot, per expert) come from the slot pool; the deltas go where
 the math puts them: gate_up delta before the activation, down delta (times the routing
-weight) before the top-k sum.
+weight) before the top-k sum. The router and the qwen2 shared-expert gate are LoRALinears,
+so a router LoRA (PEFT `all-linear`) changes the logits before softmax and top-k.
 """
 from __future__ import annotations
 
@@ -82,22 +83,22 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.spec = spec
         E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-        self.router = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.router = LoRALinear(H, (E,), False, lora_backend)
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
         self.lora_bufs: ExpertLoRABuffers | None = None  # set by the slot pool
         self.shared_expert = None
         if spec.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, lora_backend)
-            self.shared_expert_gate = nn.Parameter(torch.empty(1, H), requires_grad=False)
+            self.shared_expert_gate = LoRALinear(H, (1,), False, lora_backend)
         self.backend = moe_backend
         if moe_backend == "triton":
             from moeserve.kernels import fused_moe
 
             self._fused = fused_moe
 
-    def route(self, x):
-        logits = F.linear(x, self.router)
+    def route(self, x, lora: LoRABatch | None):
+        logits = self.router(x, lora)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         topk_w, topk_ids = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.norm_topk_prob:
@@ -107,7 +108,7 @@ class MoEBlock(nn.Module):
         return topk_w, topk_ids
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        topk_w, topk_ids = self.route(x)
+        topk_w, topk_ids = self.route(x, lora)
         use_lora = lora is not None and self.lora_bufs is not None
         if self.backend == "triton":
             args = None
@@ -119,5 +120,5 @@ class MoEBlock(nn.Module):
             out = moe_experts_torch(x, self.w13, self.w2, topk_w, topk_ids, lora, self.lora_bufs if use_lora else None)
         if self.shared_expert is not None:
             shared = self.shared_expert(x, lora)
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            out = out + torch.sigmoid(self.shared_expert_gate(x, lora)) * shared
         return out

@@ -1,6 +1,7 @@
 """Read a PEFT LoRA adapter folder, validate it against the base model, normalize it.
 
-The result is one fixed layout the slot pool can copy from: dense targets as (A [r, in], B [out, r]),
+The result is one fixed layout the slot pool can copy from: dense targets (attention, dense MLP, shared expert,
+the MoE router and qwen2's shared-expert gate) as (A [r, in], B [out, r]),
 routed experts as stacked [E, ...] factors with gate and up fused into one gate_up LoRA, every
 tensor fp32, on CPU, contiguous, with the LoRA scaling (alpha/r, or alpha/sqrt(r) with rsLoRA)
 already folded into B.
@@ -45,7 +46,11 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 SUPPORTED_DENSE_TARGETS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
     "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+    "router", "shared_expert_gate",  # the MoE router (`mlp.gate` / `block_sparse_moe.gate`) and qwen2's [1, H] gate
 )
+# Dense targets that are single [out, in] weights: PEFT may adapt them as modules (nn.Linear, key `…mlp.gate`) or,
+# on transformers 5, as parameters (`target_parameters`, key `…mlp.gate.weight`); rank/alpha patterns match that key.
+_PARAM_TARGETS = ("router", "shared_expert_gate")
 
 # adapter_config.json fields that turn plain LoRA into something else at inference time.
 _VARIANT_FIELDS = {
@@ -156,6 +161,8 @@ def _load(ctx: _Ctx, spec: ModelSpec, max_rank: int) -> LoRAAdapter:
     for module, (key_a, a, key_b, b) in pairs.items():
         site = _classify(ctx, spec, module, key_a)
         if site.kind == "dense":
+            if site.target in _PARAM_TARGETS:
+                site.peft_key = scaling.param_key(site.peft_key)
             r = scaling.rank(site.peft_key)
             _check_dense(ctx, spec, site, key_a, a, key_b, b, r)
             if (site.layer, site.target) in dense:
@@ -176,7 +183,7 @@ def _load(ctx: _Ctx, spec: ModelSpec, max_rank: int) -> LoRAAdapter:
     if rank > max_rank:
         note = " (separate gate and up LoRAs are stacked into one, so their ranks add)" if "gate_up" in where else ""
         raise ctx.error(f"{WEIGHTS_FILE} ({where})",
-                        f"LoRA rank {rank} exceeds the engine's max_rank {max_rank}{note}")
+                        f"LoRA rank {rank} exceeds the engine's max_lora_rank {max_rank} (--max-lora-rank){note}")
     targets = {t for (_, t) in dense} | ({"experts"} if experts else set())
     return LoRAAdapter(name=ctx.name, path=str(ctx.path), rank=rank, dense=dense, experts=experts,
                        target_modules=frozenset(targets))
@@ -266,16 +273,18 @@ def _max_weights_bytes(spec: ModelSpec, max_rank: int) -> int:
     elements = 0
     for sparse in spec.sparse_layers:
         mlp = 3 * spec.num_experts * (H + spec.moe_intermediate_size) if sparse else 3 * (H + spec.intermediate_size)
+        if sparse:
+            mlp += H + spec.num_experts  # router
         if sparse and spec.shared_expert_intermediate_size:
-            mlp += 3 * (H + spec.shared_expert_intermediate_size)
+            mlp += 3 * (H + spec.shared_expert_intermediate_size) + (H + 1)  # shared expert and its gate
         elements += r * (attn + mlp)
     return _WEIGHTS_SLACK * 4 * elements
 
 
 def _max_tensor_count(spec: ModelSpec) -> int:
     # lora_A + lora_B for every module an adapter can target in a layer (attention 4, dense MLP or shared
-    # expert 3, per-expert 3 * E, fused/stacked expert forms a few), times the slack
-    return _WEIGHTS_SLACK * 2 * spec.num_layers * (4 + 3 + 3 * spec.num_experts + 8)
+    # expert 3, router and shared-expert gate 2, per-expert 3 * E, fused/stacked expert forms a few), times the slack
+    return _WEIGHTS_SLACK * 2 * spec.num_layers * (4 + 3 + 2 + 3 * spec.num_experts + 8)
 
 
 def _check_safetensors_header(ctx: _Ctx, w_path: Path, spec: ModelSpec, max_rank: int) -> None:
@@ -402,6 +411,9 @@ class _Scaling:
         self.r = cfg.get("r", 8)
         self.alpha = cfg.get("lora_alpha", 8)
         self.rslora = bool(cfg.get("use_rslora", False))
+        self.target_parameters = cfg.get("target_parameters") or []  # bounded by _check_pattern_lists
+        if isinstance(self.target_parameters, str):
+            self.target_parameters = [self.target_parameters]
         self.rank_pattern = _PatternTable(ctx, "rank_pattern", cfg.get("rank_pattern"))
         self.alpha_pattern = _PatternTable(ctx, "alpha_pattern", cfg.get("alpha_pattern"))
         for what, v in [("r", self.r)] + self.rank_pattern.fields():
@@ -410,6 +422,14 @@ class _Scaling:
         for what, v in [("lora_alpha", self.alpha)] + self.alpha_pattern.fields():
             if not _is_finite_number(v):
                 raise ctx.error(CONFIG_FILE, f"{what}={v!r:.60} is not a finite number")
+
+    def param_key(self, module_key: str) -> str:
+        """The key PEFT matched patterns against for the weight of module `module_key`: `<module>.weight` where
+        target_parameters named it (PEFT's rule: equal, or ending in '.' + the entry), else the module's own."""
+        key = f"{module_key}.weight"
+        if any(key == t or key.endswith("." + t) for t in self.target_parameters):
+            return key
+        return module_key
 
     def rank(self, peft_key: str) -> int:
         hit = self.rank_pattern.lookup(peft_key)
@@ -647,9 +667,13 @@ def _classify(ctx: _Ctx, spec: ModelSpec, module: str, key_a: str) -> _Site:
             raise ctx.error(where, f"layer {layer} is a sparse MoE layer; it has no dense {mm.group(1)}")
         return _Site("dense", layer, canonical, target=mm.group(1))
     if _ROUTER_RE.match(sub):
-        raise ctx.error(where, f"LoRA on the MoE router ({sub}) is not supported")
+        if not sparse:
+            raise ctx.error(where, f"layer {layer} is a dense MLP layer in the base model; it has no router")
+        return _Site("dense", layer, canonical, target="router")
     if sub == "mlp.shared_expert_gate":
-        raise ctx.error(where, "LoRA on the shared-expert gate (mlp.shared_expert_gate) is not supported")
+        if not (sparse and spec.shared_expert_intermediate_size):
+            raise ctx.error(where, f"layer {layer} of the base model has no shared expert")
+        return _Site("dense", layer, canonical, target="shared_expert_gate")
 
     expert_site = None
     if mm := _WRAPPED_EXPERTS_RE.match(sub):
@@ -672,6 +696,10 @@ def _classify(ctx: _Ctx, spec: ModelSpec, module: str, key_a: str) -> _Site:
 def _dense_dims(spec: ModelSpec, target: str) -> tuple[int, int]:
     """(in_features, out_features) of a dense target's base weight."""
     H = spec.hidden_size
+    if target == "router":
+        return H, spec.num_experts
+    if target == "shared_expert_gate":
+        return H, 1
     if target.startswith("shared_expert."):
         inner = spec.shared_expert_intermediate_size
     else:

@@ -8,6 +8,7 @@ capture without re-capture.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -20,7 +21,22 @@ logger = logging.getLogger("moeserve")
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + ("shared_expert", "experts")
+# "router": a dense LoRA on the MoE router's logits (PEFT `all-linear` puts one there); its buffers are tiny
+# ([E + H] x rank per slot and sparse layer), so it is part of the default targets. "shared_expert_gate": qwen2's
+# [1, H] sigmoid gate of the shared expert, also an `all-linear` target.
+ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + ("shared_expert", "shared_expert_gate", "experts", "router")
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def describe_by_target(nbytes_by_target: dict[str, int]) -> str:
+    """'experts 1.20 GiB, q_proj/k_proj/v_proj 96.00 MiB, ...', largest first."""
+    return ", ".join(f"{g} {format_bytes(b)}" for g, b in sorted(nbytes_by_target.items(), key=lambda kv: -kv[1]))
 
 
 class LoRASlotPool:
@@ -28,25 +44,38 @@ class LoRASlotPool:
                  targets: set[str], device: torch.device, dtype: torch.dtype):
         self.spec, self.model, self.targets = spec, model, targets
         self.max_loras, self.max_rank = max_loras, max_rank
-        L, R = max_loras, max_rank
-        self.slot_ranks = torch.zeros(L, dtype=torch.int32, device=device)
+        self.slot_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
         # bytes reserved per target group: logged at start, since the pool is sized before the KV cache
         # and scales with max_loras x max_lora_rank x every target (issue 10.3)
         self.nbytes_by_target: dict[str, int] = {}
+        elem = torch.empty((), dtype=dtype).element_size()
 
-        def alloc(group: str, *shape):
-            t = torch.zeros(*shape, dtype=dtype, device=device)
-            self.nbytes_by_target[group] = self.nbytes_by_target.get(group, 0) + t.numel() * t.element_size()
-            return t
+        def count(group: str, *shape):
+            self.nbytes_by_target[group] = self.nbytes_by_target.get(group, 0) + math.prod(shape) * elem
+
+        self._walk(count)  # sizes first: a pool that cannot fit is refused by name, not by an allocator error
+        self.nbytes = sum(self.nbytes_by_target.values())
+        self._check_device_memory(device)
+        self._walk(lambda group, *shape: torch.zeros(*shape, dtype=dtype, device=device))
+        logger.info("LoRA slot pool: %d slots x rank %d, %s in all (%s); lower --max-loras / --max-lora-rank "
+                    "or set --lora-target-modules to reserve less",
+                    max_loras, max_rank, format_bytes(self.nbytes), describe_by_target(self.nbytes_by_target)
+                    or "no targets")
+
+    def _walk(self, make) -> None:
+        """Visit every buffer the targets need; `make(group, *shape)` returns the buffer to attach, or None
+        (counting only)."""
+        L, R, spec, targets = self.max_loras, self.max_rank, self.spec, self.targets
 
         def attach(group: str, linear, wanted: bool):
             if wanted:
-                S = len(linear.slice_sizes)
-                linear.lora_a = alloc(group, L, S, R, linear.in_features)
-                linear.lora_b = alloc(group, L, linear.out_features, R)
+                a = make(group, L, len(linear.slice_sizes), R, linear.in_features)
+                b = make(group, L, linear.out_features, R)
+                if a is not None:
+                    linear.lora_a, linear.lora_b = a, b
 
         mlp_wanted = any(t in targets for t in MLP_TARGETS)
-        for layer in model.layers:
+        for layer in self.model.layers:
             attn = layer.self_attn
             attach("q_proj/k_proj/v_proj", attn.qkv_proj, any(t in targets for t in ("q_proj", "k_proj", "v_proj")))
             attach("o_proj", attn.o_proj, "o_proj" in targets)
@@ -55,19 +84,30 @@ class LoRASlotPool:
                 attach("gate_proj/up_proj/down_proj", mlp.gate_up_proj, mlp_wanted)
                 attach("gate_proj/up_proj/down_proj", mlp.down_proj, mlp_wanted)
                 continue
+            attach("router", mlp.router, "router" in targets)
             if "experts" in targets:
                 E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-                mlp.lora_bufs = ExpertLoRABuffers(*(alloc("experts", *shape) for shape in (
-                    (L, E, R, H), (L, E, 2 * inter, R), (L, E, R, inter), (L, E, H, R))))
+                bufs = [make("experts", *shape) for shape in ((L, E, R, H), (L, E, 2 * inter, R), (L, E, R, inter),
+                                                              (L, E, H, R))]
+                if bufs[0] is not None:
+                    mlp.lora_bufs = ExpertLoRABuffers(*bufs)
             if mlp.shared_expert is not None and "shared_expert" in targets:
                 attach("shared_expert", mlp.shared_expert.gate_up_proj, True)
                 attach("shared_expert", mlp.shared_expert.down_proj, True)
-        self.nbytes = sum(self.nbytes_by_target.values())
-        per_target = ", ".join(f"{g} {b / 2**20:.1f} MiB" for g, b in
-                               sorted(self.nbytes_by_target.items(), key=lambda kv: -kv[1]))
-        logger.info("LoRA slot pool: %d slots x rank %d, %.1f MiB in all (%s); lower --max-loras / --max-lora-rank "
-                    "or set --lora-target-modules to reserve less",
-                    L, R, self.nbytes / 2**20, per_target or "no targets")
+            if mlp.shared_expert is not None and "shared_expert_gate" in targets:
+                attach("shared_expert_gate", mlp.shared_expert_gate, True)
+
+    def _check_device_memory(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            return
+        free = torch.cuda.mem_get_info(device)[0]
+        if self.nbytes > free:
+            raise ValueError(
+                f"the LoRA slot pool ({self.max_loras} slots x rank {self.max_rank}) needs "
+                f"{format_bytes(self.nbytes)} ({describe_by_target(self.nbytes_by_target)}) but {format_bytes(free)} "
+                "of device memory are free "
+                "after the weights; lower max_loras (--max-loras) or max_lora_rank (--max-lora-rank), or list only "
+                "the targets your adapters use in lora_target_modules (--lora-target-modules)")
 
     def _dense_site(self, layer_idx: int, target: str):
         """(LoRALinear, slice index) that holds `target` of layer `layer_idx`."""
@@ -77,6 +117,10 @@ class LoRASlotPool:
         if target == "o_proj":
             return layer.self_attn.o_proj, 0
         mlp = layer.mlp
+        if target == "router":
+            return mlp.router, 0
+        if target == "shared_expert_gate":
+            return mlp.shared_expert_gate, 0
         if target.startswith("shared_expert."):
             mlp, target = mlp.shared_expert, target.split(".", 1)[1]
         if target == "down_proj":
@@ -88,14 +132,17 @@ class LoRASlotPool:
         for (layer_idx, target) in adapter.dense:
             linear, _ = self._dense_site(layer_idx, target)
             if linear is None or linear.lora_a is None:
+                group = "shared_expert" if target.startswith("shared_expert.") else target
                 raise LoRAAdapterError(
                     f"adapter {adapter.name!r} targets {target} (layer {layer_idx}) but the engine's LoRA targets are "
-                    f"{sorted(self.targets)}; start it with lora_target_modules including it")
+                    f"{sorted(self.targets)}; start it with lora_target_modules (--lora-target-modules) including "
+                    f"{group!r}")
         for layer_idx in adapter.experts:
             if self.model.layers[layer_idx].mlp.lora_bufs is None:
                 raise LoRAAdapterError(
                     f"adapter {adapter.name!r} has routed-expert LoRA (layer {layer_idx}) but the engine's LoRA "
-                    f"targets are {sorted(self.targets)}; start it with lora_target_modules including 'experts'")
+                    f"targets are {sorted(self.targets)}; start it with lora_target_modules (--lora-target-modules) "
+                    "including 'experts'")
 
     def clear(self, slot: int) -> None:
         for layer in self.model.layers:
@@ -136,6 +183,8 @@ class LoRASlotPool:
         mlp = layer.mlp
         if not layer.is_sparse:
             out += [mlp.gate_up_proj, mlp.down_proj]
-        elif mlp.shared_expert is not None:
-            out += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj]
+            return out
+        out.append(mlp.router)
+        if mlp.shared_expert is not None:
+            out += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj, mlp.shared_expert_gate]
         return out

@@ -153,7 +153,7 @@ def _load_dense(mlp, tensors: _Tensors, p: str, H: int, inter: int, put):
 def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
     H, E, inter = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
     prefixes = [p + "mlp.", p + "block_sparse_moe."]
-    put(moe.router, tensors.get(_first(tensors, [q + "gate.weight" for q in prefixes]), (E, H)))
+    put(moe.router.weight, tensors.get(_first(tensors, [q + "gate.weight" for q in prefixes]), (E, H)))
     fused = [q for q in prefixes if tensors.has(q + "experts.gate_up_proj")]
     if fused:
         q = fused[0]
@@ -177,4 +177,4 @@ def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
             moe.w2.data[e].copy_(tensors.get(d, (H, inter)))
     if moe.shared_expert is not None:
         _load_dense(moe.shared_expert, tensors, p + "mlp.shared_expert.", H, spec.shared_expert_intermediate_size, put)
-        put(moe.shared_expert_gate, tensors.get(p + "mlp.shared_expert_gate.weight", (1, H)))
+        put(moe.shared_expert_gate.weight, tensors.get(p + "mlp.shared_expert_gate.weight", (1, H)))

@@ -55,17 +55,21 @@ def pick_bucket(sizes: list[int], n: int) -> int | None:
 
 
 def dual_capture_plan(config: EngineConfig) -> tuple[list[str], str | None]:
-    """Which variants to capture, and a warning when --record-nolora-graph cannot take effect."""
+    """Which variants to capture, and a warning when --record-nolora-graph, set by the user (True; None is the
+    default), cannot take effect."""
     if not config.enable_lora:
         return [NOLORA], None
-    if not config.record_nolora_graph:
+    if config.record_nolora_graph is False:
         return [LORA], None
+    warning = None
     if config.enforce_eager:
-        return [LORA], ("--record-nolora-graph has no effect: CUDA graphs are disabled "
-                        f"(--enforce-eager, or device={config.device!r})")
-    if config.moe_backend != "triton":
-        return [LORA], (f"--record-nolora-graph has no effect: moe_backend={config.moe_backend!r} is not one whose "
-                        "dual capture is validated (triton); capturing one LoRA graph per batch size")
+        warning = ("--record-nolora-graph has no effect: CUDA graphs are disabled "
+                   f"(--enforce-eager, or device={config.device!r})")
+    elif config.moe_backend != "triton":
+        warning = (f"--record-nolora-graph has no effect: moe_backend={config.moe_backend!r} is not one whose "
+                   "dual capture is validated (triton); capturing one LoRA graph per batch size")
+    if warning is not None:
+        return [LORA], (warning if config.record_nolora_graph else None)
     return [LORA, NOLORA], None
 
 

@@ -10,12 +10,14 @@ the device (see sequence.PENDING).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from moeserve.config import EngineConfig
+from moeserve.lora.slot_pool import describe_by_target, format_bytes
 from moeserve.layers.sampler import SamplingTensors, compute_logprobs, row_key, sample
 from moeserve.models.loader import load_model
 from moeserve.models.moe_decoder import MoEForCausalLM
@@ -27,6 +29,16 @@ from moeserve.runtime.outputs import TokenLogprobs
 from moeserve.runtime.sequence import Sequence, resolve_pending
 
 logger = logging.getLogger("moeserve")
+
+GiB = 1 << 30
+# device memory kept out of the KV cache for activations, sampling and CUDA graphs
+ACTIVATION_HEADROOM = 2 * GiB
+CPU_KV_CAP = 2 * GiB  # CPU without a device_memory_bytes budget: no limit to plan against, so a cap
+
+
+class InsufficientMemoryError(ValueError):
+    """The weights, the LoRA slot pool and the smallest useful KV cache do not fit the device; the message
+    gives the accounting and names the flags that change it."""
 
 
 @dataclass
@@ -70,29 +82,78 @@ class ModelRunner:
             raise ValueError(f"vocab_size {spec.vocab_size} too large: token ids travel as exact fp32 (< 2^24)")
 
     # ---- KV cache -------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers (LoRA slot buffers are the pool's, not counted here)."""
+        return sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(),
+                                                                          self.model.buffers()))
+
+    def free_device_memory(self) -> int | None:
+        """Device memory free for the KV cache now, after the weights and the LoRA pool: the device's own
+        report, capped by config.device_memory_bytes (memory the engine may use in all) less what the engine
+        holds. None on CPU without device_memory_bytes (nothing to plan against)."""
+        cfg = self.config
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        if cfg.device_memory_bytes is not None:
+            pool = self.lora_pool.nbytes if self.lora_pool is not None else 0
+            left = cfg.device_memory_bytes - self.weight_bytes() - pool
+            free = left if free is None else min(free, left)
+        return free
+
     def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
         cfg = self.config
         per_block = kv_bytes_per_block(self.spec, self.block_size, self.dtype)
         if num_blocks is None:
             num_blocks = cfg.num_kv_blocks
         if num_blocks is None:
+            free = None if cfg.kv_cache_memory_bytes is not None else self.free_device_memory()
             if cfg.kv_cache_memory_bytes is not None:
                 budget = cfg.kv_cache_memory_bytes
-            elif self.device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(self.device)
-                budget = int(free * cfg.gpu_memory_utilization) - (2 << 30)  # headroom: activations, graphs
+            elif free is not None:
+                budget = int(free * cfg.gpu_memory_utilization) - ACTIVATION_HEADROOM
             else:
                 # CPU: enough for every sequence at full length, capped
                 want = cfg.max_num_seqs * self.max_blocks_per_seq * per_block
-                budget = min(want, 2 << 30)
-            num_blocks = budget // per_block + 1
+                budget = min(want, CPU_KV_CAP)
+            num_blocks = max(budget, 0) // per_block + 1
+            if free is not None:
+                self._check_fits(num_blocks, per_block, free, budget)
         num_blocks = int(num_blocks)
         if num_blocks < 2:
-            raise ValueError(f"KV cache budget too small: {num_blocks} blocks of {per_block} bytes")
+            raise ValueError(f"KV cache budget too small: {num_blocks} blocks of {per_block} bytes (one is "
+                             "reserved for padded rows); raise num_kv_blocks (--num-kv-blocks) or "
+                             "kv_cache_memory_bytes (--kv-cache-memory-bytes)")
         self.model.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    num_blocks * per_block / 2**20)
+        pool = f", LoRA slot pool {format_bytes(self.lora_pool.nbytes)}" if self.lora_pool is not None else ""
+        logger.info("KV cache: %d blocks x %d tokens (%s) beside weights %s%s", num_blocks, self.block_size,
+                    format_bytes(num_blocks * per_block), format_bytes(self.weight_bytes()), pool)
         return num_blocks
+
+    def _check_fits(self, num_blocks: int, per_block: int, free: int, budget: int) -> None:
+        """Refuse to start unless the KV cache sized from device memory holds one max_model_len sequence
+        (plus the block reserved for padded rows): weights + LoRA pool + that minimum must fit."""
+        cfg = self.config
+        need = self.max_blocks_per_seq + 1
+        if num_blocks >= need:
+            return
+        pool = self.lora_pool
+        pool_note = ""
+        if pool is not None:
+            pool_note = (f" and the LoRA slot pool ({pool.max_loras} slots x rank {pool.max_rank}: "
+                         f"{format_bytes(pool.nbytes)}; {describe_by_target(pool.nbytes_by_target)})")
+        fixes = []
+        if pool is not None:
+            fixes.append("lower --max-loras or --max-lora-rank, or list only the targets your adapters use in "
+                         "--lora-target-modules (the pool)")
+        fixes += ["lower --max-model-len", "raise --gpu-memory-utilization"]
+        if cfg.device_memory_bytes is not None:
+            fixes.append("raise --device-memory-bytes")
+        raise InsufficientMemoryError(
+            f"not enough device memory for the KV cache of one max_model_len={cfg.max_model_len} sequence "
+            f"({format_bytes(need * per_block)} in {need} blocks of {self.block_size} tokens, one reserved): after "
+            f"the weights ({format_bytes(self.weight_bytes())}){pool_note}, {format_bytes(free)} are free, and "
+            f"gpu_memory_utilization={cfg.gpu_memory_utilization} of it less {format_bytes(ACTIVATION_HEADROOM)} "
+            f"of headroom for activations and graphs leaves {format_bytes(max(budget, 0))} for the KV cache. "
+            f"To fit: {'; '.join(fixes)}.")
 
     # ---- batch construction -----------------------------------------------------------------
     def _host(self, values, dtype) -> torch.Tensor:
