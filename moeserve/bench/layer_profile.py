@@ -96,29 +96,13 @@ def layer_regions(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, k_c
         add("dense_mlp", lambda: mlp(state["x2h"][1], batch.lora), mlp_bytes + 2 * T * H * b, "y")
     else:
         E, k_top, inter = spec.num_experts, spec.top_k, spec.moe_intermediate_size
-        add("router", lambda: mlp.route(state["x2h"][1]),
-            E * H * _elem(mlp.router) + T * H * b, "routing")
+        add("router", lambda: mlp.route(state["x2h"][1], batch.lora),
+            E * H * _elem(mlp.router.weight) + T * H * b, "routing")
         touched = E * (1 - (1 - k_top / E) ** T)  # experts a batch of T tokens is expected to touch
 
         def experts():
             w, ids = state["routing"]
-            h = state["x2h"][1]
-            lora_bufs = mlp.lora_bufs if batch.lora is not None else None
-            if mlp.backend == "triton":
-                args = None
-                if lora_bufs is not None:
-                    lb = lora_bufs
-                    args = mlp._fused.MoELoRAArgs(batch.lora.token_slots, batch.lora.slot_ranks, lb.gate_up_a,
-                                                  lb.gate_up_b, lb.down_a, lb.down_b)
-                out = mlp._fused.fused_moe(h, mlp.w13, mlp.w2, w, ids, lora=args)
-            else:
-                from moeserve.layers.moe import moe_experts_torch
-
-                out = moe_experts_torch(h, mlp.w13, mlp.w2, w, ids, batch.lora, lora_bufs)
-            if mlp.shared_expert is not None:
-                shared = mlp.shared_expert(h, batch.lora)
-                out = out + torch.sigmoid(torch.nn.functional.linear(h, mlp.shared_expert_gate)) * shared
-            return out
+            return mlp.experts(state["x2h"][1], w, ids, batch.lora)
 
         shared_bytes = 0 if mlp.shared_expert is None else sum(
             p.numel() * _elem(p) for p in mlp.shared_expert.parameters())

@@ -109,6 +109,10 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         topk_w, topk_ids = self.route(x, lora)
+        return self.experts(x, topk_w, topk_ids, lora)
+
+    def experts(self, x, topk_w, topk_ids, lora: LoRABatch | None) -> torch.Tensor:
+        """The routed experts (and the shared expert) for routing already decided."""
         use_lora = lora is not None and self.lora_bufs is not None
         if self.backend == "triton":
             args = None
