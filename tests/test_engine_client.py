@@ -122,12 +122,15 @@ def test_refusals_are_raised_before_any_output(client):
         hold = asyncio.ensure_future(client.call("hold", flag))
         while not os.path.exists(flag + ".held"):
             await asyncio.sleep(0.01)
-        stream = await client.submit("hi", SamplingParams(max_tokens=2), request_id="dup")
+        # the first add waits for the held core's answer; its id is taken from the moment it is sent
+        first = asyncio.ensure_future(client.submit("hi", SamplingParams(max_tokens=2), request_id="dup"))
+        while "dup" not in client.streams:
+            await asyncio.sleep(0.01)
         with pytest.raises(RequestError, match="already in use"):
             await client.submit("hi", SamplingParams(max_tokens=2), request_id="dup")
         os.remove(flag)
         await hold
-        return [o async for o in stream]
+        return [o async for o in await first]
 
     assert client.lt.run(main())[-1].finished and client.is_running
 
