@@ -59,6 +59,11 @@ class EngineConfig:
     # serving
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server answers 503)
 
+    # parallelism (one worker process per extra rank; NCCL on cuda, gloo on cpu)
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # routed experts split whole across ranks instead of tensor-split
+    dist_timeout: int = 600  # seconds a collective may wait for a rank before the engine stops naming it
+
     def __post_init__(self):
         self._resolved = False
 
@@ -86,7 +91,7 @@ class EngineConfig:
         if not on_cuda:
             self.enforce_eager = True  # CUDA graphs need CUDA
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank",
-                     "cuda_graph_max_bs", "max_queue_len"):
+                     "cuda_graph_max_bs", "max_queue_len", "tensor_parallel_size", "dist_timeout"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -112,6 +117,12 @@ class EngineConfig:
 
             for name in self.lora_modules:
                 validate_adapter_name(name)
+        if self.enable_expert_parallel:
+            raise ValueError("--enable-expert-parallel is not implemented yet; routed experts are tensor-split "
+                             "across --tensor-parallel-size ranks")
+        if on_cuda and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} exceeds the "
+                             f"{torch.cuda.device_count()} visible CUDA devices")
         if self.cuda_graph_bs is not None:
             if not self.cuda_graph_bs or any(not isinstance(b, int) or b <= 0 for b in self.cuda_graph_bs):
                 raise ValueError(f"cuda_graph_bs must be a list of positive integers, got {self.cuda_graph_bs!r}")

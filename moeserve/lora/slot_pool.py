@@ -56,7 +56,7 @@ class LoRASlotPool:
                 attach("gate_proj/up_proj/down_proj", mlp.down_proj, mlp_wanted)
                 continue
             if "experts" in targets:
-                E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+                E, H, inter = mlp.w2.shape  # the layer's own shapes: a tensor-parallel rank holds a slice of inter
                 mlp.lora_bufs = ExpertLoRABuffers(*(alloc("experts", *shape) for shape in (
                     (L, E, R, H), (L, E, 2 * inter, R), (L, E, R, inter), (L, E, H, R))))
             if mlp.shared_expert is not None and "shared_expert" in targets:

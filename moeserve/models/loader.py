@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moeserve.distributed.parallel_state import ParallelState
+from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.spec import ModelSpec
 
@@ -61,6 +63,34 @@ class _Tensors:
         return t
 
 
+class _ShardedTensors(_Tensors):
+    """Name -> this rank's slice of the tensor (distributed/sharding.py), read with safetensors' get_slice:
+    a rank reads only the bytes it holds, never a whole file. Shapes are checked against the full tensor."""
+
+    def __init__(self, model_dir: Path, sharding: TensorSharding):
+        super().__init__(model_dir)
+        self.sharding = sharding
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.where:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        sl = self.handles[self.where[name]].get_slice(name)
+        if tuple(sl.get_shape()) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(sl.get_shape())}, expected {tuple(shape)}")
+        self.used.add(name)
+        how = checkpoint_slices(name, tuple(shape), self.sharding)
+        if how is None:
+            return sl[:]
+        if how == ZERO:
+            return torch.zeros(shape, dtype=sl[:1].dtype)
+        dim, ranges = how
+        lead = (slice(None),) * dim
+        t = torch.cat([sl[lead + (slice(a, b),)] for a, b in ranges], dim=dim)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):  # the last rank's block is padded with zeros
+            t = torch.cat([t, t.new_zeros(self.sharding.vocab_per_rank - t.shape[0], *t.shape[1:])])
+        return t
+
+
 def _first(tensors: _Tensors, names: list[str]) -> str:
     for n in names:
         if tensors.has(n):
@@ -69,14 +99,19 @@ def _first(tensors: _Tensors, names: list[str]) -> str:
 
 
 def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backend: str = "torch",
-                 moe_backend: str = "torch", lora_backend: str = "torch") -> MoEForCausalLM:
+                 moe_backend: str = "torch", lora_backend: str = "torch", tp: ParallelState | None = None
+                 ) -> MoEForCausalLM:
     """Random weights in the real shapes, built directly on the device (`--load-format dummy`, benchmarks):
-    N(0, 0.02) from a seeded generator, norms 1."""
+    N(0, 0.02) from a seeded generator, norms 1. Under tensor parallelism each rank draws its own shard, and
+    the replicated router and shared-expert gate are drawn alike on every rank (ranks must route alike)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
-        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend).to(dtype)
+        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp).to(dtype)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            if model.tp is not None:
+                replicated = name.endswith(("router", "shared_expert_gate"))
+                gen.manual_seed(seed + 1_000_003 * i + (0 if replicated else 7919 * (model.tp.rank + 1)))
             if "norm" in name:
                 p.fill_(1.0)
             else:
@@ -86,14 +121,18 @@ def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backen
 
 def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                attention_backend: str = "torch", moe_backend: str = "torch", lora_backend: str = "torch",
-               progress: bool = False, load_format: str = "auto", seed: int = 0) -> MoEForCausalLM:
+               progress: bool = False, load_format: str = "auto", seed: int = 0,
+               tp: ParallelState | None = None) -> MoEForCausalLM:
+    """`tp`: load this rank's shard of a tensor-parallel model (each rank reads only its slices)."""
     if load_format == "dummy":
         logger.info("random weights (--load-format dummy): outputs are meaningless; for benchmarks")
-        return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend)
+        return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend, tp=tp)
     model_dir = Path(model_dir)
-    tensors = _Tensors(model_dir)
+    sharded = tp is not None and tp.world_size > 1
+    tensors = _ShardedTensors(model_dir, TensorSharding(spec, tp.rank, tp.world_size)) if sharded \
+        else _Tensors(model_dir)
     with torch.device(device):
-        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend).to(dtype)
+        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp).to(dtype)
     H = spec.hidden_size
 
     def put(param: torch.Tensor, value: torch.Tensor):
@@ -131,8 +170,9 @@ def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dty
         if attn.o_proj.bias is not None:
             put(attn.o_proj.bias, tensors.get(a + "o_proj.bias", (H,)))
         if attn.q_norm is not None:
-            put(attn.q_norm.weight, tensors.get(a + "q_norm.weight", tuple(attn.q_norm.weight.shape)))
-            put(attn.k_norm.weight, tensors.get(a + "k_norm.weight", tuple(attn.k_norm.weight.shape)))
+            full = spec.qk_norm == "full"  # the checkpoint's shapes (a rank's norm may hold a slice)
+            put(attn.q_norm.weight, tensors.get(a + "q_norm.weight", (spec.q_size if full else spec.head_dim,)))
+            put(attn.k_norm.weight, tensors.get(a + "k_norm.weight", (spec.kv_size if full else spec.head_dim,)))
         if layer.is_sparse:
             _load_moe(layer.mlp, tensors, p, spec, put)
         else:
@@ -172,8 +212,9 @@ def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
             else:
                 q = prefixes[0] + f"experts.{e}."
                 g, u, d = q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"  # reported missing
-            moe.w13.data[e, :inter].copy_(tensors.get(g, (inter, H)))
-            moe.w13.data[e, inter:].copy_(tensors.get(u, (inter, H)))
+            held = moe.w13.shape[1] // 2  # this rank's rows of gate (and of up): inter / tensor_parallel_size
+            moe.w13.data[e, :held].copy_(tensors.get(g, (inter, H)))
+            moe.w13.data[e, held:].copy_(tensors.get(u, (inter, H)))
             moe.w2.data[e].copy_(tensors.get(d, (H, inter)))
     if moe.shared_expert is not None:
         _load_dense(moe.shared_expert, tensors, p + "mlp.shared_expert.", H, spec.shared_expert_intermediate_size, put)

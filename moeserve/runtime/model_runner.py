@@ -94,6 +94,11 @@ class ModelRunner:
                     num_blocks * per_block / 2**20)
         return num_blocks
 
+    def capture_graphs(self, progress: bool = False) -> None:
+        from moeserve.runtime.graph_runner import GraphRunner
+
+        self.graph_runner = GraphRunner.for_engine(self, self.config, progress=progress)
+
     # ---- batch construction -----------------------------------------------------------------
     def _host(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=self.pin)
@@ -152,7 +157,10 @@ class ModelRunner:
             hidden = self.model(batch)
         return self._sample(sb, hidden)
 
-    def _sample(self, sb: ScheduledBatch, hidden: torch.Tensor) -> InFlightStep:
+    @staticmethod
+    def _logit_rows(sb: ScheduledBatch) -> tuple[list[int], list[Sequence], list[tuple[Sequence, int, int]]]:
+        """Rows of the step's hidden states that need logits: the sampling rows (and their sequences), and
+        (seq, first row, count) of the prompt tokens scored for prompt logprobs."""
         rows, sampling_seqs = [], []
         prompt_lp_rows: list[tuple[Sequence, int, int]] = []  # (seq, first row, count)
         offset = 0
@@ -168,6 +176,10 @@ class ModelRunner:
                 if last > first:
                     prompt_lp_rows.append((seq, offset + first - start, last - first))
             offset += n
+        return rows, sampling_seqs, prompt_lp_rows
+
+    def _sample(self, sb: ScheduledBatch, hidden: torch.Tensor) -> InFlightStep:
+        rows, sampling_seqs, prompt_lp_rows = self._logit_rows(sb)
         step = InFlightStep(sb, sampling_seqs, None, 0, [], None)
         copies = []
         if rows:
