@@ -42,16 +42,26 @@ class ParallelState:
         return x
 
 
-def init_parallel_state(rank: int, world_size: int, init_method: str, device: torch.device,
+RENDEZVOUS_TIMEOUT_S = 600  # ranks meet after spawning and importing torch: slow machines need long, not dist_timeout
+
+
+def rendezvous_store(port: int, world_size: int, is_master: bool) -> "dist.TCPStore":
+    """Rank 0 serves the store (port 0: the OS picks a free one, read back as store.port); workers connect."""
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master, timedelta(seconds=RENDEZVOUS_TIMEOUT_S),
+                         wait_for_workers=False)
+
+
+def init_parallel_state(rank: int, world_size: int, store: "dist.Store", device: torch.device,
                         timeout_s: float) -> ParallelState:
-    """Join the process group (every rank calls this; it returns when all have joined or timeout_s passed).
-    One tensor-parallel engine per process: the group is torch's default group, destroyed at shutdown."""
+    """Join the process group (every rank calls this; it returns when all have joined). `timeout_s` bounds
+    every later collective. One tensor-parallel engine per process: the group is torch's default group,
+    destroyed at shutdown."""
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel engine is already running in this process (torch.distributed is "
                            "initialized); shut it down first")
     backend = "nccl" if device.type == "cuda" else "gloo"
     kw = dict(device_id=device) if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s), **kw)
     return ParallelState(rank, world_size, dist.group.WORLD)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -26,7 +25,8 @@ import numpy as np
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.distributed.parallel_state import ParallelState, RankFailure, destroy_parallel_state, init_parallel_state
+from moeserve.distributed.parallel_state import (ParallelState, RankFailure, destroy_parallel_state,
+                                                 init_parallel_state, rendezvous_store)
 from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapter
 from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.models.loader import load_model
@@ -102,12 +102,6 @@ def run_forward(runner: ModelRunner, host_batch: ForwardBatch, key: GraphKey | N
     return runner.model(batch)
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---- rank 0 ---------------------------------------------------------------------------------------------
 
 @dataclass
@@ -132,7 +126,7 @@ class ParallelModelRunner(ModelRunner):
         device = torch.device(config.device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        store = rendezvous_store(0, n, is_master=True)
         ctx = torch.multiprocessing.get_context("spawn")
         from moeserve.runtime.worker import worker_main
 
@@ -140,11 +134,11 @@ class ParallelModelRunner(ModelRunner):
             for rank in range(1, n):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=worker_main, name=f"moeserve-tp-rank{rank}", daemon=True,
-                                   args=(rank, n, init_method, config, spec, model_dir, child))
+                                   args=(rank, n, store.port, config, spec, model_dir, child))
                 proc.start()
                 child.close()
                 self.workers.append(_Worker(rank, proc, parent))
-            self.tp = self._join_group(init_method, device)
+            self.tp = self._join_group(store, device)
             model = load_model(model_dir, spec, device, config.torch_dtype, config.attention_backend,
                                config.moe_backend, config.moe_backend, progress=progress,
                                load_format=config.load_format, seed=config.seed, tp=self.tp)
@@ -156,14 +150,14 @@ class ParallelModelRunner(ModelRunner):
             raise
         logger.info("tensor parallel: %d ranks (%s)", n, "nccl" if device.type == "cuda" else "gloo")
 
-    def _join_group(self, init_method: str, device: torch.device) -> ParallelState:
+    def _join_group(self, store, device: torch.device) -> ParallelState:
         """Join the process group, watching the workers meanwhile: one that dies while starting is named at
         once instead of after the rendezvous timeout."""
         result: dict = {}
 
         def join():
             try:
-                result["tp"] = init_parallel_state(0, self.world_size, init_method, device, self.timeout_s)
+                result["tp"] = init_parallel_state(0, self.world_size, store, device, self.timeout_s)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 result["error"] = e
 
@@ -329,8 +323,9 @@ class ParallelModelRunner(ModelRunner):
                 w.proc.join(5.0)
             w.conn.close()
         self.workers = []
-        if self.failure is None:
+        if self.tp is not None:
             destroy_parallel_state()
+            self.tp = None
 
 
 class ShardedLoRAPool:

@@ -19,8 +19,8 @@ logger = logging.getLogger("moeserve")
 
 
 class Worker:
-    def __init__(self, rank: int, world_size: int, init_method: str, config, spec, model_dir: str | None):
-        from moeserve.distributed.parallel_state import init_parallel_state
+    def __init__(self, rank: int, world_size: int, store_port: int, config, spec, model_dir: str | None):
+        from moeserve.distributed.parallel_state import init_parallel_state, rendezvous_store
         from moeserve.distributed.sharding import TensorSharding, rank_spec
 
         if config.device.startswith("cuda"):
@@ -31,7 +31,8 @@ class Worker:
         else:
             device = torch.device("cpu")
         self.config, self.spec, self.model_dir, self.device = config, spec, model_dir, device
-        self.tp = init_parallel_state(rank, world_size, init_method, device, config.dist_timeout)
+        store = rendezvous_store(store_port, world_size, is_master=False)
+        self.tp = init_parallel_state(rank, world_size, store, device, config.dist_timeout)
         self.sharding = TensorSharding(spec, rank, world_size)
         self.rank_spec = rank_spec(spec, world_size)
         self.runner = None
@@ -84,7 +85,7 @@ class Worker:
         return gr.replay_counts() if gr is not None else {}
 
 
-def worker_main(rank: int, world_size: int, init_method: str, config, spec, model_dir, conn) -> None:
+def worker_main(rank: int, world_size: int, store_port: int, config, spec, model_dir, conn) -> None:
     """Process entry point. Replies (None = done, else an error text) go back for the messages rank 0 waits on."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [tp rank {rank}]: %(message)s")
 
@@ -99,7 +100,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config, spec, mode
             logger.error("%s", traceback.format_exc())
             return f"{type(e).__name__}: {e}"
 
-    worker = Worker(rank, world_size, init_method, config, spec, model_dir)
+    worker = Worker(rank, world_size, store_port, config, spec, model_dir)
     error = attempt(worker.load)
     reply(error)
     if error is not None:
