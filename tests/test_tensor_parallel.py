@@ -177,3 +177,13 @@ def test_gpu_tp2_bf16_triton_matches_tp1(tmp_path, tp_engine):
     two = tp_engine(EngineConfig(**kw, tensor_parallel_size=2))
     outs = two.generate(ps, sp)
     assert [o.token_ids[0] for o in outs] == [o.token_ids[0] for o in ref]
+
+
+def test_bad_parallel_settings_are_refused_by_name(tmp_path):
+    base = save_base_checkpoint("mixtral", tmp_path / "base")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's num_attention_heads"):
+        Engine(config(base, tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        Engine(config(base, tensor_parallel_size=0))
+    with pytest.raises(ValueError, match="--enable-expert-parallel is not implemented"):
+        Engine(config(base, tensor_parallel_size=2, enable_expert_parallel=True))

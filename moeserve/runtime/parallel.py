@@ -15,6 +15,7 @@ every worker is stopped with it.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import pickle
 import threading
 import time
@@ -104,6 +105,20 @@ def run_forward(runner: ModelRunner, host_batch: ForwardBatch, key: GraphKey | N
 
 # ---- rank 0 ---------------------------------------------------------------------------------------------
 
+@contextmanager
+def _children_allowed():
+    """Under the server the engine core is a daemonic process, and multiprocessing refuses children of daemonic
+    processes (it could not clean them up at exit). Workers exit by themselves when rank 0's end of their pipe
+    closes, so rank 0 may start them from one: lift the flag for the start only."""
+    me = multiprocessing.current_process()
+    daemon = me._config.get("daemon")
+    me._config["daemon"] = False
+    try:
+        yield
+    finally:
+        me._config["daemon"] = daemon
+
+
 @dataclass
 class _Worker:
     rank: int
@@ -128,16 +143,9 @@ class ParallelModelRunner(ModelRunner):
             device = torch.device("cuda", torch.cuda.current_device())
         store = rendezvous_store(0, n, is_master=True)
         ctx = torch.multiprocessing.get_context("spawn")
-        from moeserve.runtime.worker import worker_main
-
         try:
-            for rank in range(1, n):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=worker_main, name=f"moeserve-tp-rank{rank}", daemon=True,
-                                   args=(rank, n, store.port, config, spec, model_dir, child))
-                proc.start()
-                child.close()
-                self.workers.append(_Worker(rank, proc, parent))
+            with _children_allowed():
+                self._start_workers(ctx, n, store.port, config, spec, model_dir)
             self.tp = self._join_group(store, device)
             model = load_model(model_dir, spec, device, config.torch_dtype, config.attention_backend,
                                config.moe_backend, config.moe_backend, progress=progress,
@@ -149,6 +157,17 @@ class ParallelModelRunner(ModelRunner):
             self.shutdown()
             raise
         logger.info("tensor parallel: %d ranks (%s)", n, "nccl" if device.type == "cuda" else "gloo")
+
+    def _start_workers(self, ctx, n: int, store_port: int, config: EngineConfig, spec: ModelSpec, model_dir) -> None:
+        from moeserve.runtime.worker import worker_main
+
+        for rank in range(1, n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, name=f"moeserve-tp-rank{rank}", daemon=True,
+                               args=(rank, n, store_port, config, spec, model_dir, child))
+            proc.start()
+            child.close()
+            self.workers.append(_Worker(rank, proc, parent))
 
     def _join_group(self, store, device: torch.device) -> ParallelState:
         """Join the process group, watching the workers meanwhile: one that dies while starting is named at
