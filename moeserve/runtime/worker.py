@@ -108,9 +108,9 @@ def worker_main(rank: int, world_size: int, store_port: int, config, spec, model
     while True:
         try:
             msg = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):  # rank 0 is gone
-            logger.error("rank 0 closed the pipe; tensor-parallel rank %d exiting", rank)
-            sys.exit(1)
+        except (EOFError, OSError):  # rank 0 is gone (an engine without an explicit shutdown ends so too)
+            logger.info("rank 0 closed the pipe; tensor-parallel rank %d exiting", rank)
+            return
         kind = msg[0]
         if kind == "step":
             worker.step(msg[1])  # a failure here breaks the collectives: rank 0 notices and names this rank
