@@ -187,3 +187,34 @@ def test_bad_parallel_settings_are_refused_by_name(tmp_path):
         Engine(config(base, tensor_parallel_size=0))
     with pytest.raises(ValueError, match="--enable-expert-parallel is not implemented"):
         Engine(config(base, tensor_parallel_size=2, enable_expert_parallel=True))
+
+
+def test_adapter_load_failing_on_one_rank_is_rolled_back_on_every_rank(tmp_path, tp_engine, monkeypatch):
+    from moeserve.runtime.worker import lora_slot_state
+
+    family = "qwen2_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
+    kw = dict(lora_modules={"ad": path}, max_loras=2)
+    one = Engine(config(base, **kw))
+    two = tp_engine(config(base, tensor_parallel_size=2, **kw))
+    pool = two.runner.lora_pool.pool  # rank 0's own slot pool, under the sharded wrapper
+    real_load = pool.load
+
+    def load_then_fail(slot, adapter):
+        real_load(slot, adapter)
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(pool, "load", load_then_fail)
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    ps = prompts(2, seed=5)
+    failed = two.generate(ps[:1], sp, lora="ad")[0]
+    assert failed.finish_reason == "error"
+    assert "could not be loaded on tensor-parallel rank 0 (RuntimeError: simulated device fault)" in failed.error
+    # the worker had loaded its slice: cleared again, like rank 0's slot
+    assert two.runner.worker_lora_slots() == {1: [(0, False), (0, False)]}
+    assert lora_slot_state(pool) == [(0, False), (0, False)]
+    monkeypatch.setattr(pool, "load", real_load)
+    loras = ["ad", None]
+    assert_same(two.generate(ps, sp, lora=loras), one.generate(ps, sp, lora=loras))
+    assert [r for r, used in two.runner.worker_lora_slots()[1]] == [4, 0]

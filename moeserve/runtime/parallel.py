@@ -296,6 +296,11 @@ class ParallelModelRunner(ModelRunner):
         self._send(("replay_counts",))
         return self._replies("reporting its replay counts")
 
+    def worker_lora_slots(self) -> dict[int, list[tuple[int, bool]]]:
+        """Each worker's LoRA slots as (rank, holds any nonzero weight) (tests check loads and rollbacks)."""
+        self._send(("lora_slots",))
+        return self._replies("reporting its LoRA slots")
+
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def launch(self, sb: ScheduledBatch) -> InFlightStep:

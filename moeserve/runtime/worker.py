@@ -80,9 +80,26 @@ class Worker:
     def capture(self) -> None:
         self.runner.capture_graphs()
 
+    def lora_slots(self) -> list[tuple[int, bool]]:
+        return lora_slot_state(self.runner.lora_pool)
+
     def replay_counts(self) -> dict[str, int]:
         gr = self.runner.graph_runner
         return gr.replay_counts() if gr is not None else {}
+
+
+def lora_slot_state(pool) -> list[tuple[int, bool]]:
+    """(rank, holds any nonzero weight) per slot of a LoRA slot pool."""
+    model = pool.model
+    used = [False] * pool.max_loras
+    for layer in model.layers:
+        bufs = getattr(layer.mlp, "lora_bufs", None)
+        tensors = [t for lin in pool._linears(layer) if lin.lora_a is not None for t in (lin.lora_a, lin.lora_b)]
+        tensors += [] if bufs is None else [bufs.gate_up_a, bufs.gate_up_b, bufs.down_a, bufs.down_b]
+        for t in tensors:
+            for slot in range(pool.max_loras):
+                used[slot] = used[slot] or bool(t[slot].any())
+    return list(zip(pool.slot_ranks.tolist(), used))
 
 
 def worker_main(rank: int, world_size: int, store_port: int, config, spec, model_dir, conn) -> None:
@@ -137,6 +154,8 @@ def worker_main(rank: int, world_size: int, store_port: int, config, spec, model
             reply(attempt(worker.capture))
         elif kind == "replay_counts":
             reply(worker.replay_counts())
+        elif kind == "lora_slots":
+            reply(worker.lora_slots())
         elif kind == "shutdown":
             from moeserve.distributed.parallel_state import destroy_parallel_state
 
