@@ -61,7 +61,7 @@ class EngineConfig:
 
     # parallelism (one worker process per extra rank; NCCL on cuda, gloo on cpu)
     tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False  # routed experts split whole across ranks instead of tensor-split
+    enable_expert_parallel: bool = False  # routed experts split whole across the ranks instead of sliced
     dist_timeout: int = 600  # seconds a collective may wait for a rank before the engine stops naming it
 
     def __post_init__(self):
@@ -117,9 +117,6 @@ class EngineConfig:
 
             for name in self.lora_modules:
                 validate_adapter_name(name)
-        if self.enable_expert_parallel:
-            raise ValueError("--enable-expert-parallel is not implemented yet; routed experts are tensor-split "
-                             "across --tensor-parallel-size ranks")
         if on_cuda and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible CUDA devices")

@@ -1,5 +1,5 @@
-"""Tensor parallelism: TP=2 (two processes, gloo on CPU) equals TP=1 — the same engine with the feature off —
-for every family, with mixed adapter batches, hot loads and evictions; graph replay keys agree across ranks;
+"""Tensor and expert parallelism: TP=2 and EP=2 (two processes, gloo on CPU) equal TP=1 — the same engine with
+the feature off — for every family, with mixed adapter batches, hot loads and evictions; graph replay keys agree across ranks;
 a killed or hung rank stops the engine with an error naming it. The `gpu_multi` tests repeat the graph checks
 with NCCL and CUDA graphs on two GPUs (skipped with fewer)."""
 import os
@@ -64,7 +64,7 @@ def assert_same(ours, ref):
 
 
 @pytest.mark.parametrize("family", list(CASES))
-def test_tp2_equals_tp1_with_mixed_adapters_hot_load_and_eviction(tmp_path, tp_engine, family):
+def test_tp2_and_ep2_equal_tp1_with_mixed_adapters_hot_load_and_eviction(tmp_path, tp_engine, family):
     overrides, kinds = CASES[family]
     base = save_base_checkpoint(family, tmp_path / "base", **overrides)
     paths = {name: str(make_peft_adapter(family, tmp_path / name, kind=kind, rank=rank, seed=i + 1,
@@ -72,29 +72,38 @@ def test_tp2_equals_tp1_with_mixed_adapters_hot_load_and_eviction(tmp_path, tp_e
              for i, (name, (kind, rank)) in enumerate(kinds.items())}
     first, second, late = list(paths)
     # two slots for three adapters: the later batches evict
-    start = {first: paths[first], second: paths[second]}
-    kw = dict(lora_modules=start, max_loras=2, lora_target_modules=list(ALL_TARGETS))
+    kw = dict(lora_modules={first: paths[first], second: paths[second]}, max_loras=2,
+              lora_target_modules=list(ALL_TARGETS))
     one = Engine(config(base, **kw))
-    two = tp_engine(config(base, tensor_parallel_size=2, **kw))
-    for engine in (one, two):
-        engine.load_lora(late, paths[late])  # hot load, after start
-
+    one.load_lora(late, paths[late])
     sp = SamplingParams(max_tokens=5, **GREEDY)
     waves = [[None, first, second, None, first], [late, None, second, late], [first, late, None]]
-    for i, loras in enumerate(waves):
-        ps = prompts(len(loras), seed=10 * i + 1)
-        assert_same(two.generate(ps, sp, lora=loras), one.generate(ps, sp, lora=loras))
-    assert two.stats()["lora_evictions_total"] > 0
+    waves = [(prompts(len(loras), seed=10 * i + 1), loras) for i, loras in enumerate(waves)]
+    refs = [one.generate(ps, sp, lora=loras) for ps, loras in waves]
+    graph_wave = (prompts(3, seed=7), [first, None, late])
+    graph_ref = one.generate(*graph_wave[:1], sp, lora=graph_wave[1])
 
-    # decode through the graph runner (on CPU its graphs re-run the forward on the static buffers, collectives
-    # included): both ranks replay the keys rank 0 picks, also for a batch padded up to a bucket
-    two.runner.capture_graphs()
-    loras = [first, None, late]
-    ps = prompts(len(loras), seed=7)
-    assert_same(two.generate(ps, sp, lora=loras), one.generate(ps, sp, lora=loras))
-    counts = two.runner.graph_runner.replay_counts()
-    assert sum(counts.values()) > 0
-    assert two.runner.worker_replay_counts() == {1: counts}
+    for expert_parallel in (False, True):
+        two = tp_engine(config(base, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **kw))
+        moe = next(layer.mlp for layer in two.runner.model.layers if layer.is_sparse)
+        spec = two.spec
+        # expert-parallel ranks hold half the experts whole, tensor-parallel ones half of every expert
+        held = (spec.num_experts // 2, spec.moe_intermediate_size) if expert_parallel \
+            else (spec.num_experts, spec.moe_intermediate_size // 2)
+        assert (moe.w2.shape[0], moe.w2.shape[2]) == held
+        two.load_lora(late, paths[late])  # hot load, after start
+        for (ps, loras), ref in zip(waves, refs):
+            assert_same(two.generate(ps, sp, lora=loras), ref)
+        assert two.stats()["lora_evictions_total"] > 0
+
+        # decode through the graph runner (on CPU its graphs re-run the forward on the static buffers,
+        # collectives included): both ranks replay the keys rank 0 picks, also for a batch padded to a bucket
+        two.runner.capture_graphs()
+        assert_same(two.generate(*graph_wave[:1], sp, lora=graph_wave[1]), graph_ref)
+        counts = two.runner.graph_runner.replay_counts()
+        assert sum(counts.values()) > 0
+        assert two.runner.worker_replay_counts() == {1: counts}
+        two.runner.shutdown()
 
 
 def test_killed_worker_stops_the_engine_naming_the_rank(tmp_path, tp_engine):
@@ -185,8 +194,10 @@ def test_bad_parallel_settings_are_refused_by_name(tmp_path):
         Engine(config(base, tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         Engine(config(base, tensor_parallel_size=0))
-    with pytest.raises(ValueError, match="--enable-expert-parallel is not implemented"):
-        Engine(config(base, tensor_parallel_size=2, enable_expert_parallel=True))
+    six = save_base_checkpoint("mixtral", tmp_path / "six", num_local_experts=6)
+    Engine(config(six, tensor_parallel_size=1, enable_expert_parallel=True))  # one rank: nothing to split
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 does not divide the model's num_experts \(6\)"):
+        Engine(config(six, tensor_parallel_size=4, enable_expert_parallel=True))
 
 
 def test_adapter_load_failing_on_one_rank_is_rolled_back_on_every_rank(tmp_path, tp_engine, monkeypatch):

@@ -24,6 +24,7 @@ class ParallelState:
     rank: int
     world_size: int
     group: "dist.ProcessGroup"
+    expert_parallel: bool = False  # routed experts split whole across the ranks (else each expert sliced)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
@@ -52,7 +53,7 @@ def rendezvous_store(port: int, world_size: int, is_master: bool) -> "dist.TCPSt
 
 
 def init_parallel_state(rank: int, world_size: int, store: "dist.Store", device: torch.device,
-                        timeout_s: float) -> ParallelState:
+                        timeout_s: float, expert_parallel: bool = False) -> ParallelState:
     """Join the process group (every rank calls this; it returns when all have joined). `timeout_s` bounds
     every later collective. One tensor-parallel engine per process: the group is torch's default group,
     destroyed at shutdown."""
@@ -63,7 +64,7 @@ def init_parallel_state(rank: int, world_size: int, store: "dist.Store", device:
     kw = dict(device_id=device) if device.type == "cuda" else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s), **kw)
-    return ParallelState(rank, world_size, dist.group.WORLD)
+    return ParallelState(rank, world_size, dist.group.WORLD, expert_parallel)
 
 
 def destroy_parallel_state() -> None:

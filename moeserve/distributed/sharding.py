@@ -5,12 +5,14 @@ its attention heads, its slice of the intermediate dim), o_proj and down are row
 matching input columns; the partial outputs are summed by one all-reduce per block). KV heads are
 split when there are at least as many as ranks, otherwise each is replicated on N / num_kv_heads
 ranks. Routed experts are tensor-split: every rank holds every expert's slice of the intermediate
-dim. Embedding and lm_head are split by vocabulary (rows padded to a multiple of N). Norms, the
+dim — or, with expert parallelism, E / N whole experts (every rank routes every token, computes the
+pairs routed to its experts, and the MoE block's all-reduce adds the ranks' parts). Embedding and lm_head are split by vocabulary (rows padded to a multiple of N). Norms, the
 router and the shared-expert gate are replicated. A row-parallel bias lives on rank 0 only.
 
 LoRA follows its base weight: column-parallel targets keep A whole and split B's rows,
 row-parallel ones split A's columns and keep B whole; the sum over ranks of each rank's delta is
 the full delta, so the all-reduce that completes the base output completes the LoRA delta too.
+Under expert parallelism a rank holds its experts' factors whole.
 """
 from __future__ import annotations
 
@@ -31,9 +33,14 @@ class TensorSharding:
     spec: ModelSpec
     rank: int
     size: int
+    expert_parallel: bool = False
 
     def __post_init__(self):
-        check_shardable(self.spec, self.size)
+        check_shardable(self.spec, self.size, self.expert_parallel)
+
+    def expert_range(self) -> tuple[int, int]:
+        """[start, stop) of the routed experts this rank holds (all of them unless expert-parallel)."""
+        return self.part(self.spec.num_experts) if self.expert_parallel else (0, self.spec.num_experts)
 
     def part(self, n: int) -> tuple[int, int]:
         """This rank's [start, stop) of a dimension of n split evenly."""
@@ -61,11 +68,14 @@ class TensorSharding:
         return min(self.rank * v, self.spec.vocab_size), min((self.rank + 1) * v, self.spec.vocab_size)
 
 
-def check_shardable(spec: ModelSpec, size: int) -> None:
+def check_shardable(spec: ModelSpec, size: int, expert_parallel: bool = False) -> None:
     """Raise ValueError naming the first dimension that does not split over `size` ranks."""
     if size == 1:
         return
-    dims = [("num_attention_heads", spec.num_heads), ("moe_intermediate_size", spec.moe_intermediate_size)]
+    dims = [("num_attention_heads", spec.num_heads)]
+    if any(spec.sparse_layers):
+        dims.append(("num_experts", spec.num_experts) if expert_parallel
+                    else ("moe_intermediate_size", spec.moe_intermediate_size))
     if not all(spec.sparse_layers):
         dims.append(("intermediate_size", spec.intermediate_size))
     if spec.shared_expert_intermediate_size:
@@ -78,15 +88,15 @@ def check_shardable(spec: ModelSpec, size: int) -> None:
         raise ValueError(f"tensor_parallel_size {size} and num_key_value_heads {nkv}: one must divide the other")
 
 
-def rank_spec(spec: ModelSpec, size: int) -> ModelSpec:
-    """The shapes one rank's layers hold (heads, kv heads and intermediate dims divided; vocabulary
-    unchanged: it is split by the embedding and lm_head themselves)."""
+def rank_spec(spec: ModelSpec, size: int, expert_parallel: bool = False) -> ModelSpec:
+    """The shapes one rank's layers hold (heads, kv heads and intermediate dims divided; vocabulary and
+    num_experts unchanged: the embedding, lm_head and expert-parallel MoE block split those themselves)."""
     if size == 1:
         return spec
-    check_shardable(spec, size)
+    check_shardable(spec, size, expert_parallel)
     return dataclasses.replace(
         spec, num_heads=spec.num_heads // size, num_kv_heads=max(1, spec.num_kv_heads // size),
-        moe_intermediate_size=spec.moe_intermediate_size // size,
+        moe_intermediate_size=spec.moe_intermediate_size // (1 if expert_parallel else size),
         intermediate_size=spec.intermediate_size // size,
         shared_expert_intermediate_size=spec.shared_expert_intermediate_size // size)
 
@@ -102,6 +112,8 @@ def checkpoint_slices(name: str, shape: tuple[int, ...], sh: TensorSharding):
     parts = name.split(".")
     leaf = parts[-1]
     module = parts[-2] if leaf in ("weight", "bias") else leaf  # fused experts have no .weight suffix
+    if sh.expert_parallel and "experts" in parts:  # whole experts: stacked ones split along E
+        return (0, [sh.expert_range()]) if parts[-2] == "experts" else None
     if module in ("embed_tokens", "lm_head"):
         return 0, [sh.vocab_rows()]
     full_norm = sh.spec.qk_norm == "full"  # olmoe: q/k norms span all heads, so they split with the heads
@@ -143,6 +155,12 @@ def shard_adapter(adapter, sh: TensorSharding):
             b = _rows(b, sh.part(b.shape[0]))
         dense[(layer, target)] = (a, b)
     experts = {}
+    if sh.expert_parallel:
+        e0, e1 = sh.expert_range()
+        for layer, ex in adapter.experts.items():
+            experts[layer] = ExpertLoRA(*(None if t is None else t[e0:e1].contiguous()
+                                          for t in (ex.gate_up_a, ex.gate_up_b, ex.down_a, ex.down_b)))
+        return dataclasses.replace(adapter, dense=dense, experts=experts)
     for layer, ex in adapter.experts.items():
         gate_up_b = down_a = None
         if ex.gate_up_b is not None:

@@ -2,11 +2,15 @@
 and an RMSNorm over a vector whose elements are split across ranks (OLMoE's full-width q/k norms)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeserve.distributed.parallel_state import ParallelState
+from moeserve.layers.moe import MoEBlock
+from moeserve.models.spec import ModelSpec
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
@@ -44,3 +48,24 @@ class ShardedRMSNorm(nn.Module):
         sum_sq = self.tp.all_reduce(h.pow(2).sum(-1, keepdim=True))
         h = h * torch.rsqrt(sum_sq / self.total_dim + self.eps)
         return self.weight * h.to(dtype)
+
+
+class ExpertParallelMoEBlock(MoEBlock):
+    """A MoE block holding E / N whole experts (expert parallelism). Every rank routes every token over all E
+    experts (the router is replicated), keeps the (token, expert) pairs routed to its own experts and gives the
+    others weight 0; the decoder layer's all-reduce after the block then adds the ranks' parts — with the
+    token activations already on every rank, that is the all-gather + reduce-scatter exchange in one."""
+
+    def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str, tp: ParallelState):
+        num_local = spec.num_experts // tp.world_size
+        super().__init__(dataclasses.replace(spec, num_experts=num_local), moe_backend, lora_backend)
+        self.spec = spec  # route() takes top-k over all experts
+        self.router = nn.Parameter(torch.empty(spec.num_experts, spec.hidden_size), requires_grad=False)
+        self.expert_start, self.num_local = tp.rank * num_local, num_local
+
+    def route(self, x):
+        topk_w, topk_ids = super().route(x)
+        local = topk_ids - self.expert_start
+        mine = (local >= 0) & (local < self.num_local)
+        # pairs of other ranks' experts: local expert 0 with weight 0 (sync-free; adds exact zeros)
+        return torch.where(mine, topk_w, torch.zeros_like(topk_w)), torch.where(mine, local, torch.zeros_like(local))

@@ -8,6 +8,7 @@ A missing or mis-shaped tensor is an error that names it.
 from __future__ import annotations
 
 import json
+import re
 import logging
 from pathlib import Path
 
@@ -63,6 +64,9 @@ class _Tensors:
         return t
 
 
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
 class _ShardedTensors(_Tensors):
     """Name -> this rank's slice of the tensor (distributed/sharding.py), read with safetensors' get_slice:
     a rank reads only the bytes it holds, never a whole file. Shapes are checked against the full tensor."""
@@ -70,6 +74,9 @@ class _ShardedTensors(_Tensors):
     def __init__(self, model_dir: Path, sharding: TensorSharding):
         super().__init__(model_dir)
         self.sharding = sharding
+        if sharding.expert_parallel:  # other ranks' per-expert tensors are theirs to read, not unused
+            e0, e1 = sharding.expert_range()
+            self.used |= {n for n in self.where if (m := _EXPERT_INDEX.search(n)) and not e0 <= int(m.group(1)) < e1}
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.where:
@@ -129,7 +136,7 @@ def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dty
         return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend, tp=tp)
     model_dir = Path(model_dir)
     sharded = tp is not None and tp.world_size > 1
-    tensors = _ShardedTensors(model_dir, TensorSharding(spec, tp.rank, tp.world_size)) if sharded \
+    tensors = _ShardedTensors(model_dir, TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel)) if sharded \
         else _Tensors(model_dir)
     with torch.device(device):
         model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp).to(dtype)
@@ -200,7 +207,8 @@ def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
         put(moe.w13, tensors.get(q + "experts.gate_up_proj", (E, 2 * inter, H)))
         put(moe.w2, tensors.get(q + "experts.down_proj", (E, H, inter)))
     else:
-        for e in range(E):
+        e0 = getattr(moe, "expert_start", 0)  # expert parallelism: this rank holds experts e0 .. e0 + E_local - 1
+        for e in range(e0, e0 + moe.w13.shape[0]):
             for prefix in prefixes:  # Mixtral names its experts w1/w3/w2 (gate/up/down), under either prefix
                 q = prefix + f"experts.{e}."
                 if tensors.has(q + "w1.weight"):
@@ -213,9 +221,9 @@ def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
                 q = prefixes[0] + f"experts.{e}."
                 g, u, d = q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"  # reported missing
             held = moe.w13.shape[1] // 2  # this rank's rows of gate (and of up): inter / tensor_parallel_size
-            moe.w13.data[e, :held].copy_(tensors.get(g, (inter, H)))
-            moe.w13.data[e, held:].copy_(tensors.get(u, (inter, H)))
-            moe.w2.data[e].copy_(tensors.get(d, (H, inter)))
+            moe.w13.data[e - e0, :held].copy_(tensors.get(g, (inter, H)))
+            moe.w13.data[e - e0, held:].copy_(tensors.get(u, (inter, H)))
+            moe.w2.data[e - e0].copy_(tensors.get(d, (H, inter)))
     if moe.shared_expert is not None:
         _load_dense(moe.shared_expert, tensors, p + "mlp.shared_expert.", H, spec.shared_expert_intermediate_size, put)
         put(moe.shared_expert_gate, tensors.get(p + "mlp.shared_expert_gate.weight", (1, H)))

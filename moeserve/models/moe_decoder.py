@@ -10,7 +10,8 @@ from moeserve.layers.moe import DenseMLP, MoEBlock
 from moeserve.distributed.parallel_state import ParallelState
 from moeserve.distributed.sharding import TensorSharding, rank_spec
 from moeserve.layers.norm import RMSNorm
-from moeserve.layers.parallel import ShardedRMSNorm, vocab_parallel_embedding, vocab_parallel_logits
+from moeserve.layers.parallel import (ExpertParallelMoEBlock, ShardedRMSNorm, vocab_parallel_embedding,
+                                      vocab_parallel_logits)
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.models.spec import ModelSpec
 from moeserve.layers.batch import ForwardBatch
@@ -28,7 +29,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, attn_backend, lora_backend, rotary)
         self.is_sparse = spec.sparse_layers[layer_idx]
-        if self.is_sparse:
+        if self.is_sparse and tp is not None and tp.expert_parallel:
+            self.mlp = ExpertParallelMoEBlock(spec, moe_backend, lora_backend, tp)
+        elif self.is_sparse:
             self.mlp = MoEBlock(spec, moe_backend, lora_backend)
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, lora_backend)
@@ -55,8 +58,8 @@ class MoEForCausalLM(nn.Module):
         self.tp = tp if tp is not None and tp.world_size > 1 else None
         self.rank_spec, vocab_rows = spec, spec.vocab_size
         if self.tp is not None:
-            sharding = TensorSharding(spec, tp.rank, tp.world_size)
-            self.rank_spec, vocab_rows = rank_spec(spec, tp.world_size), sharding.vocab_per_rank
+            sharding = TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel)
+            self.rank_spec, vocab_rows = rank_spec(spec, tp.world_size, tp.expert_parallel), sharding.vocab_per_rank
             self.vocab_start = sharding.vocab_rows()[0]
         attn = make_attention_backend(attention_backend)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta)

@@ -132,7 +132,8 @@ class ParallelModelRunner(ModelRunner):
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, model_dir: str | None, progress: bool = False):
         n = config.tensor_parallel_size
-        self.sharding = TensorSharding(spec, 0, n)  # refuses a model that does not split over n ranks, first
+        ep = config.enable_expert_parallel
+        self.sharding = TensorSharding(spec, 0, n, ep)  # refuses a model that does not split over n ranks, first
         self.timeout_s = config.dist_timeout
         self.world_size = n
         self.workers: list[_Worker] = []
@@ -151,12 +152,13 @@ class ParallelModelRunner(ModelRunner):
                                config.moe_backend, config.moe_backend, progress=progress,
                                load_format=config.load_format, seed=config.seed, tp=self.tp)
             # self.spec is then this rank's shapes, which size its KV cache; the core keeps the whole model's
-            super().__init__(config, rank_spec(spec, n), model_dir, model=model)
+            super().__init__(config, rank_spec(spec, n, ep), model_dir, model=model)
             self._expect_ok("loading its shard of the model")
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (%s)", n, "nccl" if device.type == "cuda" else "gloo")
+        logger.info("tensor parallel: %d ranks (%s)%s", n, "nccl" if device.type == "cuda" else "gloo",
+                    ", routed experts expert-parallel" if ep else "")
 
     def _start_workers(self, ctx, n: int, store_port: int, config: EngineConfig, spec: ModelSpec, model_dir) -> None:
         from moeserve.runtime.worker import worker_main
@@ -176,7 +178,8 @@ class ParallelModelRunner(ModelRunner):
 
         def join():
             try:
-                result["tp"] = init_parallel_state(0, self.world_size, store, device, self.timeout_s)
+                result["tp"] = init_parallel_state(0, self.world_size, store, device, self.timeout_s,
+                                                   self.sharding.expert_parallel)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 result["error"] = e
 

@@ -32,9 +32,10 @@ class Worker:
             device = torch.device("cpu")
         self.config, self.spec, self.model_dir, self.device = config, spec, model_dir, device
         store = rendezvous_store(store_port, world_size, is_master=False)
-        self.tp = init_parallel_state(rank, world_size, store, device, config.dist_timeout)
-        self.sharding = TensorSharding(spec, rank, world_size)
-        self.rank_spec = rank_spec(spec, world_size)
+        ep = config.enable_expert_parallel
+        self.tp = init_parallel_state(rank, world_size, store, device, config.dist_timeout, ep)
+        self.sharding = TensorSharding(spec, rank, world_size, ep)
+        self.rank_spec = rank_spec(spec, world_size, ep)
         self.runner = None
 
     def load(self) -> None:
