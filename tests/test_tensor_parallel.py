@@ -106,6 +106,22 @@ def test_tp2_and_ep2_equal_tp1_with_mixed_adapters_hot_load_and_eviction(tmp_pat
         two.runner.shutdown()
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_triton_kernels_on_sharded_shapes_equal_tp1(tmp_path, tp_engine, expert_parallel):
+    """The Triton kernels (interpreted on CPU) at a rank's shapes: half the intermediate dim, or half the
+    experts with the other rank's pairs skipped; an expert adapter rides along."""
+    family = "qwen2_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
+    kw = dict(lora_modules={"ad": path}, max_loras=1)
+    ps, loras = prompts(2, seed=3), [None, "ad"]
+    sp = SamplingParams(max_tokens=2, **GREEDY)
+    ref = Engine(config(base, **kw)).generate(ps, sp, lora=loras)
+    two = tp_engine(config(base, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+                           moe_backend="triton", **kw))
+    assert_same(two.generate(ps, sp, lora=loras), ref)
+
+
 def test_killed_worker_stops_the_engine_naming_the_rank(tmp_path, tp_engine):
     base = save_base_checkpoint("qwen3_moe", tmp_path / "base")
     engine = tp_engine(config(base, tensor_parallel_size=2))

@@ -52,9 +52,10 @@ class ShardedRMSNorm(nn.Module):
 
 class ExpertParallelMoEBlock(MoEBlock):
     """A MoE block holding E / N whole experts (expert parallelism). Every rank routes every token over all E
-    experts (the router is replicated), keeps the (token, expert) pairs routed to its own experts and gives the
-    others weight 0; the decoder layer's all-reduce after the block then adds the ranks' parts — with the
-    token activations already on every rank, that is the all-gather + reduce-scatter exchange in one."""
+    experts (the router is replicated) and computes the (token, expert) pairs routed to its own experts; the
+    others get an expert id outside its range, which the kernels and the torch reference skip. The decoder
+    layer's all-reduce after the block then adds the ranks' parts — with the token activations already on every
+    rank, that is the all-gather + reduce-scatter exchange in one collective."""
 
     def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str, tp: ParallelState):
         num_local = spec.num_experts // tp.world_size
@@ -67,5 +68,4 @@ class ExpertParallelMoEBlock(MoEBlock):
         topk_w, topk_ids = super().route(x)
         local = topk_ids - self.expert_start
         mine = (local >= 0) & (local < self.num_local)
-        # pairs of other ranks' experts: local expert 0 with weight 0 (sync-free; adds exact zeros)
-        return torch.where(mine, topk_w, torch.zeros_like(topk_w)), torch.where(mine, local, torch.zeros_like(local))
+        return topk_w, torch.where(mine, local, torch.full_like(local, self.num_local))  # sync-free
