@@ -1,6 +1,7 @@
 """Tensor and expert parallelism: TP=2 and EP=2 (two processes, gloo on CPU) equal TP=1 — the same engine with
-the feature off — for every family, with mixed adapter batches, hot loads and evictions; graph replay keys agree across ranks;
-a killed or hung rank stops the engine with an error naming it. The `gpu_multi` tests repeat the graph checks
+the feature off — for every family, with mixed adapter batches, hot loads and evictions; graph replay keys
+agree across ranks; a failed adapter load is rolled back on every rank; a killed or hung rank stops the engine
+with an error naming it. The `gpu_multi` tests repeat the graph checks
 with NCCL and CUDA graphs on two GPUs (skipped with fewer)."""
 import os
 import signal

@@ -6,8 +6,9 @@ matching input columns; the partial outputs are summed by one all-reduce per blo
 split when there are at least as many as ranks, otherwise each is replicated on N / num_kv_heads
 ranks. Routed experts are tensor-split: every rank holds every expert's slice of the intermediate
 dim — or, with expert parallelism, E / N whole experts (every rank routes every token, computes the
-pairs routed to its experts, and the MoE block's all-reduce adds the ranks' parts). Embedding and lm_head are split by vocabulary (rows padded to a multiple of N). Norms, the
-router and the shared-expert gate are replicated. A row-parallel bias lives on rank 0 only.
+pairs routed to its experts, and the MoE block's all-reduce adds the ranks' parts). Embedding and
+lm_head are split by vocabulary (rows padded to a multiple of N). Norms, the router and the
+shared-expert gate are replicated. A row-parallel bias lives on rank 0 only.
 
 LoRA follows its base weight: column-parallel targets keep A whole and split B's rows,
 row-parallel ones split A's columns and keep B whole; the sum over ranks of each rank's delta is
@@ -151,8 +152,9 @@ def shard_adapter(adapter, sh: TensorSharding):
             b = _rows(b, sh.kv_rows())
         elif module in ROW:
             a = _cols(a, sh.part(a.shape[1]))
-        else:
+        elif module in COLUMN:
             b = _rows(b, sh.part(b.shape[0]))
+        # anything else sits on a replicated weight (a router): held whole
         dense[(layer, target)] = (a, b)
     experts = {}
     if sh.expert_parallel:

@@ -64,8 +64,8 @@ class ExpertParallelMoEBlock(MoEBlock):
         self.router = nn.Parameter(torch.empty(spec.num_experts, spec.hidden_size), requires_grad=False)
         self.expert_start, self.num_local = tp.rank * num_local, num_local
 
-    def route(self, x):
-        topk_w, topk_ids = super().route(x)
+    def route(self, *args, **kwargs):
+        topk_w, topk_ids = super().route(*args, **kwargs)
         local = topk_ids - self.expert_start
         mine = (local >= 0) & (local < self.num_local)
         return topk_w, torch.where(mine, local, torch.full_like(local, self.num_local))  # sync-free

@@ -20,7 +20,7 @@ import pickle
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -53,43 +53,32 @@ class StepPlan:
 
 
 def batch_to_wire(b: ForwardBatch) -> dict:
-    """A host ForwardBatch as picklable numpy arrays (LoRA slot ranks stay behind: each rank has its own)."""
-    a = b.attn
+    """A host ForwardBatch as picklable numpy arrays and plain values, field by field (a field added to the
+    batch travels without changes here). LoRA slot ranks stay behind: each rank has its own buffer."""
+    def wire(obj):
+        return {f.name: (v.numpy() if isinstance(v, torch.Tensor) else v) for f in fields(obj)
+                if f.name not in ("attn", "lora", "slot_ranks") for v in [getattr(obj, f.name)]}
 
-    def arr(t):
-        return None if t is None else t.numpy()
-
-    return dict(input_ids=arr(b.input_ids), positions=arr(b.positions), slot_mapping=arr(a.slot_mapping),
-                block_tables=arr(a.block_tables), context_lens=arr(a.context_lens), is_decode=a.is_decode,
-                query_start_loc=arr(a.query_start_loc), query_start_loc_host=a.query_start_loc_host,
-                seq_lens_host=a.seq_lens_host, max_query_len=a.max_query_len,
-                token_slots=None if b.lora is None else arr(b.lora.token_slots),
-                active_slots=None if b.lora is None else b.lora.active_slots)
+    return {"batch": wire(b), "attn": wire(b.attn), "lora": None if b.lora is None else wire(b.lora)}
 
 
 def batch_from_wire(w: dict, slot_ranks: torch.Tensor | None) -> ForwardBatch:
     """The host ForwardBatch again (tensors on the CPU), with this rank's LoRA slot ranks."""
-    def t(x):
-        return None if x is None else torch.from_numpy(x)
+    def unwire(d):
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in d.items()}
 
-    attn = AttentionMetadata(slot_mapping=t(w["slot_mapping"]), block_tables=t(w["block_tables"]),
-                             context_lens=t(w["context_lens"]), is_decode=w["is_decode"],
-                             query_start_loc=t(w["query_start_loc"]), query_start_loc_host=w["query_start_loc_host"],
-                             seq_lens_host=w["seq_lens_host"], max_query_len=w["max_query_len"])
-    lora = None
-    if w["token_slots"] is not None:
-        lora = LoRABatch(t(w["token_slots"]), slot_ranks, active_slots=w["active_slots"])
-    return ForwardBatch(t(w["input_ids"]), t(w["positions"]), attn, lora)
+    lora = None if w["lora"] is None else LoRABatch(slot_ranks=slot_ranks, **unwire(w["lora"]))
+    return ForwardBatch(attn=AttentionMetadata(**unwire(w["attn"])), lora=lora, **unwire(w["batch"]))
 
 
 def _to_device(b: ForwardBatch, device: torch.device) -> ForwardBatch:
-    def d(x):
-        return None if x is None else x.to(device, non_blocking=True)
+    """Every host tensor of the batch on `device` (the LoRA slot ranks are already there)."""
+    def moved(obj):
+        values = {f.name: getattr(obj, f.name) for f in fields(obj) if f.name != "slot_ranks"}
+        return replace(obj, **{k: v.to(device, non_blocking=True) for k, v in values.items()
+                               if isinstance(v, torch.Tensor)})
 
-    attn = replace(b.attn, slot_mapping=d(b.attn.slot_mapping), block_tables=d(b.attn.block_tables),
-                   context_lens=d(b.attn.context_lens), query_start_loc=d(b.attn.query_start_loc))
-    lora = None if b.lora is None else replace(b.lora, token_slots=d(b.lora.token_slots))
-    return ForwardBatch(d(b.input_ids), d(b.positions), attn, lora)
+    return replace(moved(b), attn=moved(b.attn), lora=None if b.lora is None else moved(b.lora))
 
 
 def run_forward(runner: ModelRunner, host_batch: ForwardBatch, key: GraphKey | None,
