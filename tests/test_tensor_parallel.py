@@ -123,6 +123,67 @@ def test_triton_kernels_on_sharded_shapes_equal_tp1(tmp_path, tp_engine, expert_
     assert_same(two.generate(ps, sp, lora=loras), ref)
 
 
+@pytest.mark.parametrize("family,overrides", [("qwen2_moe", {}), ("olmoe", {"num_key_value_heads": 1})])
+def test_a_rank_loads_exactly_its_slices_through_get_slice(tmp_path, monkeypatch, family, overrides):
+    """Rank 1 of 2, loaded in-process (building a shard runs no collective): every parameter is the slice of the
+    single-rank model that sharding.py describes, and no tensor was read whole with get_tensor (get_slice reads
+    only the rank's rows; replicated norms and routers are the only whole reads)."""
+    from moeserve.distributed.parallel_state import ParallelState
+    from moeserve.models import loader
+    from moeserve.models.spec import ModelSpec
+
+    base = save_base_checkpoint(family, tmp_path / "base", **overrides)
+    spec = ModelSpec.from_model_dir(base)
+    full = loader.load_model(base, spec, torch.device("cpu"), torch.float32)
+    real_open = loader.safe_open
+    whole_reads, opened = [], []
+
+    class Spy:  # a safe_open handle that records which tensors were read whole
+        def __init__(self, *args, **kwargs):
+            self.h = real_open(*args, **kwargs)
+            opened.append(self)
+
+        def get_tensor(self, name):
+            whole_reads.append(name)
+            return self.h.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.h, name)
+
+    monkeypatch.setattr(loader, "safe_open", Spy)
+    shard = loader.load_model(base, spec, torch.device("cpu"), torch.float32, tp=ParallelState(1, 2, None))
+    assert opened and whole_reads == []
+
+    d, H, V = spec.head_dim, spec.hidden_size, spec.vocab_size
+    q = slice(spec.q_size // 2, spec.q_size)  # rank 1: the second half of the query heads
+    kv = slice(0, d) if spec.num_kv_heads == 1 else slice(spec.kv_size // 2, spec.kv_size)  # replica / its half
+    assert torch.equal(shard.embed_tokens, full.embed_tokens[V // 2:])
+    assert torch.equal(shard.lm_head, full.lm_head[V // 2:])
+    for a, b in zip(shard.layers, full.layers):
+        qkv = b.self_attn.qkv_proj.weight
+        k0 = spec.q_size
+        want = torch.cat([qkv[q], qkv[k0:][kv], qkv[k0 + spec.kv_size:][kv]])
+        assert torch.equal(a.self_attn.qkv_proj.weight, want)
+        assert torch.equal(a.self_attn.o_proj.weight, b.self_attn.o_proj.weight[:, q])
+        if spec.qk_norm == "full":
+            assert torch.equal(a.self_attn.q_norm.weight, b.self_attn.q_norm.weight[q])
+            assert torch.equal(a.self_attn.k_norm.weight, b.self_attn.k_norm.weight[kv])
+        mlp, ref = a.mlp, b.mlp
+        if not a.is_sparse:
+            i = ref.down_proj.weight.shape[1]
+            assert torch.equal(mlp.down_proj.weight, ref.down_proj.weight[:, i // 2:])
+            continue
+        i = spec.moe_intermediate_size
+        assert torch.equal(mlp.router, ref.router)
+        assert torch.equal(mlp.w13, torch.cat([ref.w13[:, i // 2:i], ref.w13[:, i + i // 2:]], dim=1))
+        assert torch.equal(mlp.w2, ref.w2[:, :, i // 2:])
+        if ref.shared_expert is not None:
+            s = spec.shared_expert_intermediate_size
+            gu = ref.shared_expert.gate_up_proj.weight
+            assert torch.equal(mlp.shared_expert.gate_up_proj.weight, torch.cat([gu[s // 2:s], gu[s + s // 2:]]))
+            assert torch.equal(mlp.shared_expert_gate, ref.shared_expert_gate)
+
+
 def test_killed_worker_stops_the_engine_naming_the_rank(tmp_path, tp_engine):
     base = save_base_checkpoint("qwen3_moe", tmp_path / "base")
     engine = tp_engine(config(base, tensor_parallel_size=2))
@@ -167,8 +228,7 @@ def test_gpu_tp2_graphs_equal_eager_under_alternating_variants(tmp_path, tp_engi
     base = save_base_checkpoint(family, tmp_path / "base")
     path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
     kw = dict(model=str(base), device="cuda", dtype="float32", block_size=16, max_num_seqs=8, max_lora_rank=8,
-              lora_modules={"ad": path}, tensor_parallel_size=2, cuda_graph_bs=[1, 2, 4, 8],
-              gpu_memory_utilization=0.3)
+              lora_modules={"ad": path}, tensor_parallel_size=2, cuda_graph_bs=[1, 2, 4, 8], num_kv_blocks=256)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     waves = [[None, None, None], ["ad", None, "ad"], [None], ["ad"], [None, None, None, None, None]]
     graphed = tp_engine(EngineConfig(**kw))
@@ -194,7 +254,7 @@ def test_gpu_tp2_bf16_triton_matches_tp1(tmp_path, tp_engine):
     order may flip a near-tie), first tokens all equal."""
     base = save_base_checkpoint("qwen2_moe", tmp_path / "base")
     kw = dict(model=str(base), device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=8,
-              cuda_graph_bs=[1, 2, 4, 8], gpu_memory_utilization=0.3)
+              cuda_graph_bs=[1, 2, 4, 8], num_kv_blocks=256)
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ps = prompts(6, seed=3)
     one = Engine(EngineConfig(**kw))
