@@ -220,15 +220,17 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 
 @pytest.mark.gpu_multi
 @two_gpus
-def test_gpu_tp2_graphs_equal_eager_under_alternating_variants(tmp_path, tp_engine):
-    """NCCL + CUDA graphs at TP=2: decode graphs (both variants, collectives recorded inside) give the eager
-    TP=2 engine's tokens on traffic that alternates base-only and adapter batches; both ranks replay the same
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_gpu_tp2_graphs_equal_eager_under_alternating_variants(tmp_path, tp_engine, expert_parallel):
+    """NCCL + CUDA graphs at TP=2 (and EP=2): decode graphs (both variants, collectives recorded inside) give the
+    eager engine's tokens on traffic that alternates base-only and adapter batches; both ranks replay the same
     GraphKeys, each variant at least once."""
     family = "qwen3_moe"
     base = save_base_checkpoint(family, tmp_path / "base")
     path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
     kw = dict(model=str(base), device="cuda", dtype="float32", block_size=16, max_num_seqs=8, max_lora_rank=8,
-              lora_modules={"ad": path}, tensor_parallel_size=2, cuda_graph_bs=[1, 2, 4, 8], num_kv_blocks=256)
+              lora_modules={"ad": path}, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              cuda_graph_bs=[1, 2, 4, 8], num_kv_blocks=256)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     waves = [[None, None, None], ["ad", None, "ad"], [None], ["ad"], [None, None, None, None, None]]
     graphed = tp_engine(EngineConfig(**kw))
