@@ -1,8 +1,8 @@
 """Tensor and expert parallelism: TP=2 and EP=2 (two processes, gloo on CPU) equal TP=1 — the same engine with
 the feature off — for every family, with mixed adapter batches, hot loads and evictions; graph replay keys
 agree across ranks; a failed adapter load is rolled back on every rank; a killed or hung rank stops the engine
-with an error naming it. The `gpu_multi` tests repeat the graph checks
-with NCCL and CUDA graphs on two GPUs (skipped with fewer)."""
+with an error naming it. The `gpu_multi` tests repeat the graph checks with NCCL and CUDA graphs on two GPUs
+(skipped with fewer)."""
 import os
 import signal
 
@@ -56,7 +56,9 @@ def prompts(n, seed):
 
 
 def assert_same(ours, ref):
+    assert len(ours) == len(ref)
     for a, b in zip(ours, ref):
+        assert len(a.logprobs) == len(b.logprobs) and len(a.prompt_logprobs) == len(b.prompt_logprobs)
         assert a.token_ids == b.token_ids, (a.lora_name, a.token_ids, b.token_ids)
         for x, y in zip(a.logprobs + a.prompt_logprobs[1:], b.logprobs + b.prompt_logprobs[1:]):
             assert abs(x.logprob - y.logprob) <= LP_TOL
