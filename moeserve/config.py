@@ -76,6 +76,11 @@ class EngineConfig:
     # serving
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server answers 503)
 
+    # parallelism (one worker process per extra rank; NCCL on cuda, gloo on cpu)
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # routed experts split whole across the ranks instead of sliced
+    dist_timeout: int = 600  # seconds a collective may wait for a rank before the engine stops naming it
+
     def __post_init__(self):
         self._resolved = False
 
@@ -103,7 +108,7 @@ class EngineConfig:
         if not on_cuda:
             self.enforce_eager = True  # CUDA graphs need CUDA
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank",
-                     "cuda_graph_max_bs", "max_queue_len"):
+                     "cuda_graph_max_bs", "max_queue_len", "tensor_parallel_size", "dist_timeout"):
             v = getattr(self, name)
             if not _is_int(v) or v <= 0:
                 raise ValueError(f"{flag(name)} must be a positive integer, got {v!r}")
@@ -143,6 +148,9 @@ class EngineConfig:
             if bad:
                 raise ValueError(f"{flag('lora_target_modules')}: unsupported {bad}; supported: "
                                  f"{', '.join(ALL_TARGETS)}")
+        if on_cuda and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"{flag('tensor_parallel_size')} {self.tensor_parallel_size} exceeds the "
+                             f"{torch.cuda.device_count()} visible CUDA devices")
         if self.cuda_graph_bs is not None:
             if not self.cuda_graph_bs or any(not _is_int(b) or b <= 0 for b in self.cuda_graph_bs):
                 raise ValueError(f"{flag('cuda_graph_bs')} must be a list of positive integers, got "

@@ -148,6 +148,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "shared_expert shared_expert_gate experts router (default: those the --lora-modules adapters "
                         "use; without --lora-modules, all)")
 
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=_default("tensor_parallel_size"),
+                   help="ranks (GPUs) the model is split across, one process each (default: %(default)s)")
+    g.add_argument("--enable-expert-parallel", action="store_true", default=_default("enable_expert_parallel"),
+                   help="split routed experts whole across the --tensor-parallel-size ranks (E / N each) instead "
+                        "of slicing every expert")
+    g.add_argument("--dist-timeout", type=int, default=_default("dist_timeout"),
+                   help="seconds a collective waits for a rank before the engine stops with an error naming it "
+                        "(default: %(default)s)")
+
     g = parser.add_argument_group("CUDA graphs")
     g.add_argument("--enforce-eager", "--disable-cuda-graph", dest="enforce_eager", action="store_true",
                    default=_default("enforce_eager"), help="run every step eagerly, capture no CUDA graphs")

@@ -86,7 +86,7 @@ class LoRASlotPool:
                 continue
             attach("router", mlp.router, "router" in targets)
             if "experts" in targets:
-                E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+                E, H, inter = mlp.w2.shape  # the layer's own shapes: a tensor-parallel rank holds a slice of inter
                 bufs = [make("experts", *shape) for shape in ((L, E, R, H), (L, E, 2 * inter, R), (L, E, R, inter),
                                                               (L, E, H, R))]
                 if bufs[0] is not None:

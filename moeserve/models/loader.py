@@ -8,12 +8,15 @@ A missing or mis-shaped tensor is an error that names it.
 from __future__ import annotations
 
 import json
+import re
 import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from moeserve.distributed.parallel_state import ParallelState
+from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.spec import ModelSpec
 
@@ -61,6 +64,40 @@ class _Tensors:
         return t
 
 
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+class _ShardedTensors(_Tensors):
+    """Name -> this rank's slice of the tensor (distributed/sharding.py), read with safetensors' get_slice:
+    a rank reads only the bytes it holds, never a whole file. Shapes are checked against the full tensor."""
+
+    def __init__(self, model_dir: Path, sharding: TensorSharding):
+        super().__init__(model_dir)
+        self.sharding = sharding
+        if sharding.expert_parallel:  # other ranks' per-expert tensors are theirs to read, not unused
+            e0, e1 = sharding.expert_range()
+            self.used |= {n for n in self.where if (m := _EXPERT_INDEX.search(n)) and not e0 <= int(m.group(1)) < e1}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.where:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        sl = self.handles[self.where[name]].get_slice(name)
+        if tuple(sl.get_shape()) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(sl.get_shape())}, expected {tuple(shape)}")
+        self.used.add(name)
+        how = checkpoint_slices(name, tuple(shape), self.sharding)
+        if how is None:
+            return sl[:]
+        if how == ZERO:
+            return torch.zeros(shape, dtype=sl[:1].dtype)
+        dim, ranges = how
+        lead = (slice(None),) * dim
+        t = torch.cat([sl[lead + (slice(a, b),)] for a, b in ranges], dim=dim)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):  # the last rank's block is padded with zeros
+            t = torch.cat([t, t.new_zeros(self.sharding.vocab_per_rank - t.shape[0], *t.shape[1:])])
+        return t
+
+
 def _first(tensors: _Tensors, names: list[str]) -> str:
     for n in names:
         if tensors.has(n):
@@ -69,14 +106,19 @@ def _first(tensors: _Tensors, names: list[str]) -> str:
 
 
 def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backend: str = "torch",
-                 moe_backend: str = "torch", lora_backend: str = "torch") -> MoEForCausalLM:
+                 moe_backend: str = "torch", lora_backend: str = "torch", tp: ParallelState | None = None
+                 ) -> MoEForCausalLM:
     """Random weights in the real shapes, built directly on the device (`--load-format dummy`, benchmarks):
-    N(0, 0.02) from a seeded generator, norms 1."""
+    N(0, 0.02) from a seeded generator, norms 1. Under tensor parallelism each rank draws its own shard, and
+    the replicated router and shared-expert gate are drawn alike on every rank (ranks must route alike)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
-        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend).to(dtype)
+        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp).to(dtype)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            if model.tp is not None:
+                replicated = name.endswith(("router.weight", "shared_expert_gate.weight"))
+                gen.manual_seed(seed + 1_000_003 * i + (0 if replicated else 7919 * (model.tp.rank + 1)))
             if "norm" in name:
                 p.fill_(1.0)
             else:
@@ -86,14 +128,18 @@ def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backen
 
 def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                attention_backend: str = "torch", moe_backend: str = "torch", lora_backend: str = "torch",
-               progress: bool = False, load_format: str = "auto", seed: int = 0) -> MoEForCausalLM:
+               progress: bool = False, load_format: str = "auto", seed: int = 0,
+               tp: ParallelState | None = None) -> MoEForCausalLM:
+    """`tp`: load this rank's shard of a tensor-parallel model (each rank reads only its slices)."""
     if load_format == "dummy":
         logger.info("random weights (--load-format dummy): outputs are meaningless; for benchmarks")
-        return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend)
+        return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend, tp=tp)
     model_dir = Path(model_dir)
-    tensors = _Tensors(model_dir)
+    sharded = tp is not None and tp.world_size > 1
+    tensors = _ShardedTensors(model_dir, TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel)) if sharded \
+        else _Tensors(model_dir)
     with torch.device(device):
-        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend).to(dtype)
+        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp).to(dtype)
     H = spec.hidden_size
 
     def put(param: torch.Tensor, value: torch.Tensor):
@@ -131,8 +177,9 @@ def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dty
         if attn.o_proj.bias is not None:
             put(attn.o_proj.bias, tensors.get(a + "o_proj.bias", (H,)))
         if attn.q_norm is not None:
-            put(attn.q_norm.weight, tensors.get(a + "q_norm.weight", tuple(attn.q_norm.weight.shape)))
-            put(attn.k_norm.weight, tensors.get(a + "k_norm.weight", tuple(attn.k_norm.weight.shape)))
+            full = spec.qk_norm == "full"  # the checkpoint's shapes (a rank's norm may hold a slice)
+            put(attn.q_norm.weight, tensors.get(a + "q_norm.weight", (spec.q_size if full else spec.head_dim,)))
+            put(attn.k_norm.weight, tensors.get(a + "k_norm.weight", (spec.kv_size if full else spec.head_dim,)))
         if layer.is_sparse:
             _load_moe(layer.mlp, tensors, p, spec, put)
         else:
@@ -160,7 +207,8 @@ def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
         put(moe.w13, tensors.get(q + "experts.gate_up_proj", (E, 2 * inter, H)))
         put(moe.w2, tensors.get(q + "experts.down_proj", (E, H, inter)))
     else:
-        for e in range(E):
+        e0 = getattr(moe, "expert_start", 0)  # expert parallelism: this rank holds experts e0 .. e0 + E_local - 1
+        for e in range(e0, e0 + moe.w13.shape[0]):
             for prefix in prefixes:  # Mixtral names its experts w1/w3/w2 (gate/up/down), under either prefix
                 q = prefix + f"experts.{e}."
                 if tensors.has(q + "w1.weight"):
@@ -172,9 +220,10 @@ def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
             else:
                 q = prefixes[0] + f"experts.{e}."
                 g, u, d = q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"  # reported missing
-            moe.w13.data[e, :inter].copy_(tensors.get(g, (inter, H)))
-            moe.w13.data[e, inter:].copy_(tensors.get(u, (inter, H)))
-            moe.w2.data[e].copy_(tensors.get(d, (H, inter)))
+            held = moe.w13.shape[1] // 2  # this rank's rows of gate (and of up): inter / tensor_parallel_size
+            moe.w13.data[e - e0, :held].copy_(tensors.get(g, (inter, H)))
+            moe.w13.data[e - e0, held:].copy_(tensors.get(u, (inter, H)))
+            moe.w2.data[e - e0].copy_(tensors.get(d, (H, inter)))
     if moe.shared_expert is not None:
         _load_dense(moe.shared_expert, tensors, p + "mlp.shared_expert.", H, spec.shared_expert_intermediate_size, put)
         put(moe.shared_expert_gate.weight, tensors.get(p + "mlp.shared_expert_gate.weight", (1, H)))

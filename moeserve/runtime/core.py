@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeserve.config import EngineConfig
+from moeserve.distributed.parallel_state import RankFailure
 from moeserve.models.spec import ModelSpec
 from moeserve.runtime.detokenizer import eos_token_ids, load_tokenizer
 from moeserve.runtime.kv_cache import BlockAllocator
@@ -86,12 +87,19 @@ class EngineCore:
                              f"max_position_embeddings {self.spec.max_position_embeddings}")
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, self.spec.vocab_size)
         self.eos_ids = eos_token_ids(model_dir, self.spec.eos_token_ids, self.tokenizer)
-        self.runner = ModelRunner(cfg, self.spec, str(model_dir), progress=progress)
+        if cfg.tensor_parallel_size > 1:
+            from moeserve.runtime.parallel import ParallelModelRunner
+
+            self.runner = ParallelModelRunner(cfg, self.spec, str(model_dir), progress=progress)
+        else:
+            self.runner = ModelRunner(cfg, self.spec, str(model_dir), progress=progress)
         self.lora_manager = None
         if cfg.enable_lora:
             from moeserve.lora.manager import LoRAManager
 
             self.lora_manager = LoRAManager(cfg, self.spec, self.runner.model, self.runner.device)
+            if cfg.tensor_parallel_size > 1:  # loads and clears then land on every rank or none
+                self.lora_manager.pool = self.runner.shard_lora_pool(self.lora_manager.pool)
             self.runner.lora_pool = self.lora_manager.pool
             for name, path in cfg.lora_modules.items():
                 self.lora_manager.register(name, path, pinned=False)
@@ -118,13 +126,13 @@ class EngineCore:
         self.stats_counters = {"requests_total": 0, "requests_rejected": 0, "prompt_tokens_total": 0,
                                "generation_tokens_total": 0, "steps_total": 0, "decode_steps_total": 0,
                                "aborted_total": 0}
-        from moeserve.runtime.graph_runner import GraphRunner, dual_capture_plan
+        from moeserve.runtime.graph_runner import dual_capture_plan
 
         _, warning = dual_capture_plan(cfg)
         if warning:  # on CPU graphs never exist, so it is only worth a note
             (logger.warning if cfg.device.startswith("cuda") else logger.info)(warning)
         if not cfg.enforce_eager:
-            self.runner.graph_runner = GraphRunner.for_engine(self.runner, cfg, progress=progress)
+            self.runner.capture_graphs(progress=progress)
 
     def info(self) -> dict:
         """What a frontend needs to know about this core (sent once, at start)."""
@@ -189,6 +197,8 @@ class EngineCore:
         if sb is not None:
             try:
                 launched = self.runner.launch(sb)
+            except RankFailure:  # a dead or hung tensor-parallel rank does take it down
+                raise
             except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
                 logger.exception("engine step failed; failing the running requests")
                 return outputs + self.fail_running(f"engine step failed: {type(e).__name__}: {e}")
@@ -205,6 +215,8 @@ class EngineCore:
         if previous is not None:
             try:
                 outputs += self._process(previous)
+            except RankFailure:
+                raise
             except Exception as e:  # noqa: BLE001
                 logger.exception("engine step failed; failing the running requests")
                 self.inflight = None

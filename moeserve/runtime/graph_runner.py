@@ -262,7 +262,11 @@ class GraphRunner:
         return GraphKey(pick_bucket(self.sizes, batch.num_tokens), resolve_variant(lora_slots, self.variants))
 
     def run(self, sb, batch: ForwardBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
-        key = self.key_for(batch, [s.lora_slot for s in sb.seqs])
+        return self.replay(self.key_for(batch, [s.lora_slot for s in sb.seqs]), batch, pending)
+
+    def replay(self, key: GraphKey, batch: ForwardBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay `key`'s graph on `batch` (the key decided once, on the host: under tensor parallelism by
+        rank 0 for every rank)."""
         self.buffers.fill(batch, key.batch_size, pending)
         self.graphs[key].replay()
         self.replays[key] += 1

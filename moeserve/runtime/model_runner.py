@@ -155,6 +155,11 @@ class ModelRunner:
             f"of headroom for activations and graphs leaves {format_bytes(max(budget, 0))} for the KV cache. "
             f"To fit: {'; '.join(fixes)}.")
 
+    def capture_graphs(self, progress: bool = False) -> None:
+        from moeserve.runtime.graph_runner import GraphRunner
+
+        self.graph_runner = GraphRunner.for_engine(self, self.config, progress=progress)
+
     # ---- batch construction -----------------------------------------------------------------
     def _host(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=self.pin)
@@ -213,7 +218,10 @@ class ModelRunner:
             hidden = self.model(batch)
         return self._sample(sb, hidden)
 
-    def _sample(self, sb: ScheduledBatch, hidden: torch.Tensor) -> InFlightStep:
+    @staticmethod
+    def _logit_rows(sb: ScheduledBatch) -> tuple[list[int], list[Sequence], list[tuple[Sequence, int, int]]]:
+        """Rows of the step's hidden states that need logits: the sampling rows (and their sequences), and
+        (seq, first row, count) of the prompt tokens scored for prompt logprobs."""
         rows, sampling_seqs = [], []
         prompt_lp_rows: list[tuple[Sequence, int, int]] = []  # (seq, first row, count)
         offset = 0
@@ -229,6 +237,10 @@ class ModelRunner:
                 if last > first:
                     prompt_lp_rows.append((seq, offset + first - start, last - first))
             offset += n
+        return rows, sampling_seqs, prompt_lp_rows
+
+    def _sample(self, sb: ScheduledBatch, hidden: torch.Tensor) -> InFlightStep:
+        rows, sampling_seqs, prompt_lp_rows = self._logit_rows(sb)
         step = InFlightStep(sb, sampling_seqs, None, 0, [], None)
         copies = []
         if rows:

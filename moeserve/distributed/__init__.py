@@ -1,0 +1,1 @@
+"""Tensor parallelism: the parallel state handed to layers, and how weights and adapters are split per rank."""

@@ -1,0 +1,312 @@
+"""Tensor and expert parallelism: TP=2 and EP=2 (two processes, gloo on CPU) equal TP=1 — the same engine with
+the feature off — for every family, with mixed adapter batches, hot loads and evictions; graph replay keys
+agree across ranks; a failed adapter load is rolled back on every rank; a killed or hung rank stops the engine
+with an error naming it. The `gpu_multi` tests repeat the graph checks with NCCL and CUDA graphs on two GPUs
+(skipped with fewer)."""
+import os
+import signal
+
+import pytest
+import torch
+
+from moeserve import Engine, EngineConfig, SamplingParams
+from moeserve.distributed.parallel_state import RankFailure
+from moeserve.lora.slot_pool import ALL_TARGETS
+
+from peft_fixtures import make_peft_adapter, save_base_checkpoint
+
+LP_TOL = 1e-4  # fp32: logits (so logprobs) within 1e-4 of the single-rank engine
+GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+
+# family -> (config overrides, adapters: name -> (kind, rank)). olmoe runs with one KV head: both ranks then
+# hold a replica of it, and its full-width k_norm spans the replicas.
+CASES = {
+    "qwen3_moe": ({}, {"attn": ("attn", 2), "experts": ("experts", 8), "dense": ("dense-mlp", 4)}),
+    "qwen2_moe": ({}, {"attn": ("attn", 2), "experts": ("attn+experts", 4), "shared": ("shared-expert", 8)}),
+    "mixtral": ({}, {"attn": ("attn", 2), "experts": ("experts", 8), "both": ("attn+experts", 4)}),
+    "olmoe": ({"num_key_value_heads": 1}, {"attn": ("attn", 4), "experts": ("attn+experts", 2),
+                                            "late": ("experts", 8)}),
+}
+
+
+def config(base, **kw):
+    kw = {**dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=96, max_num_seqs=8, max_lora_rank=8,
+                 dist_timeout=60), **kw}
+    return EngineConfig(model=str(base), **kw)
+
+
+@pytest.fixture
+def tp_engine():
+    """Makes TP=2 engines and shuts every one down (workers stopped, process group left) after the test."""
+    made = []
+
+    def make(cfg: EngineConfig) -> Engine:
+        engine = Engine(cfg)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.runner.shutdown()
+
+
+def prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (int(k),), generator=g).tolist() for k in torch.randint(3, 12, (n,), generator=g)]
+
+
+def assert_same(ours, ref):
+    assert len(ours) == len(ref)
+    for a, b in zip(ours, ref):
+        assert len(a.logprobs) == len(b.logprobs) and len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        assert a.token_ids == b.token_ids, (a.lora_name, a.token_ids, b.token_ids)
+        for x, y in zip(a.logprobs + a.prompt_logprobs[1:], b.logprobs + b.prompt_logprobs[1:]):
+            assert abs(x.logprob - y.logprob) <= LP_TOL
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) <= LP_TOL
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_tp2_and_ep2_equal_tp1_with_mixed_adapters_hot_load_and_eviction(tmp_path, tp_engine, family):
+    overrides, kinds = CASES[family]
+    base = save_base_checkpoint(family, tmp_path / "base", **overrides)
+    paths = {name: str(make_peft_adapter(family, tmp_path / name, kind=kind, rank=rank, seed=i + 1,
+                                         config_overrides=overrides)[0])
+             for i, (name, (kind, rank)) in enumerate(kinds.items())}
+    first, second, late = list(paths)
+    # two slots for three adapters: the later batches evict
+    kw = dict(lora_modules={first: paths[first], second: paths[second]}, max_loras=2,
+              lora_target_modules=list(ALL_TARGETS))
+    one = Engine(config(base, **kw))
+    one.load_lora(late, paths[late])
+    sp = SamplingParams(max_tokens=5, **GREEDY)
+    waves = [[None, first, second, None, first], [late, None, second, late], [first, late, None]]
+    waves = [(prompts(len(loras), seed=10 * i + 1), loras) for i, loras in enumerate(waves)]
+    refs = [one.generate(ps, sp, lora=loras) for ps, loras in waves]
+    graph_wave = (prompts(3, seed=7), [first, None, late])
+    graph_ref = one.generate(*graph_wave[:1], sp, lora=graph_wave[1])
+
+    for expert_parallel in (False, True):
+        two = tp_engine(config(base, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **kw))
+        moe = next(layer.mlp for layer in two.runner.model.layers if layer.is_sparse)
+        spec = two.spec
+        # expert-parallel ranks hold half the experts whole, tensor-parallel ones half of every expert
+        held = (spec.num_experts // 2, spec.moe_intermediate_size) if expert_parallel \
+            else (spec.num_experts, spec.moe_intermediate_size // 2)
+        assert (moe.w2.shape[0], moe.w2.shape[2]) == held
+        two.load_lora(late, paths[late])  # hot load, after start
+        for (ps, loras), ref in zip(waves, refs):
+            assert_same(two.generate(ps, sp, lora=loras), ref)
+        assert two.stats()["lora_evictions_total"] > 0
+
+        # decode through the graph runner (on CPU its graphs re-run the forward on the static buffers,
+        # collectives included): both ranks replay the keys rank 0 picks, also for a batch padded to a bucket
+        two.runner.capture_graphs()
+        assert_same(two.generate(*graph_wave[:1], sp, lora=graph_wave[1]), graph_ref)
+        counts = two.runner.graph_runner.replay_counts()
+        assert sum(counts.values()) > 0
+        assert two.runner.worker_replay_counts() == {1: counts}
+        two.runner.shutdown()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_triton_kernels_on_sharded_shapes_equal_tp1(tmp_path, tp_engine, expert_parallel):
+    """The Triton kernels (interpreted on CPU) at a rank's shapes: half the intermediate dim, or half the
+    experts with the other rank's pairs skipped; an expert adapter rides along."""
+    family = "qwen2_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
+    kw = dict(lora_modules={"ad": path}, max_loras=1)
+    ps, loras = prompts(2, seed=3), [None, "ad"]
+    sp = SamplingParams(max_tokens=2, **GREEDY)
+    ref = Engine(config(base, **kw)).generate(ps, sp, lora=loras)
+    two = tp_engine(config(base, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+                           moe_backend="triton", **kw))
+    assert_same(two.generate(ps, sp, lora=loras), ref)
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen2_moe", {}), ("olmoe", {"num_key_value_heads": 1})])
+def test_a_rank_loads_exactly_its_slices_through_get_slice(tmp_path, monkeypatch, family, overrides):
+    """Rank 1 of 2, loaded in-process (building a shard runs no collective): every parameter is the slice of the
+    single-rank model that sharding.py describes, and no tensor was read whole with get_tensor (get_slice reads
+    only the rank's rows; replicated norms and routers are the only whole reads)."""
+    from moeserve.distributed.parallel_state import ParallelState
+    from moeserve.models import loader
+    from moeserve.models.spec import ModelSpec
+
+    base = save_base_checkpoint(family, tmp_path / "base", **overrides)
+    spec = ModelSpec.from_model_dir(base)
+    full = loader.load_model(base, spec, torch.device("cpu"), torch.float32)
+    real_open = loader.safe_open
+    whole_reads, opened = [], []
+
+    class Spy:  # a safe_open handle that records which tensors were read whole
+        def __init__(self, *args, **kwargs):
+            self.h = real_open(*args, **kwargs)
+            opened.append(self)
+
+        def get_tensor(self, name):
+            whole_reads.append(name)
+            return self.h.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self.h, name)
+
+    monkeypatch.setattr(loader, "safe_open", Spy)
+    shard = loader.load_model(base, spec, torch.device("cpu"), torch.float32, tp=ParallelState(1, 2, None))
+    assert opened and whole_reads == []
+
+    d, H, V = spec.head_dim, spec.hidden_size, spec.vocab_size
+    q = slice(spec.q_size // 2, spec.q_size)  # rank 1: the second half of the query heads
+    kv = slice(0, d) if spec.num_kv_heads == 1 else slice(spec.kv_size // 2, spec.kv_size)  # replica / its half
+    assert torch.equal(shard.embed_tokens, full.embed_tokens[V // 2:])
+    assert torch.equal(shard.lm_head, full.lm_head[V // 2:])
+    for a, b in zip(shard.layers, full.layers):
+        qkv = b.self_attn.qkv_proj.weight
+        k0 = spec.q_size
+        want = torch.cat([qkv[q], qkv[k0:][kv], qkv[k0 + spec.kv_size:][kv]])
+        assert torch.equal(a.self_attn.qkv_proj.weight, want)
+        assert torch.equal(a.self_attn.o_proj.weight, b.self_attn.o_proj.weight[:, q])
+        if spec.qk_norm == "full":
+            assert torch.equal(a.self_attn.q_norm.weight, b.self_attn.q_norm.weight[q])
+            assert torch.equal(a.self_attn.k_norm.weight, b.self_attn.k_norm.weight[kv])
+        mlp, ref = a.mlp, b.mlp
+        if not a.is_sparse:
+            i = ref.down_proj.weight.shape[1]
+            assert torch.equal(mlp.down_proj.weight, ref.down_proj.weight[:, i // 2:])
+            continue
+        i = spec.moe_intermediate_size
+        assert torch.equal(mlp.router, ref.router)
+        assert torch.equal(mlp.w13, torch.cat([ref.w13[:, i // 2:i], ref.w13[:, i + i // 2:]], dim=1))
+        assert torch.equal(mlp.w2, ref.w2[:, :, i // 2:])
+        if ref.shared_expert is not None:
+            s = spec.shared_expert_intermediate_size
+            gu = ref.shared_expert.gate_up_proj.weight
+            assert torch.equal(mlp.shared_expert.gate_up_proj.weight, torch.cat([gu[s // 2:s], gu[s + s // 2:]]))
+            assert torch.equal(mlp.shared_expert_gate, ref.shared_expert_gate)
+
+
+def test_killed_worker_stops_the_engine_naming_the_rank(tmp_path, tp_engine):
+    base = save_base_checkpoint("qwen3_moe", tmp_path / "base")
+    engine = tp_engine(config(base, tensor_parallel_size=2))
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert len(engine.generate([[5, 6, 7]], sp)[0].token_ids) == 3
+    worker = engine.runner.workers[0].proc
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    with pytest.raises(RankFailure, match=r"tensor-parallel rank 1 \(pid \d+\) was killed by signal 9"):
+        engine.generate([[5, 6, 7]], sp)
+    with pytest.raises(RankFailure, match="rank 1"):  # and it stays down
+        engine.generate([[8, 9]], sp)
+
+
+def test_hung_worker_times_out_naming_the_rank(tmp_path, tp_engine):
+    base = save_base_checkpoint("mixtral", tmp_path / "base")
+    engine = tp_engine(config(base, tensor_parallel_size=2, dist_timeout=10))
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.generate([[5, 6, 7]], sp)
+    worker = engine.runner.workers[0].proc
+    os.kill(worker.pid, signal.SIGSTOP)  # alive, but never reaches the next collective
+    try:
+        with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] are alive but did not take part"):
+            engine.generate([[5, 6, 7]], sp)
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
+
+
+# ---- two GPUs ------------------------------------------------------------------------------------------
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+
+
+@pytest.mark.gpu_multi
+@two_gpus
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_gpu_tp2_graphs_equal_eager_under_alternating_variants(tmp_path, tp_engine, expert_parallel):
+    """NCCL + CUDA graphs at TP=2 (and EP=2): decode graphs (both variants, collectives recorded inside) give the
+    eager engine's tokens on traffic that alternates base-only and adapter batches; both ranks replay the same
+    GraphKeys, each variant at least once."""
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
+    kw = dict(model=str(base), device="cuda", dtype="float32", block_size=16, max_num_seqs=8, max_lora_rank=8,
+              lora_modules={"ad": path}, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              cuda_graph_bs=[1, 2, 4, 8], num_kv_blocks=256)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    waves = [[None, None, None], ["ad", None, "ad"], [None], ["ad"], [None, None, None, None, None]]
+    graphed = tp_engine(EngineConfig(**kw))
+    outs_graph = [graphed.generate(prompts(len(w), seed=i), sp, lora=w) for i, w in enumerate(waves)]
+    counts = graphed.runner.graph_runner.replay_counts()
+    workers = graphed.runner.worker_replay_counts()
+    graphed.runner.shutdown()
+    eager = tp_engine(EngineConfig(**kw, enforce_eager=True))
+    for i, w in enumerate(waves):
+        ref = eager.generate(prompts(len(w), seed=i), sp, lora=w)
+        for a, b in zip(outs_graph[i], ref):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3
+    assert workers == {1: counts}
+    used = {k.split("-")[1] for k, v in counts.items() if v > 0}
+    assert used == {"lora", "nolora"}
+
+
+@pytest.mark.gpu_multi
+@two_gpus
+def test_gpu_tp2_bf16_triton_matches_tp1(tmp_path, tp_engine):
+    """bf16 Triton kernels on sharded shapes: TP=2 greedy tokens equal TP=1's on most rows (bf16 sums in another
+    order may flip a near-tie), first tokens all equal."""
+    base = save_base_checkpoint("qwen2_moe", tmp_path / "base")
+    kw = dict(model=str(base), device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=8,
+              cuda_graph_bs=[1, 2, 4, 8], num_kv_blocks=256)
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ps = prompts(6, seed=3)
+    one = Engine(EngineConfig(**kw))
+    ref = one.generate(ps, sp)
+    del one
+    two = tp_engine(EngineConfig(**kw, tensor_parallel_size=2))
+    outs = two.generate(ps, sp)
+    assert [o.token_ids[0] for o in outs] == [o.token_ids[0] for o in ref]
+
+
+def test_bad_parallel_settings_are_refused_by_name(tmp_path):
+    base = save_base_checkpoint("mixtral", tmp_path / "base")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's num_attention_heads"):
+        Engine(config(base, tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        Engine(config(base, tensor_parallel_size=0))
+    six = save_base_checkpoint("mixtral", tmp_path / "six", num_local_experts=6)
+    Engine(config(six, tensor_parallel_size=1, enable_expert_parallel=True))  # one rank: nothing to split
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 does not divide the model's num_experts \(6\)"):
+        Engine(config(six, tensor_parallel_size=4, enable_expert_parallel=True))
+
+
+def test_adapter_load_failing_on_one_rank_is_rolled_back_on_every_rank(tmp_path, tp_engine, monkeypatch):
+    from moeserve.runtime.worker import lora_slot_state
+
+    family = "qwen2_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
+    kw = dict(lora_modules={"ad": path}, max_loras=2)
+    one = Engine(config(base, **kw))
+    two = tp_engine(config(base, tensor_parallel_size=2, **kw))
+    pool = two.runner.lora_pool.pool  # rank 0's own slot pool, under the sharded wrapper
+    real_load = pool.load
+
+    def load_then_fail(slot, adapter):
+        real_load(slot, adapter)
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(pool, "load", load_then_fail)
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    ps = prompts(2, seed=5)
+    failed = two.generate(ps[:1], sp, lora="ad")[0]
+    assert failed.finish_reason == "error"
+    assert "could not be loaded on tensor-parallel rank 0 (RuntimeError: simulated device fault)" in failed.error
+    # the worker had loaded its slice: cleared again, like rank 0's slot
+    assert two.runner.worker_lora_slots() == {1: [(0, False), (0, False)]}
+    assert lora_slot_state(pool) == [(0, False), (0, False)]
+    monkeypatch.setattr(pool, "load", real_load)
+    loras = ["ad", None]
+    assert_same(two.generate(ps, sp, lora=loras), one.generate(ps, sp, lora=loras))
+    assert [r for r, used in two.runner.worker_lora_slots()[1]] == [4, 0]
