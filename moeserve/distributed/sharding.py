@@ -83,7 +83,7 @@ def check_shardable(spec: ModelSpec, size: int, expert_parallel: bool = False) -
         dims.append(("shared_expert_intermediate_size", spec.shared_expert_intermediate_size))
     for name, n in dims:
         if n % size:
-            raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} ({n})")
+            raise ValueError(f"tensor_parallel_size (--tensor-parallel-size) {size} does not divide the model's {name} ({n})")
     nkv = spec.num_kv_heads
     if (nkv >= size and nkv % size) or (nkv < size and size % nkv):
         raise ValueError(f"tensor_parallel_size {size} and num_key_value_heads {nkv}: one must divide the other")
