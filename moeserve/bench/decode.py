@@ -193,7 +193,6 @@ def main(argv=None) -> int:
     bench = DecodeBench(spec, max(batches), args.steps)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    budgets = {B: bench.layer_budget(B, bw) for B in batches} if args.profile else {}
     results: dict[str, dict[int, float]] = {m: {} for m in modes}
     capture: dict[str, dict] = {}
     plan = {  # mode -> (needs LoRA pool, graph variants or None for eager)
@@ -224,6 +223,8 @@ def main(argv=None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
 
+    # after the timed modes: the profiler the budget uses can slow what runs after it
+    budgets = {B: bench.layer_budget(B, bw) for B in batches} if args.profile else {}
     rows = []
     for B in batches:
         row = {"batch": B}
