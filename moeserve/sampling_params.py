@@ -8,7 +8,7 @@ SAMPLING_EPS = 1e-5
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the context has room for
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 / 0 = off
@@ -36,8 +36,9 @@ class SamplingParams:
         def bad(msg):
             raise ValueError(msg)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens <= 0):
+            bad(f"max_tokens must be a positive integer (or None: fill the context), got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature <= 100.0) \
                 or self.temperature != self.temperature:
             bad(f"temperature must be in [0, 100], got {self.temperature!r}")

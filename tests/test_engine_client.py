@@ -227,7 +227,7 @@ def test_a_core_that_dies_fails_open_requests_and_later_calls(config):
     client = lt.run(EngineClient.start(config, "WARNING"))
 
     async def main():
-        stream = await client.submit("hello", SamplingParams(max_tokens=1000, ignore_eos=True))
+        stream = await client.submit("hello", SamplingParams(max_tokens=None, ignore_eos=True))
         await stream.__anext__()
         os.kill(client.proc.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="died"):
@@ -251,7 +251,7 @@ def test_shutdown_fails_pending_requests(config):
     client = lt.run(EngineClient.start(config, "WARNING"))
 
     async def main():
-        stream = await client.submit("hello", SamplingParams(max_tokens=1000, ignore_eos=True))
+        stream = await client.submit("hello", SamplingParams(max_tokens=None, ignore_eos=True))
         await stream.__anext__()
         await client.shutdown()
         with pytest.raises(EngineDeadError):

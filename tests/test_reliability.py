@@ -517,10 +517,20 @@ def test_oversized_requests_are_refused_before_tokenizing(server, monkeypatch):
         worst = max(worst, dt)
     print(f"\noversized requests: worst 400 in {worst * 1e3:.0f} ms (bodies up to {BIG // 10**6} MB)")
     assert worst < 2.0
-    # what fits still works: max_tokens up to max_model_len is clipped to what fits beside the prompt
-    r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN,
+    # a max_tokens the context cannot hold beside the prompt is refused as OpenAI and vLLM do, not shortened
+    r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN})
+    assert_error(r, 400, "max_tokens")
+    assert "maximum context length" in r.json()["error"]["message"]
+    # what fits still works
+    r = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 8,
                                                   "stop": ["s"] * MAX_STOP})
     assert r.status_code == 200, r.text
+    # chat without max_tokens fills what the context has room for
+    r = server.http.post("/v1/chat/completions", json={"model": MODEL, "ignore_eos": True,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN
 
 
 def test_non_streaming_disconnect_aborts_every_choice(server):

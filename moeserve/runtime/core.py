@@ -44,8 +44,9 @@ class RequestLimits:
     num_kv_blocks: int  # usable blocks
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Raise RequestError / ValueError naming the problem; returns params with max_tokens clipped to
-        what fits max_model_len."""
+        """Raise RequestError / ValueError naming the problem; returns params with max_tokens set (None:
+        what the context has room for). A max_tokens the context cannot hold is refused, as OpenAI and vLLM
+        do, not silently shortened."""
         params.validate()
         ids = prompt_token_ids
         if not ids:
@@ -56,8 +57,13 @@ class RequestLimits:
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                                "(the prompt plus at least one generated token must fit)")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise RequestError(f"max_tokens {params.max_tokens} does not fit: this model's maximum context length "
+                               f"is {self.max_model_len} tokens and the prompt has {len(ids)}, which leaves "
+                               f"{room}; lower max_tokens or shorten the prompt")
         need_blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
         if need_blocks > self.num_kv_blocks:
             raise RequestError(f"request needs {need_blocks} KV blocks but the cache has only "

@@ -172,7 +172,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     _check_request(state, body, ("max_tokens",))
     prompts = _completion_prompts(body.prompt)
     want_prompt_lps = body.logprobs if body.echo else None
-    jobs = [(p, _sampling_params(body, j, body.max_tokens or 16, body.logprobs, want_prompt_lps))
+    jobs = [(p, _sampling_params(body, j, body.max_tokens, body.logprobs, want_prompt_lps))  # null: fill the context
             for p in prompts for j in range(body.n)]
     request_id = state.new_id("cmpl")
     streams = await submit_all(state.engine, jobs, lora, request_id, "prompt")
@@ -264,7 +264,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     for i, m in enumerate(messages):
         _check_text(m["content"], f"messages.{i}.content")
     prompt = ChatPrompt(messages)
-    max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len  # engine clamps
+    max_tokens = body.max_completion_tokens or body.max_tokens  # None: what the context has room for
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     jobs = [(prompt, _sampling_params(body, j, max_tokens, logprobs)) for j in range(body.n)]
     request_id = state.new_id("chatcmpl")
