@@ -89,7 +89,7 @@ class EngineCore:
         if auto_len:
             cfg.max_model_len = min(self.spec.max_position_embeddings, 4096)
         if cfg.max_model_len > self.spec.max_position_embeddings:
-            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+            raise ValueError(f"max_model_len (--max-model-len) {cfg.max_model_len} exceeds the model's "
                              f"max_position_embeddings {self.spec.max_position_embeddings}")
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, self.spec.vocab_size)
         self.eos_ids = eos_token_ids(model_dir, self.spec.eos_token_ids, self.tokenizer)
@@ -114,9 +114,11 @@ class EngineCore:
         fits = self.allocator.num_usable * cfg.block_size
         if cfg.max_model_len > fits:
             if not auto_len:
-                raise ValueError(f"max_model_len {cfg.max_model_len} does not fit the KV cache ({fits} tokens in "
-                                 f"{self.allocator.num_usable} blocks); lower it or give the cache more memory")
-            logger.warning("max_model_len lowered to %d: what the KV cache holds", fits)
+                raise ValueError(f"max_model_len (--max-model-len) {cfg.max_model_len} does not fit the KV cache "
+                                 f"({fits} tokens in {self.allocator.num_usable} blocks); lower it or give the cache "
+                                 "more memory (--num-kv-blocks, --kv-cache-memory-bytes, --gpu-memory-utilization)")
+            logger.warning("max_model_len lowered to %d: what the KV cache holds (set --max-model-len to refuse "
+                           "instead)", fits)
             cfg.max_model_len = fits
         self.limits = RequestLimits(self.spec.vocab_size, cfg.max_model_len, cfg.block_size,
                                     self.allocator.num_usable)
@@ -290,7 +292,7 @@ class EngineCore:
         into another slot as a new version; requests already started finish on the old version (its slot
         frees when they end), every request starting later uses the new one (LoRAManager docstring)."""
         if self.lora_manager is None:
-            raise RequestError("LoRA is not enabled (start the engine with enable_lora=True)")
+            raise RequestError("LoRA is not enabled (start the engine with enable_lora=True, --enable-lora)")
         self.lora_manager.register(name, path, pinned=pinned, queued=list(self.seqs.values()), replace=replace)
 
     def unload_lora(self, name: str) -> None:
