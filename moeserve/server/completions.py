@@ -15,7 +15,7 @@ from moeserve.sampling_params import SamplingParams
 from moeserve.server.errors import engine_error
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest, CompletionRequest, OpenAIError
-from moeserve.server.streaming import MergedStreams, collect, sse, sse_response, submit_all
+from moeserve.server.streaming import MergedStreams, collect, sse_response, submit_all
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -179,7 +179,9 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     created = int(time.time())
     head = {"id": request_id, "object": "text_completion", "created": created, "model": body.model}
     if body.stream:
-        return sse_response(_completion_events(state, body, streams, head, arrival))
+        merged = MergedStreams(streams)
+        return sse_response(_completion_chunks(state, body, merged, head, arrival), merged, state.metrics,
+                            "completions", "prompt")
 
     finals = await collect(state.metrics, request, streams, arrival)
     choices = []
@@ -200,50 +202,39 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
-async def _completion_events(state: ServerState, body: CompletionRequest, streams, head: dict, arrival: float):
-    merged = MergedStreams(streams)
-    n = len(streams)
+async def _completion_chunks(state: ServerState, body: CompletionRequest, merged: MergedStreams, head: dict,
+                             arrival: float):
+    """The chunk dicts of a streamed completion (framing, errors and counting: streaming.sse_response)."""
+    n = len(merged.streams)
     started, first = [False] * n, [None] * n
     offsets, completion_tokens, prompt_tokens, cached_tokens = [0] * n, [0] * n, [0] * n, [0] * n
     extra = {"usage": None} if body.include_usage else {}
-    status = 499  # until the stream completes
-    try:
-        async for i, out in merged:
-            now = time.perf_counter()
-            if first[i] is None and out.delta_token_ids:
-                first[i] = now
-            text, logprobs = out.delta_text, None
-            if not started[i]:
-                started[i] = True
-                prompt_tokens[i] = len(out.prompt_token_ids)
-                if body.echo:
-                    text = state.prompt_text(out) + text
-                    if body.logprobs is not None:
-                        logprobs, offsets[i] = _echo_logprobs(state, out, 0)
-            if body.logprobs is not None:
-                lp, offsets[i] = _completion_logprobs(state, out.delta_token_ids, _delta_logprobs(out), offsets[i])
-                logprobs = _merge_logprobs(logprobs, lp)
-            completion_tokens[i] = len(out.token_ids)
-            cached_tokens[i] = out.num_cached_tokens or 0
-            if out.finished:
-                state.metrics.observe_choice(arrival, first[i], now, len(out.token_ids))
-            if text or out.finished or (logprobs and logprobs["tokens"]):
-                choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-                yield sse({**head, "choices": [choice], **extra})
-        if body.include_usage:
-            p = sum(prompt_tokens[k] for k in range(0, n, body.n))
-            c = sum(cached_tokens[k] for k in range(0, n, body.n))
-            yield sse({**head, "choices": [], "usage": _usage(p, sum(completion_tokens), c)})
-        yield "data: [DONE]\n\n"
-        status = 200
-    except Exception as e:  # noqa: BLE001 - the response has started: report in-band
-        err = engine_error(e, "prompt")
-        status = err.status
-        yield sse(err.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        merged.close()
-        state.metrics.count_request("completions", status)
+    async for i, out in merged:
+        now = time.perf_counter()
+        if first[i] is None and out.delta_token_ids:
+            first[i] = now
+        text, logprobs = out.delta_text, None
+        if not started[i]:
+            started[i] = True
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            if body.echo:
+                text = state.prompt_text(out) + text
+                if body.logprobs is not None:
+                    logprobs, offsets[i] = _echo_logprobs(state, out, 0)
+        if body.logprobs is not None:
+            lp, offsets[i] = _completion_logprobs(state, out.delta_token_ids, _delta_logprobs(out), offsets[i])
+            logprobs = _merge_logprobs(logprobs, lp)
+        completion_tokens[i] = len(out.token_ids)
+        cached_tokens[i] = out.num_cached_tokens or 0
+        if out.finished:
+            state.metrics.observe_choice(arrival, first[i], now, len(out.token_ids))
+        if text or out.finished or (logprobs and logprobs["tokens"]):
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            yield {**head, "choices": [choice], **extra}
+    if body.include_usage:
+        p = sum(prompt_tokens[k] for k in range(0, n, body.n))
+        c = sum(cached_tokens[k] for k in range(0, n, body.n))
+        yield {**head, "choices": [], "usage": _usage(p, sum(completion_tokens), c)}
 
 
 def _chat_logprobs(state: ServerState, lps: list[TokenLogprobs]) -> list[dict]:
@@ -272,7 +263,9 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": body.model}
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        return sse_response(_chat_events(state, body, streams, head, arrival))
+        merged = MergedStreams(streams)
+        return sse_response(_chat_chunks(state, body, merged, head, arrival), merged, state.metrics,
+                            "chat_completions", "messages")
 
     finals = await collect(state.metrics, request, streams, arrival)
     choices = [{"index": k, "message": {"role": "assistant", "content": out.text},
@@ -284,42 +277,30 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     return JSONResponse({**head, "choices": choices, "usage": usage})
 
 
-async def _chat_events(state: ServerState, body: ChatCompletionRequest, streams, head: dict, arrival: float):
-    merged = MergedStreams(streams)
-    n = len(streams)
+async def _chat_chunks(state: ServerState, body: ChatCompletionRequest, merged: MergedStreams, head: dict,
+                       arrival: float):
+    """The chunk dicts of a streamed chat completion (framing, errors and counting: streaming.sse_response)."""
+    n = len(merged.streams)
     first = [None] * n
     completion_tokens, prompt_tokens, cached_tokens = [0] * n, 0, 0
     extra = {"usage": None} if body.include_usage else {}
-    status = 499
-    try:
-        for i in range(n):  # the role first, as OpenAI does, before any token exists
-            choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}
-            yield sse({**head, "choices": [choice], **extra})
-        async for i, out in merged:
-            now = time.perf_counter()
-            if first[i] is None and out.delta_token_ids:
-                first[i] = now
-            prompt_tokens = len(out.prompt_token_ids)
-            completion_tokens[i] = len(out.token_ids)
-            if i == 0:
-                cached_tokens = out.num_cached_tokens or 0
-            logprobs = {"content": _chat_logprobs(state, _delta_logprobs(out))} if body.logprobs else None
-            if out.finished:
-                state.metrics.observe_choice(arrival, first[i], now, len(out.token_ids))
-            if out.delta_text or out.finished or (logprobs and logprobs["content"]):
-                delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
-                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
-                yield sse({**head, "choices": [choice], **extra})
-        if body.include_usage:
-            yield sse({**head, "choices": [], "usage": _usage(prompt_tokens, sum(completion_tokens), cached_tokens)})
-        yield "data: [DONE]\n\n"
-        status = 200
-    except Exception as e:  # noqa: BLE001 - the response has started: report in-band
-        err = engine_error(e, "messages")
-        status = err.status
-        yield sse(err.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        merged.close()
-        state.metrics.count_request("chat_completions", status)
+    for i in range(n):  # the role first, as OpenAI does, before any token exists
+        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield {**head, "choices": [choice], **extra}
+    async for i, out in merged:
+        now = time.perf_counter()
+        if first[i] is None and out.delta_token_ids:
+            first[i] = now
+        prompt_tokens = len(out.prompt_token_ids)
+        completion_tokens[i] = len(out.token_ids)
+        if i == 0:
+            cached_tokens = out.num_cached_tokens or 0
+        logprobs = {"content": _chat_logprobs(state, _delta_logprobs(out))} if body.logprobs else None
+        if out.finished:
+            state.metrics.observe_choice(arrival, first[i], now, len(out.token_ids))
+        if out.delta_text or out.finished or (logprobs and logprobs["content"]):
+            delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            yield {**head, "choices": [choice], **extra}
+    if body.include_usage:
+        yield {**head, "choices": [], "usage": _usage(prompt_tokens, sum(completion_tokens), cached_tokens)}

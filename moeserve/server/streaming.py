@@ -141,6 +141,29 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def sse_response(events) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+def sse_response(chunks, merged: MergedStreams, metrics: ServerMetrics, endpoint: str,
+                 prompt_param: str) -> StreamingResponse:
+    """A streaming response of `chunks` (an async generator of chunk dicts read from `merged`)."""
+    return StreamingResponse(_sse_body(chunks, merged, metrics, endpoint, prompt_param),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _sse_body(chunks, merged: MergedStreams, metrics: ServerMetrics, endpoint: str, prompt_param: str):
+    """SSE framing shared by completions and chat: `[DONE]` at the end; an error once the response has started is
+    reported in-band; the request is counted with its final status (499 when the client left first)."""
+    status = 499
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+        yield "data: [DONE]\n\n"
+        status = 200
+    except Exception as e:  # noqa: BLE001 - the response has started: report in-band
+        err = engine_error(e, prompt_param)
+        status = err.status
+        yield sse(err.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        await chunks.aclose()
+        merged.close()
+        metrics.count_request(endpoint, status)
