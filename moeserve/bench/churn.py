@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from moeserve.bench.serve import WORDS, launch_server, percentile, stop_server
+from moeserve.bench.serve import WORDS, launch_server, percentile, split_server_argv, stop_server
 
 
 @dataclass
@@ -216,12 +216,11 @@ def print_table(res: ChurnResult, k: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_argv = []
-    if "--" in argv:  # everything after `--` belongs to `moeserve serve`
-        i = argv.index("--")
-        argv, server_argv = argv[:i], argv[i + 1:]
+    argv, server_argv = split_server_argv(argv)
     args = build_parser().parse_args(argv)
+    if server_argv and not args.launch_server:
+        print("error: arguments after `--` need --launch-server", file=sys.stderr)
+        return 2
     adapters = parse_adapters(args.adapters)
     proc, base = None, args.base_url
     if args.launch_server:

@@ -391,12 +391,17 @@ def _tail(path: str, n: int = 40) -> str:
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
 
 
-def main(argv: list[str] | None = None) -> int:
+def split_server_argv(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the benchmark's own arguments, those after `--`, which belong to `moeserve serve`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    server_argv = []
-    if "--" in argv:  # everything after `--` belongs to `moeserve serve`
-        i = argv.index("--")
-        argv, server_argv = argv[:i], argv[i + 1:]
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, server_argv = split_server_argv(argv)
     args = build_parser().parse_args(argv)
     if server_argv and not args.launch_server:
         print("error: arguments after `--` need --launch-server", file=sys.stderr)
