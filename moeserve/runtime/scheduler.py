@@ -244,8 +244,9 @@ class Scheduler:
         return self.allocator.match(seq.block_hashes[:(seq.num_tokens - 1) // self.allocator.block_size])
 
     def cache_computed_blocks(self, sb: ScheduledBatch) -> None:
-        """After `sb` was launched (num_computed_tokens advanced): register the full prompt blocks it computed."""
-        if not self.allocator.enable_prefix_caching:
+        """After `sb` was launched (num_computed_tokens advanced): register the full prompt blocks it computed.
+        Decode steps compute no prompt token (a prompt is whole before its first decode), so they skip the rows."""
+        if sb.is_decode or not self.allocator.enable_prefix_caching:
             return
         bs = self.allocator.block_size
         for seq in sb.seqs:
