@@ -39,7 +39,7 @@ def layer_regions(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, k_c
     attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
     T, H = x.shape
     b = _elem(x)
-    q_size, kv_size, nh, nkv, d = spec.q_size, spec.kv_size, attn.nh, attn.nkv, attn.d
+    q_size, kv_size, d = spec.q_size, spec.kv_size, attn.d
     regions: list[Region] = []
     state: dict = {"x": x}  # each region reads what the one before it produced
 
@@ -52,36 +52,17 @@ def layer_regions(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, k_c
     add("qkv_proj", lambda: attn.qkv_proj(state["h"], batch.lora),
         qkv_w.numel() * _elem(qkv_w) + T * (H + q_size + 2 * kv_size) * b, "qkv")
 
-    def qk_norm_rotary():
-        q, k, v = state["qkv"].split((q_size, kv_size, kv_size), dim=-1)
-        if spec.qk_norm == "full":
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        if spec.clip_qkv is not None:
-            c = spec.clip_qkv
-            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-        q, k, v = q.reshape(T, nh, d), k.reshape(T, nkv, d), v.reshape(T, nkv, d)
-        if spec.qk_norm == "head":
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = attn.rotary(batch.positions, q, k)
-        return q, k, v
-
-    add("qk_norm+rotary", qk_norm_rotary, 2 * T * (q_size + 2 * kv_size) * b + 2 * T * d * 4, "qkv_rot")
+    add("qk_norm+rotary", lambda: attn.qk_norm_rotary(state["qkv"], batch.positions),
+        2 * T * (q_size + 2 * kv_size) * b + 2 * T * d * 4, "qkv_rot")
 
     def kv_write():
         _, k, v = state["qkv_rot"]
-        meta = batch.attn
-        k_cache.view(-1, nkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, nkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        attn.write_kv(k, v, batch.attn, k_cache, v_cache)
         return k_cache
 
     add("kv_write", kv_write, 2 * 2 * T * kv_size * b, "_kv")
-
-    def attention():
-        q = state["qkv_rot"][0]
-        o = attn.backend.decode(q, k_cache, v_cache, batch.attn, attn.scale)
-        return o.reshape(T, nh * d)
-
-    add("attention", attention, T * ctx_len * 2 * kv_size * _elem(k_cache) + 2 * T * q_size * b, "o")
+    add("attention", lambda: attn.attend(state["qkv_rot"][0], batch.attn, k_cache, v_cache),
+        T * ctx_len * 2 * kv_size * _elem(k_cache) + 2 * T * q_size * b, "o")
     o_w = attn.o_proj.weight
     add("o_proj", lambda: attn.o_proj(state["o"], batch.lora), o_w.numel() * _elem(o_w) + T * (q_size + H) * b,
         "attn_out")

@@ -91,8 +91,13 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        T = x.shape[0]
-        qkv = self.qkv_proj(x, batch.lora)
+        q, k, v = self.qk_norm_rotary(self.qkv_proj(x, batch.lora), batch.positions)
+        self.write_kv(k, v, batch.attn, k_cache, v_cache)
+        return self.o_proj(self.attend(q, batch.attn, k_cache, v_cache), batch.lora)
+
+    def qk_norm_rotary(self, qkv: torch.Tensor, positions: torch.Tensor):
+        """q [T, nh, d], k and v [T, nkv, d] from the fused projection: q/k norms, clipping, rotary."""
+        T = qkv.shape[0]
         q, k, v = qkv.split((self.spec.q_size, self.spec.kv_size, self.spec.kv_size), dim=-1)
         if self.spec.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -102,13 +107,18 @@ class Attention(nn.Module):
         q, k, v = q.reshape(T, self.nh, self.d), k.reshape(T, self.nkv, self.d), v.reshape(T, self.nkv, self.d)
         if self.spec.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
-        meta = batch.attn
-        # write this step's K/V first; padded rows write to the dummy block 0
+        q, k = self.rotary(positions, q, k)
+        return q, k, v
+
+    def write_kv(self, k, v, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """This step's K/V into the paged cache (before attending); padded rows write to the dummy block 0."""
         k_cache.view(-1, self.nkv, self.d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, self.nkv, self.d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+    def attend(self, q, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Attention over the cache: [T, nh * d], the o_proj input."""
         if meta.is_decode:
             o = self.backend.decode(q, k_cache, v_cache, meta, self.scale)
         else:
             o = self.backend.prefill(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(T, self.nh * self.d), batch.lora)
+        return o.reshape(q.shape[0], self.nh * self.d)
