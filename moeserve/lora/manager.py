@@ -65,6 +65,7 @@ class LoRAManager:
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, model: MoEForCausalLM, device: torch.device):
         self.config, self.spec = config, spec
+        self._parsed_at_start: dict[str, LoRAAdapter] = {}  # lora_modules read to infer targets, kept for register
         targets = self._resolve_targets(config)
         self.pool = LoRASlotPool(spec, model, config.max_loras, config.max_lora_rank, targets, device,
                                  config.torch_dtype)
@@ -84,15 +85,13 @@ class LoRAManager:
         self.counters = {"lora_loads_total": 0, "lora_evictions_total": 0, "lora_rereads_total": 0}
 
     def _resolve_targets(self, config: EngineConfig) -> set[str]:
-        if config.lora_target_modules:
-            bad = [t for t in config.lora_target_modules if t not in ALL_TARGETS]
-            if bad:
-                raise ValueError(f"lora_target_modules: unsupported {bad}; supported: {', '.join(ALL_TARGETS)}")
+        if config.lora_target_modules:  # checked against ALL_TARGETS by EngineConfig.resolve
             return set(config.lora_target_modules)
         if config.lora_modules:
             targets: set[str] = set()
             for name, path in config.lora_modules.items():
-                a = load_lora_adapter(name, path, self.spec, config.max_lora_rank)
+                a = load_lora_adapter(name, path, self.spec, config.max_lora_rank, serve_dtype=config.torch_dtype)
+                self._parsed_at_start[name] = a
                 targets |= {t.split(".")[0] if t.startswith("shared_expert") else t for t in a.target_modules}
             return targets
         return set(ALL_TARGETS)
@@ -140,6 +139,14 @@ class LoRAManager:
                                     serve_dtype=self.config.torch_dtype)
         self.pool.check_fits(adapter)
         return adapter
+
+    def register_configured(self) -> None:
+        """Register the adapters of lora_modules, each read from disk once (target inference may have read it)."""
+        for name, path in self.config.lora_modules.items():
+            adapter = self._parsed_at_start.pop(name, None)
+            if adapter is not None:
+                self.pool.check_fits(adapter)
+            self.register(name, path, adapter=adapter)
 
     def check_name(self, name: str, replace: bool = False) -> None:
         """Raise unless `name` may be registered now (valid; not loaded, or `replace`)."""

@@ -107,8 +107,7 @@ class EngineCore:
             if cfg.tensor_parallel_size > 1:  # loads and clears then land on every rank or none
                 self.lora_manager.pool = self.runner.shard_lora_pool(self.lora_manager.pool)
             self.runner.lora_pool = self.lora_manager.pool
-            for name, path in cfg.lora_modules.items():
-                self.lora_manager.register(name, path, pinned=False)
+            self.lora_manager.register_configured()
         num_blocks = self.runner.allocate_kv_cache()
         self.allocator = BlockAllocator(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         fits = self.allocator.num_usable * cfg.block_size
