@@ -70,3 +70,14 @@ def init_parallel_state(rank: int, world_size: int, store: "dist.Store", device:
 def destroy_parallel_state() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort_parallel_state() -> None:
+    """Drop the group's communicators without the other ranks (after a failed teardown)."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    if dist.is_initialized():
+        try:
+            _abort_process_group()
+        except Exception:  # noqa: BLE001 - the process is leaving tensor parallelism either way
+            pass

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.distributed.parallel_state import (ParallelState, RankFailure, destroy_parallel_state,
-                                                 init_parallel_state, rendezvous_store)
+from moeserve.distributed.parallel_state import (ParallelState, RankFailure, abort_parallel_state,
+                                                 destroy_parallel_state, init_parallel_state, rendezvous_store)
 from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapter
 from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.models.loader import load_model
@@ -326,12 +326,18 @@ class ParallelModelRunner(ModelRunner):
         return super().collect(step)
 
     def shutdown(self) -> None:
-        """Stop the workers and leave the process group (a later engine in this process can start anew)."""
-        if self.failure is None and self.workers:
+        """Stop the workers and leave the process group (a later engine in this process can start anew).
+        Rank 0 leaves the group while the workers leave theirs: NCCL's teardown is collective, so rank 0 waiting
+        for the workers to exit first would deadlock with workers waiting in their teardown for rank 0."""
+        healthy = self.failure is None
+        if healthy and self.workers:
             try:
                 self._send(("shutdown",))
             except RankFailure:
-                pass
+                healthy = False
+        if self.tp is not None:
+            leave_process_group(self.timeout_s if healthy else 5.0)
+            self.tp = None
         for w in self.workers:
             w.proc.join(5.0)
             if w.proc.is_alive():
@@ -339,9 +345,18 @@ class ParallelModelRunner(ModelRunner):
                 w.proc.join(5.0)
             w.conn.close()
         self.workers = []
-        if self.tp is not None:
-            destroy_parallel_state()
-            self.tp = None
+
+
+def leave_process_group(timeout_s: float) -> None:
+    """destroy_process_group, bounded: with a rank gone, NCCL's collective teardown would wait forever. Past the
+    bound the group is aborted (its communicators dropped without the peers)."""
+    t = threading.Thread(target=destroy_parallel_state, name="moeserve-tp-leave", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        logger.warning("tensor-parallel process group teardown did not finish within %.0f s (a rank is gone?); "
+                       "aborting it", timeout_s)
+        abort_parallel_state()
 
 
 class ShardedLoRAPool:
