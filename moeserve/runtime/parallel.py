@@ -14,6 +14,7 @@ every worker is stopped with it.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import pickle
@@ -336,6 +337,7 @@ class ParallelModelRunner(ModelRunner):
             except RankFailure:
                 healthy = False
         if self.tp is not None:
+            release_graphs(self)
             leave_process_group(self.timeout_s if healthy else 5.0)
             self.tp = None
         for w in self.workers:
@@ -345,6 +347,16 @@ class ParallelModelRunner(ModelRunner):
                 w.proc.join(5.0)
             w.conn.close()
         self.workers = []
+
+
+def release_graphs(runner: ModelRunner) -> None:
+    """Destroy the runner's CUDA graphs. Graphs that recorded NCCL collectives hold on to the communicator's
+    resources until they are destroyed, and NCCL's teardown waits for them (both ranks hung in
+    destroy_process_group on two H200s while the graphs were alive)."""
+    runner.graph_runner = None
+    gc.collect()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
 
 
 def leave_process_group(timeout_s: float) -> None:

@@ -159,7 +159,9 @@ def worker_main(rank: int, world_size: int, store_port: int, config, spec, model
             reply(worker.lora_slots())
         elif kind == "shutdown":
             from moeserve.distributed.parallel_state import destroy_parallel_state
+            from moeserve.runtime.parallel import release_graphs
 
+            release_graphs(worker.runner)  # before the teardown, which waits for graphs holding collectives
             destroy_parallel_state()
             return
         else:
