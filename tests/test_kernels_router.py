@@ -17,6 +17,8 @@ from moeserve.kernels.router import (  # noqa: E402
     fused_topk,
     fused_topk_ref,
 )
+from moeserve.layers.batch import LoRABatch  # noqa: E402
+from moeserve.layers.moe import MoEBlock  # noqa: E402
 from moeserve.models.spec import ModelSpec  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,7 +57,7 @@ def test_fused_topk_matches_torch(num_experts, top_k, renorm, fp32):
     out_dtype = torch.float32 if fp32 else torch.float16  # "cast to the activation dtype" (fp16: exact on CPU)
     for num_tokens, block_t in ((1, 1), (5, 1), (33, 4)):
         logits = (torch.randn(num_tokens, num_experts, generator=gen) * 3).to(DEV)
-        out = fused_topk(logits, top_k, renorm, out_dtype, tile=RouterTile(block_t=block_t))
+        out = fused_topk(logits, top_k, renorm, out_dtype, block_t=block_t)
         _check(out, fused_topk_ref(logits, top_k, renorm, out_dtype), atol=1e-3 if not fp32 else 1e-6)
 
 
@@ -68,12 +70,21 @@ def test_fused_gemm_topk_matches_torch(num_experts, top_k, renorm, fp32):
     hidden = 48  # not a multiple of block_h: masked tail
     weight = (torch.randn(num_experts, hidden, generator=gen) * 0.2).to(DEV)
     tile = RouterTile(block_t=4, block_e=16, block_h=32)
-    counters = torch.zeros(counter_slots(33, tile), dtype=torch.int32, device=DEV)
+    counters = torch.zeros(counter_slots(33), dtype=torch.int32, device=DEV)
     for num_tokens in (1, 5, 33):
         x = torch.randn(num_tokens, hidden, generator=gen).to(DEV)
         out = fused_gemm_topk(x, weight, top_k, renorm, torch.float32, counters=counters, tile=tile)
         _check(out, fused_topk_ref(x @ weight.t(), top_k, renorm, torch.float32), atol=2e-6)
         assert not counters.any()  # left zero for the next launch
+
+
+def test_default_tiles():
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(60, 40, generator=gen) * 0.2
+    for num_tokens in (5, 33):  # one row per program; four rows per program
+        x = torch.randn(num_tokens, 40, generator=gen)
+        _check(fused_gemm_topk(x, weight, 4, False, torch.float32),
+               fused_topk_ref(x @ weight.t(), 4, False, torch.float32), atol=2e-6)
 
 
 def test_fused_gemm_topk_adds_the_logits_delta():
@@ -100,6 +111,39 @@ def test_ties_go_to_the_lowest_index():
     weight[14] = weight[9] = weight[2] = torch.rand(16, generator=gen) + 1  # the largest logit, three times
     _, ids = fused_gemm_topk(x, weight, 3, True, torch.float32, tile=RouterTile(block_e=4, block_h=16))
     assert ids.tolist() == [[2, 9, 14]] * 2
+
+
+def _moe_spec(num_experts=60, top_k=4, hidden=32):
+    return ModelSpec(family="qwen3_moe", vocab_size=64, hidden_size=hidden, num_layers=1, num_heads=2,
+                     num_kv_heads=2, head_dim=16, num_experts=num_experts, top_k=top_k, moe_intermediate_size=8,
+                     intermediate_size=16, norm_topk_prob=True, sparse_layers=(True,))
+
+
+@pytest.mark.parametrize("lora_backend", ["torch", "triton"])
+@pytest.mark.parametrize("num_tokens", [7, 70])  # router GEMM in the kernel; linear layer + routing kernel
+def test_moe_block_routes_like_torch_with_router_lora(lora_backend, num_tokens):
+    """MoEBlock.route with the triton backend against the torch backend, a router LoRA on some rows; rows
+    without an adapter route bitwise as in a batch without LoRA."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    spec = _moe_spec()
+    fused = MoEBlock(spec, "triton", lora_backend, gemm_topk_max_tokens=64)
+    ref = MoEBlock(spec, "torch", "torch")
+    weight = torch.randn(spec.num_experts, spec.hidden_size, generator=gen) * 0.3
+    lora_a = torch.randn(2, 1, 4, spec.hidden_size, generator=gen) * 0.3
+    lora_b = torch.randn(2, spec.num_experts, 4, generator=gen) * 0.5
+    for block in (fused, ref):
+        block.router.weight.data.copy_(weight)
+        block.router.lora_a, block.router.lora_b = lora_a, lora_b
+    x = torch.randn(num_tokens, spec.hidden_size, generator=gen)
+    slots = torch.tensor([-1, 0, 1] * num_tokens, dtype=torch.int32)[:num_tokens]
+    lora = LoRABatch(slots, torch.tensor([4, 4], dtype=torch.int32), active_slots=(0, 1))
+    w, ids = fused.route(x, lora)
+    _check((w, ids), ref.route(x, lora), atol=2e-6)
+    base_w, base_ids = fused.route(x, None)
+    _check((base_w, base_ids), ref.route(x, None), atol=2e-6)
+    plain = slots < 0
+    assert torch.equal(w[plain], base_w[plain]) and torch.equal(ids[plain], base_ids[plain])
+    assert not torch.equal(ids[~plain], base_ids[~plain])  # the adapter really moves experts
 
 
 def test_bad_top_k_is_refused():

@@ -45,9 +45,18 @@ class RouterTile:
     num_warps: int = 4
 
 
-def counter_slots(max_tokens: int, tile: RouterTile = RouterTile()) -> int:
-    """Arrival counters `fused_gemm_topk` needs for up to `max_tokens` rows."""
-    return triton.cdiv(max_tokens, tile.block_t)
+def default_tile(num_tokens: int) -> RouterTile:
+    """Few rows: one row per program, E spread thin (most programs streaming the weight). More rows: 4 rows
+    per program, so each router weight slice is read from L2 a quarter as often. (Starting points for the
+    H200: `bench.kernels --parts router` times the candidates.)"""
+    if num_tokens <= 16:
+        return RouterTile(block_t=1, block_e=8, block_h=256, num_warps=4)
+    return RouterTile(block_t=4, block_e=16, block_h=128, num_warps=8)
+
+
+def counter_slots(max_tokens: int) -> int:
+    """Arrival counters `fused_gemm_topk` needs for up to `max_tokens` rows under any tile (one per row block)."""
+    return max_tokens
 
 
 @triton.jit
@@ -146,17 +155,18 @@ def _outputs(num_tokens: int, top_k: int, out_dtype, device):
 
 
 def fused_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype,
-               tile: RouterTile = RouterTile(), num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, top_k] out_dtype, ids [T, top_k] int32), best first."""
+               block_t: int = 1, num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights [T, top_k] out_dtype, ids [T, top_k] int32), best first; `block_t` rows per
+    program."""
     num_tokens, num_experts = logits.shape
     _check(num_experts, top_k)
     weights, ids = _outputs(num_tokens, top_k, out_dtype, logits.device)
     if num_tokens == 0:
         return weights, ids
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    _topk_kernel[(triton.cdiv(num_tokens, tile.block_t),)](
+    _topk_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0),
-        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=tile.block_t,
+        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, num_warps=num_warps)
     return weights, ids
 
@@ -164,11 +174,11 @@ def fused_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: t
 def fused_gemm_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
                     out_dtype: torch.dtype, logits_delta: torch.Tensor | None = None,
                     counters: torch.Tensor | None = None,
-                    tile: RouterTile = RouterTile()) -> tuple[torch.Tensor, torch.Tensor]:
+                    tile: RouterTile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] . weight [E, H]^T (+ logits_delta [T, E]) routed as `fused_topk`, in one launch.
 
-    `counters`: int32 zeros, at least `counter_slots(T, tile)` of them, owned by the caller and
-    left zero after every launch (allocated here when None, which costs a memset)."""
+    `counters`: int32 zeros, at least `counter_slots(T)` of them, owned by the caller and
+    left zero after every launch (allocated here when None, which costs a memset). `tile`: by T when None."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     _check(num_experts, top_k)
@@ -180,6 +190,7 @@ def fused_gemm_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormali
     if num_tokens == 0:
         return weights, ids
     x, weight = x.contiguous(), weight.contiguous()
+    tile = tile or default_tile(num_tokens)
     row_blocks = triton.cdiv(num_tokens, tile.block_t)
     num_e_blocks = triton.cdiv(num_experts, tile.block_e)
     if num_e_blocks > 1:
