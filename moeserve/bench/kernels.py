@@ -236,10 +236,12 @@ def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -
 
 ROUTER_BATCHES = (1, 8, 64, 256, 512)
 ROUTER_SETS = 160  # router weights per timed graph: 160 x 512 KB = 80 MB > L2, as between layers
-ROUTER_TILES = [RouterTile(block_t=1, block_e=8, block_h=256, num_warps=4),
-                RouterTile(block_t=1, block_e=4, block_h=512, num_warps=4),
-                RouterTile(block_t=1, block_e=16, block_h=128, num_warps=4),
-                RouterTile(block_t=2, block_e=8, block_h=256, num_warps=4),
+ROUTER_TILES = [RouterTile(block_t=1, block_e=2, block_h=2048, num_warps=4),
+                RouterTile(block_t=1, block_e=4, block_h=1024, num_warps=4),
+                RouterTile(block_t=1, block_e=8, block_h=512, num_warps=4),
+                RouterTile(block_t=1, block_e=8, block_h=256, num_warps=4),
+                RouterTile(block_t=2, block_e=8, block_h=512, num_warps=8),
+                RouterTile(block_t=4, block_e=8, block_h=512, num_warps=8),
                 RouterTile(block_t=4, block_e=16, block_h=128, num_warps=8)]
 
 

@@ -46,12 +46,13 @@ class RouterTile:
 
 
 def default_tile(num_tokens: int) -> RouterTile:
-    """Few rows: one row per program, E spread thin (most programs streaming the weight). More rows: 4 rows
-    per program, so each router weight slice is read from L2 a quarter as often. (Starting points for the
-    H200: `bench.kernels --parts router` times the candidates.)"""
+    """Few rows: one row per program, E spread thin and H in one or two wide steps, so many loads are in
+    flight at once (the GEMV is latency-bound, not bandwidth-bound, at these sizes). More rows: 4 rows per
+    program, so each slice of the router weight is read from L2 a quarter as often. Starting points for the
+    H200: `python -m moeserve.bench.kernels --parts router` times the candidates."""
     if num_tokens <= 16:
-        return RouterTile(block_t=1, block_e=8, block_h=256, num_warps=4)
-    return RouterTile(block_t=4, block_e=16, block_h=128, num_warps=8)
+        return RouterTile(block_t=1, block_e=4, block_h=1024, num_warps=4)
+    return RouterTile(block_t=4, block_e=8, block_h=512, num_warps=8)
 
 
 def counter_slots(max_tokens: int) -> int:
