@@ -1,7 +1,7 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
-                                     [--sweep] [--profile]
+                                     [--sweep] [--profile] [--parts moe,router]
 
 Measures, in one process on one GPU:
 - read bandwidth: a large device-to-device copy (read + write counted) and a large
@@ -14,6 +14,10 @@ Measures, in one process on one GPU:
 - the alignment kernel against its torch reference.
 `--sweep` also times block-size candidates and both paths per batch; `--profile` prints
 per-kernel GPU time at a few batch sizes. Prints one table last, writes kernels_bench.json.
+
+`--parts router` times the MoE routing (router GEMM, softmax, top-k, renorm, cast) at T = 1, 8, 64,
+256, 512: the torch code, the linear layer + `fused_topk`, and `fused_gemm_topk` at a few tiles,
+each over enough router weights (cold L2, as between layers) in one CUDA graph; writes router_bench.json.
 """
 
 import argparse
@@ -29,6 +33,14 @@ import torch
 from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.kernels.fused_moe import GemmTile, MoELoRAArgs, MoEPlan, default_plan, fused_moe
 from moeserve.kernels.moe_align import moe_align, moe_align_ref
+from moeserve.kernels.router import (
+    GEMM_TOPK_MAX_TOKENS,
+    RouterTile,
+    counter_slots,
+    fused_gemm_topk,
+    fused_topk,
+    fused_topk_ref,
+)
 
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
 DEVICE = "cuda"
@@ -222,13 +234,76 @@ def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -
         print(table, flush=True)
 
 
+ROUTER_BATCHES = (1, 8, 64, 256, 512)
+ROUTER_SETS = 160  # router weights per timed graph: 160 x 512 KB = 80 MB > L2, as between layers
+ROUTER_TILES = [RouterTile(block_t=1, block_e=2, block_h=2048, num_warps=4),
+                RouterTile(block_t=1, block_e=4, block_h=1024, num_warps=4),
+                RouterTile(block_t=1, block_e=8, block_h=512, num_warps=4),
+                RouterTile(block_t=1, block_e=8, block_h=256, num_warps=4),
+                RouterTile(block_t=2, block_e=8, block_h=512, num_warps=8),
+                RouterTile(block_t=4, block_e=8, block_h=512, num_warps=8),
+                RouterTile(block_t=4, block_e=16, block_h=128, num_warps=8)]
+
+
+def _tile_name(t: RouterTile) -> str:
+    return f"t{t.block_t}e{t.block_e}h{t.block_h}w{t.num_warps}"
+
+
+def bench_router(gen) -> dict:
+    """µs per routing of one layer (median of graph replays) and rows whose experts differ from torch's."""
+    weights = [torch.randn(NUM_EXPERTS, HIDDEN, generator=gen, device=DEVICE, dtype=torch.bfloat16) * 0.02
+               for _ in range(ROUTER_SETS)]
+    rows = []
+    for batch in ROUTER_BATCHES:
+        xs = [torch.randn(batch, HIDDEN, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+              for _ in range(ROUTER_SETS)]
+        counters = torch.zeros(counter_slots(batch), dtype=torch.int32, device=DEVICE)
+
+        def torch_route(x, w):
+            return fused_topk_ref(torch.nn.functional.linear(x, w), TOP_K, True, x.dtype)
+
+        variants = {"torch": torch_route,
+                    "linear+fused_topk": lambda x, w: fused_topk(torch.nn.functional.linear(x, w), TOP_K, True,
+                                                                 x.dtype)}
+        variants["gemm_topk:default"] = (
+            lambda x, w: fused_gemm_topk(x, w, TOP_K, True, x.dtype, counters=counters))
+        for tile in ROUTER_TILES:
+            variants["gemm_topk:" + _tile_name(tile)] = (
+                lambda x, w, tile=tile: fused_gemm_topk(x, w, TOP_K, True, x.dtype, counters=counters, tile=tile))
+        row = {"batch": batch, "us": {}, "rows_differing": {}}
+        ref_ids = torch_route(xs[0], weights[0])[1].sort(-1).values
+        for name, fn in variants.items():
+            try:
+                ids = fn(xs[0], weights[0])[1].long().sort(-1).values
+                row["rows_differing"][name] = int((ids != ref_ids).any(-1).sum())
+                row["us"][name] = graph_time_us([lambda x=x, w=w, fn=fn: fn(x, w) for x, w in zip(xs, weights)])
+            except Exception as exc:  # a tile that does not compile is reported, not fatal
+                print(f"  router {name} at T={batch} failed: {exc!r}"[:300], flush=True)
+        rows.append(row)
+        print(f"router T={batch}: " + "  ".join(f"{k} {v:.1f}" for k, v in row["us"].items()), flush=True)
+    names = list(dict.fromkeys(k for r in rows for k in r["us"]))
+    print(f"\nrouter (H {HIDDEN}, E {NUM_EXPERTS}, top-{TOP_K}, renorm, bf16): us per layer, graph replays over "
+          f"{ROUTER_SETS} router weights; fused GEMM used at T <= {GEMM_TOPK_MAX_TOKENS}; "
+          "(n) = rows whose experts differ from torch's (bf16 near-ties)")
+    print(f"{'T':>4} " + " ".join(f"{n[:26]:>26}" for n in names))
+    for r in rows:
+        print(f"{r['batch']:>4} " + " ".join(
+            f"{r['us'][n]:>20.1f} ({r['rows_differing'][n]:>3})" if n in r["us"] else f"{'-':>26}" for n in names))
+    return {"shape": dict(hidden=HIDDEN, experts=NUM_EXPERTS, top_k=TOP_K), "sets": ROUTER_SETS,
+            "gemm_topk_max_tokens": GEMM_TOPK_MAX_TOKENS, "rows": rows}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="moeserve bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--out", default="bench_out/")
     ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
+    ap.add_argument("--parts", default="moe,router", help="comma list of: moe (fused MoE), router (routing)")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if parts - {"moe", "router"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'moe', 'router'})} (known: moe, router)")
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA device")
         return 1
@@ -238,6 +313,11 @@ def main(argv=None):
     t0 = time.time()
     gen = torch.Generator(DEVICE).manual_seed(0)
     device = torch.cuda.get_device_name()
+    if "router" in parts:
+        router = bench_router(gen)
+        (out_dir / "router_bench.json").write_text(json.dumps({"device": device, **router}, indent=1))
+    if "moe" not in parts:
+        return 0
     bw = read_bandwidth()
     print(f"{device}: copy {bw['copy_gbps']:.0f} GB/s (read+write), "
           f"read-only sum {bw['read_gbps']:.0f} GB/s", flush=True)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.linear import LoRALinear
+from moeserve.layers.linear import LoRALinear, dense_lora_torch
 from moeserve.models.spec import ModelSpec
 from moeserve.layers.batch import LoRABatch
 
@@ -79,7 +79,11 @@ class DenseMLP(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str):
+    """`gemm_topk_max_tokens` (triton backend): batches of at most this many tokens run the router GEMM
+    inside the routing kernel; larger ones run the linear layer, then the routing kernel."""
+
+    def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str,
+                 gemm_topk_max_tokens: int | None = None):
         super().__init__()
         self.spec = spec
         E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
@@ -96,8 +100,21 @@ class MoEBlock(nn.Module):
             from moeserve.kernels import fused_moe
 
             self._fused = fused_moe
+        if moe_backend == "triton":  # routing: router GEMM + softmax + top-k in the routing kernels
+            from moeserve.kernels import router as router_kernels
+
+            self._routing = router_kernels
+            if gemm_topk_max_tokens is None:
+                gemm_topk_max_tokens = router_kernels.GEMM_TOPK_MAX_TOKENS
+            self.gemm_topk_max_tokens = gemm_topk_max_tokens
+            # arrival counters of the fused router GEMM: zero between launches (each launch resets them)
+            self.register_buffer("router_counters", torch.zeros(
+                router_kernels.counter_slots(max(gemm_topk_max_tokens, 1)), dtype=torch.int32), persistent=False)
 
     def route(self, x, lora: LoRABatch | None):
+        """(top-k weights [T, K], expert ids [T, K]) over all experts, best first."""
+        if self.backend == "triton":
+            return self._route_fused(x, lora)
         logits = self.router(x, lora)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         topk_w, topk_ids = torch.topk(probs, self.spec.top_k, dim=-1)
@@ -106,6 +123,26 @@ class MoEBlock(nn.Module):
         if not self.spec.router_weights_fp32:
             topk_w = topk_w.to(x.dtype)
         return topk_w, topk_ids
+
+    def _route_fused(self, x, lora: LoRABatch | None):
+        """One routing kernel; at decode sizes it also runs the router GEMM. A router LoRA's delta is computed
+        first and added inside the kernel, so rows without an adapter get the same logits as in a no-LoRA
+        batch (bitwise), and the choice of path depends on the token count only."""
+        k, renorm = self.spec.top_k, self.spec.norm_topk_prob
+        out_dtype = torch.float32 if self.spec.router_weights_fp32 else x.dtype
+        if x.shape[0] > self.gemm_topk_max_tokens:
+            return self._routing.fused_topk(self.router(x, lora), k, renorm, out_dtype)
+        delta = None
+        if lora is not None and self.router.lora_a is not None:
+            delta = torch.zeros(x.shape[0], self.router.out_features, dtype=x.dtype, device=x.device)
+            r = self.router
+            args = (x, r.lora_a, r.lora_b, lora.token_slots, lora.slot_ranks, r.slice_sizes, delta)
+            if r.use_triton:
+                r.triton_lora(*args)
+            else:
+                dense_lora_torch(*args, slots=lora.active_slots)
+        return self._routing.fused_gemm_topk(x, self.router.weight, k, renorm, out_dtype, delta,
+                                             counters=self.router_counters)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         topk_w, topk_ids = self.route(x, lora)

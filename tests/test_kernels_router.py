@@ -1,0 +1,209 @@
+"""Routing kernels (softmax + top-k + renorm + cast, with and without the router GEMM) against the plain-torch
+routing, for every family's flags. CPU: fp32 under the Triton interpreter; GPU (marked `gpu`): bf16 and
+CUDA-graph replay. Random logits have no ties, so ids must be identical; one test pins the tie rule."""
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any module with @triton.jit is imported
+
+import pytest  # noqa: E402
+
+from moeserve.kernels.router import (  # noqa: E402
+    RouterTile,
+    counter_slots,
+    fused_gemm_topk,
+    fused_topk,
+    fused_topk_ref,
+)
+from moeserve.layers.batch import LoRABatch  # noqa: E402
+from moeserve.layers.moe import MoEBlock  # noqa: E402
+from moeserve.models.spec import ModelSpec  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def family_flags(family: str, norm_topk_prob: bool) -> tuple[bool, bool]:
+    """(renormalize, fp32 weights) as ModelSpec derives them from an HF config of the family."""
+    cfg = {"model_type": family, "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "intermediate_size": 16, "norm_topk_prob": norm_topk_prob}
+    spec = ModelSpec.from_hf_config(cfg)
+    return spec.norm_topk_prob, spec.router_weights_fp32
+
+
+# every (renormalize, fp32 weights) combination the families produce
+FLAGS = sorted({family_flags(f, n) for f in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral") for n in (False, True)})
+
+
+def test_family_flags_cover_renorm_and_fp32():
+    assert FLAGS == [(False, False), (True, False), (True, True)]
+
+
+def _check(out, ref, atol=1e-6):
+    (w, ids), (rw, rids) = out, ref
+    assert ids.dtype == torch.int32 and w.dtype == rw.dtype
+    assert torch.equal(ids.long(), rids)
+    torch.testing.assert_close(w.float(), rw.float(), atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_experts", [8, 60, 128])
+@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+@pytest.mark.parametrize("renorm,fp32", FLAGS)
+def test_fused_topk_matches_torch(num_experts, top_k, renorm, fp32):
+    gen = torch.Generator().manual_seed(num_experts * 10 + top_k)
+    out_dtype = torch.float32 if fp32 else torch.float16  # "cast to the activation dtype" (fp16: exact on CPU)
+    for num_tokens, block_t in ((1, 1), (5, 1), (33, 4)):
+        logits = (torch.randn(num_tokens, num_experts, generator=gen) * 3).to(DEV)
+        out = fused_topk(logits, top_k, renorm, out_dtype, block_t=block_t)
+        _check(out, fused_topk_ref(logits, top_k, renorm, out_dtype), atol=1e-3 if not fp32 else 1e-6)
+
+
+# E 8 runs as one program per row block (no counters); E 60 and 128 spread a row over 4 and 8 programs.
+@pytest.mark.parametrize("num_experts", [8, 60, 128])
+@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
+@pytest.mark.parametrize("renorm,fp32", FLAGS)
+def test_fused_gemm_topk_matches_torch(num_experts, top_k, renorm, fp32):
+    gen = torch.Generator().manual_seed(1000 + num_experts * 10 + top_k)
+    hidden = 48  # not a multiple of block_h: masked tail
+    weight = (torch.randn(num_experts, hidden, generator=gen) * 0.2).to(DEV)
+    tile = RouterTile(block_t=4, block_e=16, block_h=32)
+    counters = torch.zeros(counter_slots(33), dtype=torch.int32, device=DEV)
+    for num_tokens in (1, 5, 33):
+        x = torch.randn(num_tokens, hidden, generator=gen).to(DEV)
+        out = fused_gemm_topk(x, weight, top_k, renorm, torch.float32, counters=counters, tile=tile)
+        _check(out, fused_topk_ref(x @ weight.t(), top_k, renorm, torch.float32), atol=2e-6)
+        assert not counters.any()  # left zero for the next launch
+
+
+def test_default_tiles():
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(60, 40, generator=gen) * 0.2
+    for num_tokens in (5, 33):  # one row per program; four rows per program
+        x = torch.randn(num_tokens, 40, generator=gen)
+        _check(fused_gemm_topk(x, weight, 4, False, torch.float32),
+               fused_topk_ref(x @ weight.t(), 4, False, torch.float32), atol=2e-6)
+
+
+def test_fused_gemm_topk_adds_the_logits_delta():
+    """A router LoRA's delta moves experts: the kernel routes x W^T + delta, not x W^T."""
+    gen = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(5, 40, generator=gen), torch.randn(60, 40, generator=gen) * 0.2
+    delta = torch.randn(5, 60, generator=gen) * 3
+    out = fused_gemm_topk(x, weight, 4, True, torch.float32, logits_delta=delta, tile=RouterTile(block_h=16))
+    _check(out, fused_topk_ref(x @ weight.t() + delta, 4, True, torch.float32), atol=2e-6)
+    assert not torch.equal(out[1].long(), fused_topk_ref(x @ weight.t(), 4, True, torch.float32)[1])
+
+
+def test_ties_go_to_the_lowest_index():
+    """The rule the kernels pin (torch.topk promises none): equal logits are taken lowest expert first."""
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0, 1.0, 1.0, 0.0],
+                           [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]])
+    w, ids = fused_topk(logits, 4, False, torch.float32)
+    assert ids.tolist() == [[1, 2, 4, 5], [0, 1, 2, 3]]
+    torch.testing.assert_close(w, torch.softmax(logits, -1).gather(1, ids.long()))
+    # equal router rows give exactly equal logits through the GEMM too, also split across programs
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(2, 16, generator=gen) + 0.5
+    weight = torch.randn(16, 16, generator=gen) * 0.1
+    weight[14] = weight[9] = weight[2] = torch.rand(16, generator=gen) + 1  # the largest logit, three times
+    _, ids = fused_gemm_topk(x, weight, 3, True, torch.float32, tile=RouterTile(block_e=4, block_h=16))
+    assert ids.tolist() == [[2, 9, 14]] * 2
+
+
+def _moe_spec(num_experts=60, top_k=4, hidden=32):
+    return ModelSpec(family="qwen3_moe", vocab_size=64, hidden_size=hidden, num_layers=1, num_heads=2,
+                     num_kv_heads=2, head_dim=16, num_experts=num_experts, top_k=top_k, moe_intermediate_size=8,
+                     intermediate_size=16, norm_topk_prob=True, sparse_layers=(True,))
+
+
+@pytest.mark.parametrize("lora_backend", ["torch", "triton"])
+@pytest.mark.parametrize("num_tokens", [7, 70])  # router GEMM in the kernel; linear layer + routing kernel
+def test_moe_block_routes_like_torch_with_router_lora(lora_backend, num_tokens):
+    """MoEBlock.route with the triton backend against the torch backend, a router LoRA on some rows; rows
+    without an adapter route bitwise as in a batch without LoRA."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    spec = _moe_spec()
+    fused = MoEBlock(spec, "triton", lora_backend, gemm_topk_max_tokens=64)
+    ref = MoEBlock(spec, "torch", "torch")
+    weight = torch.randn(spec.num_experts, spec.hidden_size, generator=gen) * 0.3
+    lora_a = torch.randn(2, 1, 4, spec.hidden_size, generator=gen) * 0.3
+    lora_b = torch.randn(2, spec.num_experts, 4, generator=gen) * 0.5
+    for block in (fused, ref):
+        block.router.weight.data.copy_(weight)
+        block.router.lora_a, block.router.lora_b = lora_a, lora_b
+    x = torch.randn(num_tokens, spec.hidden_size, generator=gen)
+    slots = torch.tensor([-1, 0, 1] * num_tokens, dtype=torch.int32)[:num_tokens]
+    lora = LoRABatch(slots, torch.tensor([4, 4], dtype=torch.int32), active_slots=(0, 1))
+    w, ids = fused.route(x, lora)
+    _check((w, ids), ref.route(x, lora), atol=2e-6)
+    base_w, base_ids = fused.route(x, None)
+    _check((base_w, base_ids), ref.route(x, None), atol=2e-6)
+    plain = slots < 0
+    assert torch.equal(w[plain], base_w[plain]) and torch.equal(ids[plain], base_ids[plain])
+    assert not torch.equal(ids[~plain], base_ids[~plain])  # the adapter really moves experts
+
+
+def test_bad_top_k_is_refused():
+    with pytest.raises(ValueError, match="top_k=9"):
+        fused_topk(torch.zeros(2, 8), 9, False, torch.float32)
+    with pytest.raises(ValueError, match="counters"):
+        fused_gemm_topk(torch.zeros(3, 8), torch.zeros(16, 8), 2, False, torch.float32,
+                        counters=torch.zeros(1, dtype=torch.int32), tile=RouterTile(block_e=8))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: bf16 at Qwen3-30B-A3B / Qwen1.5-MoE router shapes, and graph replays
+
+
+def _topk_logit_values(logits, ids):
+    """The selected experts' logits, sorted: equal under any tie order."""
+    return logits.float().gather(1, ids.long()).sort(-1, descending=True).values
+
+
+@gpu
+@pytest.mark.parametrize("num_experts,top_k,renorm", [(128, 8, True), (60, 4, False), (8, 2, True)])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256, 512])
+def test_gpu_bf16_routing(num_experts, top_k, renorm, num_tokens):
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    hidden = 2048
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(num_experts, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+    # routing alone on bf16 logits (ties possible in bf16: compare selected values, not ids)
+    logits = x @ weight.t()
+    w, ids = fused_topk(logits, top_k, renorm, torch.bfloat16)
+    rw, rids = fused_topk_ref(logits, top_k, renorm, torch.bfloat16)
+    torch.testing.assert_close(_topk_logit_values(logits, ids), _topk_logit_values(logits, rids), atol=0, rtol=0)
+    torch.testing.assert_close(w.float(), rw.float(), atol=1e-2, rtol=1e-2)
+    # with the GEMM: against the fp32 logits of the same bf16 inputs, rounded to bf16 as the kernel rounds them
+    ref_logits = (x.float() @ weight.float().t()).to(torch.bfloat16)
+    counters = torch.zeros(counter_slots(num_tokens), dtype=torch.int32, device="cuda")
+    w, ids = fused_gemm_topk(x, weight, top_k, renorm, torch.float32, counters=counters)
+    rw, rids = fused_topk_ref(ref_logits, top_k, renorm, torch.float32)
+    torch.testing.assert_close(_topk_logit_values(ref_logits, ids), _topk_logit_values(ref_logits, rids),
+                               atol=1e-2, rtol=0)  # a near-tie may flip by one bf16 rounding of the logits
+    torch.testing.assert_close(w.sort(-1).values, rw.sort(-1).values, atol=1e-2, rtol=1e-2)
+    assert not counters.any()
+
+
+@gpu
+def test_gpu_graph_replays_route_each_input():
+    """Captured once, replayed on new inputs: the counters come back to zero after every replay."""
+    hidden, num_experts, top_k, num_tokens = 2048, 128, 8, 8
+    gen = torch.Generator("cuda").manual_seed(0)
+    weight = torch.randn(num_experts, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.empty(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros(counter_slots(num_tokens), dtype=torch.int32, device="cuda")
+    x.normal_(generator=gen)
+    fused_gemm_topk(x, weight, top_k, True, torch.bfloat16, counters=counters)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w, ids = fused_gemm_topk(x, weight, top_k, True, torch.bfloat16, counters=counters)
+    for _ in range(3):
+        x.normal_(generator=gen)
+        graph.replay()
+        eager_w, eager_ids = fused_gemm_topk(x, weight, top_k, True, torch.bfloat16, counters=counters)
+        assert torch.equal(ids, eager_ids) and torch.equal(w, eager_w)
+        assert not counters.any()
