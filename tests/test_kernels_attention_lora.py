@@ -348,27 +348,36 @@ def test_gpu_prefill_qwen3_bf16():
 QKV_SIZES = (4096, 512, 512)
 
 
+DENSE_SHAPES = {"qkv": (QKV_SIZES, QWEN3["hidden"]), "o": ((QWEN3["hidden"],), QWEN3["n_heads"] * QWEN3["head_dim"])}
+
+
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("T", [1, 64, 256, 2048])
-def test_gpu_dense_lora_qwen3_bf16(T):
+@pytest.mark.parametrize("proj", ["qkv", "o"])
+@pytest.mark.parametrize("T", [1, 8, 64, 256, 2048])
+def test_gpu_dense_lora_qwen3_bf16(T, proj):
+    """Both paths (and dense_lora's pick) in bf16 at Qwen3-30B-A3B shapes, ranks 8..64 mixed in a rank-64 pool."""
     gen = torch.Generator(device="cuda").manual_seed(T)
+    sizes, in_features = DENSE_SHAPES[proj]
     ranks = [16, 8, 0, 64, 16, 16, 32, 16]  # rank 16 typical; pool max rank 64
-    a, b, slot_ranks = make_lora_pool(8, QKV_SIZES, 64, QWEN3["hidden"], ranks, torch.bfloat16, "cuda", gen)
-    x = torch.randn(T, QWEN3["hidden"], generator=gen, device="cuda").bfloat16()
+    a, b, slot_ranks = make_lora_pool(8, sizes, 64, in_features, ranks, torch.bfloat16, "cuda", gen)
+    x = torch.randn(T, in_features, generator=gen, device="cuda").bfloat16()
     slots = torch.randint(-1, 8, (T,), generator=gen, device="cuda", dtype=torch.int32)
-    want = torch.zeros(T, sum(QKV_SIZES), dtype=torch.float32, device="cuda")
-    dense_lora_ref(x, a, b, slots, slot_ranks, QKV_SIZES, want)
+    want = torch.zeros(T, sum(sizes), dtype=torch.float32, device="cuda")
+    dense_lora_ref(x, a, b, slots, slot_ranks, sizes, want)
     active = (slots >= 0) & (slot_ranks[slots.clamp_min(0).long()] > 0)
+    variants = {"default": lambda *args: dense_lora(*args)}
     for lanes in (None, 1, 8):
-        out = torch.zeros(T, sum(QKV_SIZES), dtype=torch.bfloat16, device="cuda")
-        if lanes is None:
-            dense_lora(x, a, b, slots, slot_ranks, QKV_SIZES, out)
-        else:
-            _dense_lora(x, a, b, slots, slot_ranks, QKV_SIZES, out, lanes=lanes)
+        variants[f"one_lanes{lanes}"] = lambda *args, lanes=lanes: _dense_lora_one_launch(*args, lanes=lanes)
+        variants[f"two_lanes{lanes}"] = lambda *args, lanes=lanes: _dense_lora_two_launch(*args, lanes=lanes)
+    for block_n in (16, 64, 128):
+        variants[f"one_n{block_n}"] = lambda *args, block_n=block_n: _dense_lora_one_launch(*args, block_n=block_n)
+    for name, fn in variants.items():
+        out = torch.zeros(T, sum(sizes), dtype=torch.bfloat16, device="cuda")
+        fn(x, a, b, slots, slot_ranks, sizes, out)
         if active.any():
-            assert rel_err(out, want) < 1e-2, lanes
-        assert torch.equal(out[~active], torch.zeros_like(out[~active])), lanes
+            assert rel_err(out, want) < 1e-2, name
+        assert torch.equal(out[~active], torch.zeros_like(out[~active])), name
 
 
 @gpu
@@ -398,7 +407,7 @@ def test_gpu_cuda_graph_decode_attention_and_lora():
     def step():
         paged_decode_attention(q, k, v, tables, ctx, scale, out=attn_out)
         lora_out.zero_()
-        dense_lora(x, a, b, slots, slot_ranks, QKV_SIZES, lora_out)
+        dense_lora(x, a, b, slots, slot_ranks, QKV_SIZES, lora_out)  # batch 48: the one-launch path
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
