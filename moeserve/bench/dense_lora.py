@@ -6,7 +6,7 @@ For the fused q|k|v projection (2048 -> 4096+512+512) and o_proj (4096 -> 2048),
 case, three CUDA graphs, timed interleaved (A, B, C, A, B, C) and reported as medians: the base GEMM
 alone, base + two-launch LoRA, base + one-launch LoRA. Each graph rotates through copies of weights,
 adapters and inputs that together are far larger than L2, as when 48 layers run between two calls of
-one layer. Cases: 1 and 4 rank-16 adapters on every row, 4 on every other row, and one rank-8 adapter,
+one layer. Cases: 1, 4 and 8 rank-16 adapters on every row, 4 on every other row, and one rank-8 adapter,
 all in an 8-slot rank-64 pool. Each path is also checked against the fp32 reference.
 `--sweep` times one-launch tile candidates around the defaults at decode sizes.
 """
@@ -33,6 +33,7 @@ CASES = {  # name -> (rank of each slot, adapters in use, fraction of rows with 
     "lora1_r16": ([16] + [0] * 7, 1, 1.0),
     "lora4_r16": ([16] * 4 + [0] * 4, 4, 1.0),
     "lora4_r16_half": ([16] * 4 + [0] * 4, 4, 0.5),
+    "lora8_r16": ([16] * 8, 8, 1.0),
     "lora1_r8_of_64": ([8] + [0] * 7, 1, 1.0),
 }
 PATHS = {"two": _dense_lora_two_launch, "one": _dense_lora_one_launch}

@@ -114,7 +114,8 @@ def _shrink_kernel(
 
 
 @triton.jit
-def _column_tile(nt, SIZE0, SIZE1, SIZE2, SIZE3, TILE1, TILE2, TILE3, BLOCK_N: tl.constexpr):
+def _column_tile(nt, SIZE0: tl.constexpr, SIZE1: tl.constexpr, SIZE2: tl.constexpr, SIZE3: tl.constexpr,
+                 TILE1: tl.constexpr, TILE2: tl.constexpr, TILE3: tl.constexpr, BLOCK_N: tl.constexpr):
     """Slice, output columns and column mask of column tile `nt`.
 
     Tiles are laid out slice by slice, none straddles two; TILEi is the first tile of slice i
@@ -231,13 +232,16 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sms(device: torch.device) -> int:
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _default_k_splits(num_token_tiles: int, num_slices: int, in_features: int, block_k: int,
                       device: torch.device) -> int:
     """Split `in` across programs while tiles x slices alone would leave the GPU idle (decode)."""
     if device.type != "cuda":
         return 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    want = triton.cdiv(2 * sms, num_token_tiles * num_slices)
+    want = triton.cdiv(2 * _device_sms(device), num_token_tiles * num_slices)
     return max(1, min(want, triton.cdiv(in_features, block_k), 8))
 
 
@@ -283,9 +287,8 @@ def _default_block_n(slice_sizes, programs_per_column_tile: int, device: torch.d
     """The widest column tile whose grid still covers every SM (the shrink is paid once per tile)."""
     if device.type != "cuda":
         return 16
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     for block_n in (128, 64, 32):
-        if _column_tiles(slice_sizes, block_n)[1][-1] * programs_per_column_tile >= sms:
+        if _column_tiles(slice_sizes, block_n)[1][-1] * programs_per_column_tile >= _device_sms(device):
             return block_n
     return 16
 
@@ -306,6 +309,8 @@ def _dense_lora_one_launch(x, lora_a, lora_b, token_slots, slot_ranks, slice_siz
     lanes = _default_lanes(T, num_slots, block_t) if lanes is None else max(1, min(lanes, num_slots, block_t))
     if block_n is None:
         block_n = 16 if _INTERPRET else _default_block_n(slice_sizes, num_token_tiles * lanes, x.device)
+    for name, size in (("block_t", block_t), ("block_n", block_n), ("block_k", block_k)):
+        assert size >= 16 and size & (size - 1) == 0, f"{name}={size}: tiles are powers of two >= 16 (tl.dot)"
     sizes, tile_starts = _column_tiles(slice_sizes, block_n)
     _one_launch_kernel[(num_token_tiles, tile_starts[num_slices], lanes)](
         x, lora_a, lora_b, token_slots, slot_ranks, out,
