@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from moeserve.bench.common import bandwidths, graph_time_us
-from moeserve.kernels.lora_dense import _dense_lora
+from moeserve.kernels.lora_dense import SINGLE_LAUNCH_MAX_TOKENS, _dense_lora_one_launch, _dense_lora_two_launch
 from moeserve.kernels.paged_attention import (
     DECODE_BLOCK_N,
     _launch_decode,
@@ -136,7 +136,9 @@ def bench_lora(T: int, proj: str, pattern: str, gen, variants: list[dict], num_s
     rows = []
     for var in variants:
         cfg = {k: var[k] for k in ("block_t", "block_k", "block_n", "k_splits", "lanes", "num_warps") if k in var}
-        fns = [lambda s=s: _dense_lora(s[0], s[1], s[2], slots, ranks, slice_sizes, s[3], **cfg) for s in sets]
+        # the path dense_lora takes at this T
+        path = _dense_lora_one_launch if T <= SINGLE_LAUNCH_MAX_TOKENS else _dense_lora_two_launch
+        fns = [lambda s=s: path(s[0], s[1], s[2], slots, ranks, slice_sizes, s[3], **cfg) for s in sets]
         us = graph_time_us(fns)
         rows.append(dict(kernel="dense_lora", proj=proj, T=T, pattern=pattern, rank=rank, max_rank=max_rank,
                          variant=var.get("name", "default"), **cfg, us=us, base_gemm_us=base_us,

@@ -1,7 +1,7 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
-                                     [--sweep] [--profile] [--parts moe,router]
+                                     [--sweep] [--profile] [--parts moe,router,dense_lora]
 
 Measures, in one process on one GPU:
 - read bandwidth: a large device-to-device copy (read + write counted) and a large
@@ -18,6 +18,7 @@ per-kernel GPU time at a few batch sizes. Prints one table last, writes kernels_
 `--parts router` times the MoE routing (router GEMM, softmax, top-k, renorm, cast) at T = 1, 8, 64,
 256, 512: the torch code, the linear layer + `fused_topk`, and `fused_gemm_topk` at a few tiles,
 each over enough router weights (cold L2, as between layers) in one CUDA graph; writes router_bench.json.
+Part `dense_lora` (moeserve.bench.dense_lora) times the dense multi-LoRA paths first, with its own table.
 """
 
 import argparse
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.bench import dense_lora
 from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.kernels.fused_moe import GemmTile, MoELoRAArgs, MoEPlan, default_plan, fused_moe
 from moeserve.kernels.moe_align import moe_align, moe_align_ref
@@ -299,11 +301,14 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out/")
     ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
-    ap.add_argument("--parts", default="moe,router", help="comma list of: moe (fused MoE), router (routing)")
+    known = {"moe", "router", "dense_lora"}
+    ap.add_argument("--parts", default="moe,router,dense_lora",
+                    help="comma list: moe (fused MoE and MoE-LoRA), router (routing), dense_lora (one- vs two-launch "
+                         "dense LoRA)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
-    if parts - {"moe", "router"}:
-        ap.error(f"--parts: unknown {sorted(parts - {'moe', 'router'})} (known: moe, router)")
+    if not parts <= known:
+        ap.error(f"--parts: unknown part(s) {sorted(parts - known)}; choose from {', '.join(sorted(known))}")
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA device")
         return 1
@@ -316,20 +321,26 @@ def main(argv=None):
     if "router" in parts:
         router = bench_router(gen)
         (out_dir / "router_bench.json").write_text(json.dumps({"device": device, **router}, indent=1))
-    if "moe" not in parts:
+    if not parts & {"moe", "dense_lora"}:
         return 0
     bw = read_bandwidth()
     print(f"{device}: copy {bw['copy_gbps']:.0f} GB/s (read+write), "
           f"read-only sum {bw['read_gbps']:.0f} GB/s", flush=True)
-    weights = [make_weights(gen) for _ in range(NUM_SETS)]
-    pools = [make_lora_pool(gen) for _ in range(NUM_SETS)]
     report = {"device": device, "shape": dict(hidden=HIDDEN, inter=INTER, experts=NUM_EXPERTS,
                                               top_k=TOP_K),
               "bandwidth": bw, "batches": [], "sweep": {}, "sweep_lora": {},
-              "profile": {}}
+              "profile": {}, "dense_lora": []}
 
     def save():
         (out_dir / "kernels_bench.json").write_text(json.dumps(report, indent=1))
+
+    if "dense_lora" in parts:
+        dense_lora.run(batches, args.sweep, gen, report["dense_lora"], save)
+        dense_lora.print_table(report["dense_lora"])
+    if "moe" not in parts:
+        return 0
+    weights = [make_weights(gen) for _ in range(NUM_SETS)]
+    pools = [make_lora_pool(gen) for _ in range(NUM_SETS)]
 
     for batch in batches:
         try:
