@@ -22,6 +22,8 @@ from moeserve.kernels.fused_moe import (  # noqa: E402
     fused_moe_ref,
 )
 from moeserve.kernels.moe_align import align_max_blocks, moe_align, moe_align_ref  # noqa: E402
+from moeserve.layers.batch import LoRABatch  # noqa: E402
+from moeserve.layers.moe import ExpertLoRABuffers, moe_experts_torch  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -44,16 +46,18 @@ def _route(num_tokens, num_experts, top_k, gen, device=DEV, empty_expert=None):
 
 
 def _lora_pool(num_slots, num_experts, hidden, inter, max_rank, ranks, gen, std,
-               dtype=torch.float32, device=DEV):
-    """Slot pool as the LoRA manager keeps it: columns >= each slot's rank are zero."""
+               dtype=torch.float32, device=DEV, fused_form=False):
+    """Slot pool as the LoRA manager keeps it: columns >= each slot's rank are zero. gate_up has
+    a gate A and an up A (separate gate and up adapters); `fused_form`: one A in both halves."""
     def pool(*shape):
-        w = torch.randn(num_slots, num_experts, *shape, generator=gen, device=device) * std
-        return w
+        return torch.randn(num_slots, num_experts, *shape, generator=gen, device=device) * std
 
-    ga, gb = pool(max_rank, hidden), pool(2 * inter, max_rank)
+    ga, gb = pool(2, max_rank, hidden), pool(2 * inter, max_rank)
     da, db = pool(max_rank, inter), pool(hidden, max_rank)
+    if fused_form:
+        ga[:, :, 1] = ga[:, :, 0]
     for s, r in enumerate(ranks):
-        ga[s, :, r:] = 0
+        ga[s, :, :, r:] = 0
         gb[s, ..., r:] = 0
         da[s, :, r:] = 0
         db[s, ..., r:] = 0
@@ -189,16 +193,19 @@ LORA_SHAPES = [  # (T, K, E, H, I)
 ]
 
 
+@pytest.mark.parametrize("fused_form", [False, True], ids=["gate+up", "gate_up"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
 @pytest.mark.parametrize("shape", LORA_SHAPES, ids=lambda s: "T{}K{}E{}H{}I{}".format(*s))
-def test_fused_moe_lora_matches_reference(shape, decode):
+def test_fused_moe_lora_matches_reference(shape, decode, fused_form):
     """Mixed batch in a rank-64 pool: ranks 8 and 16 (one rank tile) and 64 (four tiles, the
-    later ones in the trailing loops), an empty slot and tokens without adapter."""
+    later ones in the trailing loops), an empty slot and tokens without adapter; separate gate
+    and up adapters (an A each) or the fused form (one A in both halves)."""
     num_tokens, top_k, num_experts, hidden, inter = shape
     plan = default_plan(num_tokens, top_k, decode)
     assert plan.lora_rank_block == 16
     gen, x, w13, w2, weights, ids = _moe_problem(*shape, seed=4)
-    ranks, pool = _lora_pool(4, num_experts, hidden, inter, 64, [8, 16, 0, 64], gen, std=0.15)
+    ranks, pool = _lora_pool(4, num_experts, hidden, inter, 64, [8, 16, 0, 64], gen, std=0.15,
+                             fused_form=fused_form)
     slots = torch.tensor([0, -1, 1, 2, 3, 0], dtype=torch.int32, device=DEV)
     lora = MoELoRAArgs(slots, ranks, *pool)
     out = fused_moe(x, w13, w2, weights, ids, lora, plan=plan)
@@ -222,18 +229,33 @@ def test_fused_moe_lora_ignores_columns_beyond_rank():
     ranks, pool = _lora_pool(2, 4, 32, 32, 8, [2, 4], gen, std=0.3)
     slots = torch.tensor([0, 1, 0], dtype=torch.int32, device=DEV)
     lora = MoELoRAArgs(slots, ranks, *pool)
-    dirty = [w.clone() for w in pool]
-    for w in dirty:  # garbage in the unused rank columns of both slots
-        if w.shape[2] == 8:
-            w[0, :, 2:] = 7.0
-            w[1, :, 4:] = 7.0
-        else:
-            w[0, ..., 2:] = 7.0
-            w[1, ..., 4:] = 7.0
-    lora_dirty = MoELoRAArgs(slots, ranks, *dirty)
+    ga, gb, da, db = (w.clone() for w in pool)
+    for slot, rank in ((0, 2), (1, 4)):  # garbage in the unused rank columns of both slots
+        ga[slot, :, :, rank:] = 7.0
+        da[slot, :, rank:] = 7.0
+        gb[slot, ..., rank:] = 7.0
+        db[slot, ..., rank:] = 7.0
+    lora_dirty = MoELoRAArgs(slots, ranks, ga, gb, da, db)
     for decode in (True, False):
         clean = fused_moe(x, w13, w2, weights, ids, lora, decode=decode)
         assert torch.equal(fused_moe(x, w13, w2, weights, ids, lora_dirty, decode=decode), clean)
+
+
+@pytest.mark.parametrize("fused_form", [False, True], ids=["gate+up", "gate_up"])
+def test_layer_reference_matches_kernel_reference(fused_form):
+    """The layer's torch experts (dense per-expert loop, what the torch backend serves) and the
+    per-pair kernel oracle agree on the gate/up halves, ranks and slots."""
+    num_experts, hidden, inter = 4, 24, 16
+    gen, x, w13, w2, weights, ids = _moe_problem(5, 2, num_experts, hidden, inter, seed=6)
+    ranks, pool = _lora_pool(3, num_experts, hidden, inter, 8, [3, 0, 8], gen, std=0.3,
+                             fused_form=fused_form)
+    slots = torch.tensor([2, 0, -1, 1, 0], dtype=torch.int32, device=DEV)
+    ours = moe_experts_torch(x, w13, w2, weights, ids, LoRABatch(slots, ranks), ExpertLoRABuffers(*pool))
+    ref = fused_moe_ref(x, w13, w2, weights, ids, MoELoRAArgs(slots, ranks, *pool))
+    assert _rel(ours, ref) < 1e-5
+    base = moe_experts_torch(x, w13, w2, weights, ids, None, None)
+    assert _size_ratio(ours - base, base) > 0.1
+    assert torch.equal(ours[2], base[2]) and torch.equal(ours[3], base[3])  # no adapter / rank 0
 
 
 # --------------------------------------------------------------------------------------------

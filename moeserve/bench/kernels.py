@@ -68,7 +68,7 @@ def make_lora_pool(gen):
         return torch.randn(LORA_SLOTS, NUM_EXPERTS, *shape, generator=gen, device=DEVICE,
                            dtype=torch.bfloat16) * 0.02
 
-    return (normal(LORA_MAX_RANK, HIDDEN), normal(2 * INTER, LORA_MAX_RANK),
+    return (normal(2, LORA_MAX_RANK, HIDDEN), normal(2 * INTER, LORA_MAX_RANK),
             normal(LORA_MAX_RANK, INTER), normal(HIDDEN, LORA_MAX_RANK))
 
 

@@ -2,7 +2,8 @@
 
     out[t] = sum_k w[t,k] * (W2_e @ h + dD),   e = topk_ids[t,k]
     h = silu(g) * u,  [g | u] = W13_e @ x_t + dGU
-    dGU = B13[s,e] @ (A13[s,e] @ x_t),  dD = B2[s,e] @ (A2[s,e] @ h),  s = the token's adapter slot
+    dGU = [Bg[s,e] @ (Ag[s,e] @ x_t) | Bu[s,e] @ (Au[s,e] @ x_t)],  dD = B2[s,e] @ (A2[s,e] @ h)
+    (s = the token's adapter slot; gate and up have an A each, rank r each)
 
 Two paths, chosen from the number of (token, k) pairs only (so a CUDA graph of a batch
 size always records the same kernels):
@@ -36,7 +37,7 @@ from moeserve.kernels.moe_align import moe_align
 class MoELoRAArgs:
     token_slots: torch.Tensor  # [T] int32, adapter slot of each token, -1 = no adapter
     slot_ranks: torch.Tensor  # [L] int32, rank of each slot (0 = empty); columns >= rank are zero
-    gate_up_a: torch.Tensor  # [L, E, R, H]
+    gate_up_a: torch.Tensor  # [L, E, 2, R, H]: [:, :, 0] A of the gate rows, [:, :, 1] of the up rows
     gate_up_b: torch.Tensor  # [L, E, 2I, R]  (LoRA scaling folded in)
     down_a: torch.Tensor  # [L, E, R, I]
     down_b: torch.Tensor  # [L, E, H, R]
@@ -488,7 +489,10 @@ def _lora_operands(lora: MoELoRAArgs | None, dummy: torch.Tensor):
     if lora is None:
         return (dummy, dummy), (0,) * 7, (dummy, dummy), (0,) * 6
     ga, gb, da, db = lora.gate_up_a, lora.gate_up_b, lora.down_a, lora.down_b
-    return ((ga, gb), (ga.stride(0), ga.stride(1), 0, ga.stride(2), *gb.stride()[:3]),
+    if ga.dim() != 5 or any(t.stride(-1) != 1 for t in (ga, gb, da, db)):
+        raise ValueError("expert LoRA buffers: gate_up_a must be [L, E, 2, R, H] and every buffer "
+                         "contiguous in its last dim")
+    return ((ga, gb), (*ga.stride()[:4], *gb.stride()[:3]),
             (da, db), (*da.stride()[:3], *db.stride()[:3]))
 
 
@@ -624,8 +628,9 @@ def fused_moe_ref(
             gate_up = w13[e].float() @ xt
             if s >= 0 and ranks[s] > 0:
                 r = ranks[s]
-                gate_up = gate_up + lora.gate_up_b[s, e, :, :r].float() @ (
-                    lora.gate_up_a[s, e, :r].float() @ xt)
+                b = lora.gate_up_b[s, e, :, :r].float()
+                a = lora.gate_up_a[s, e, :, :r].float()
+                gate_up = gate_up + torch.cat([b[:inter] @ (a[0] @ xt), b[inter:] @ (a[1] @ xt)])
             h = F.silu(gate_up[:inter]) * gate_up[inter:]
             y = w2[e].float() @ h
             if s >= 0 and ranks[s] > 0:
