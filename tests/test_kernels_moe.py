@@ -193,16 +193,21 @@ LORA_SHAPES = [  # (T, K, E, H, I)
 ]
 
 
+@pytest.mark.parametrize("small_tiles", [False, True], ids=["default", "small"])
 @pytest.mark.parametrize("fused_form", [False, True], ids=["gate+up", "gate_up"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
 @pytest.mark.parametrize("shape", LORA_SHAPES, ids=lambda s: "T{}K{}E{}H{}I{}".format(*s))
-def test_fused_moe_lora_matches_reference(shape, decode, fused_form):
+def test_fused_moe_lora_matches_reference(shape, decode, fused_form, small_tiles):
     """Mixed batch in a rank-64 pool: ranks 8 and 16 (one rank tile) and 64 (four tiles, the
     later ones in the trailing loops), an empty slot and tokens without adapter; separate gate
-    and up adapters (an A each) or the fused form (one A in both halves)."""
+    and up adapters (an A each) or the fused form (one A in both halves). `small_tiles`: several
+    K steps and several N tiles per gate/up half, as at real sizes."""
     num_tokens, top_k, num_experts, hidden, inter = shape
     plan = default_plan(num_tokens, top_k, decode)
     assert plan.lora_rank_block == 16
+    if small_tiles:
+        tile = replace(plan.gate_up, block_n=16, block_k=16)
+        plan = replace(plan, gate_up=tile, down=tile)
     gen, x, w13, w2, weights, ids = _moe_problem(*shape, seed=4)
     ranks, pool = _lora_pool(4, num_experts, hidden, inter, 64, [8, 16, 0, 64], gen, std=0.15,
                              fused_form=fused_form)

@@ -67,7 +67,10 @@ DECODE_MAX_PAIRS = 64
 
 def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoEPlan:
     """Block sizes by problem size: a static table from the H200 sweep of
-    `python -m moeserve.bench.kernels --sweep`. `decode` forces a path."""
+    `python -m moeserve.bench.kernels --sweep`. `decode` forces a path. The plan does not depend
+    on LoRA: the LoRA variant runs the base math with the same tiles, so rows without an
+    adapter stay bitwise the no-LoRA result. (With LoRA, a sorted block holds one (expert, slot)
+    group, so tall blocks pad more: the sweep times each tile with and without 4 adapters.)"""
     num_pairs = num_tokens * top_k
     if decode is None:
         decode = num_pairs <= DECODE_MAX_PAIRS
@@ -91,8 +94,8 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoE
 # activation tiles it already loads; ranks beyond BLOCK_R (rank read in-kernel) run a trailing
 # loop that reads the activations again. Programs whose slot is -1 or of rank 0 load nothing
 # (masked) and skip the epilogue add, so their rows are bitwise the base result. The gate_up
-# A has a gate half and an up half (stride_ah; 0 for one A shared by both): an N tile lies in
-# one half, since I is a multiple of BLOCK_N.
+# A has a gate half and an up half (stride_ah): an N tile lies in one half, since I is a
+# multiple of the gate_up BLOCK_N (_fit_gate_up_tile).
 
 
 @triton.jit
@@ -198,7 +201,7 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
-def _act_tile(gate_ptrs, K, mask, dtype):
+def _act_tile(gate_ptrs, K, mask, dtype: tl.constexpr):
     """silu(g) * u of a [rows, BLOCK_K] tile of gu (rows [g | u]), as the down GEMM's A operand."""
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
     up = tl.load(gate_ptrs + K, mask=mask, other=0.0)
