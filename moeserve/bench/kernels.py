@@ -1,7 +1,7 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
-                                     [--sweep] [--profile]
+                                     [--sweep] [--profile] [--parts moe,norm_rotary]
 
 Measures, in one process on one GPU:
 - read bandwidth: a large device-to-device copy (read + write counted) and a large
@@ -14,6 +14,9 @@ Measures, in one process on one GPU:
 - the alignment kernel against its torch reference.
 `--sweep` also times block-size candidates and both paths per batch; `--profile` prints
 per-kernel GPU time at a few batch sizes. Prints one table last, writes kernels_bench.json.
+Part `norm_rotary` (bench/norm_kernels.py): the fused RMSNorm, residual add + RMSNorm and q/k norm +
+rotary + KV write kernels against the torch code they replace at T = 1, 8, 64, 256, 512; its own table
+and norm_rotary_bench.json.
 """
 
 import argparse
@@ -228,13 +231,20 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out/")
     ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
+    ap.add_argument("--parts", default="moe,norm_rotary",
+                    help="comma-separated: moe (fused MoE + LoRA), norm_rotary (fused norms, attention prologue)")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if parts - {"moe", "norm_rotary"}:
+        ap.error(f"unknown --parts {sorted(parts - {'moe', 'norm_rotary'})}; choose from moe, norm_rotary")
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA device")
         return 1
     batches = [int(b) for b in args.batches.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if "moe" not in parts:
+        return run_norm_rotary(out_dir)
     t0 = time.time()
     gen = torch.Generator(DEVICE).manual_seed(0)
     device = torch.cuda.get_device_name()
@@ -271,6 +281,16 @@ def main(argv=None):
               + " ".join(f"{r[c]['ratio']:>14.3f}" for c in LORA_CASES)
               + f" {r['align_us']:>8.1f} {r['align_ref_us']:>6.1f}")
     save()
+    return run_norm_rotary(out_dir) if "norm_rotary" in parts else 0
+
+
+def run_norm_rotary(out_dir: Path) -> int:
+    from moeserve.bench import norm_kernels
+
+    rows = norm_kernels.bench_norm_rotary()
+    (out_dir / "norm_rotary_bench.json").write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    norm_kernels.print_table(rows)
     return 0
 
 
