@@ -98,7 +98,8 @@ class Attention(nn.Module):
             self.prologue_kernels = norm_rotary
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        q = self.qk_norm_rotary_write_kv(self.qkv_proj(x, batch.lora), batch.positions, batch.attn, k_cache, v_cache)
+        qkv = self.qkv_proj(x, batch.lora)
+        q = self.qk_norm_rotary_write_kv(qkv, batch.positions, batch.attn, k_cache, v_cache)
         return self.o_proj(self.attend(q, batch.attn, k_cache, v_cache), batch.lora)
 
     def qk_norm_rotary_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -108,9 +109,8 @@ class Attention(nn.Module):
             q, k, v = self.qk_norm_rotary(qkv, positions)
             self.write_kv(k, v, meta, k_cache, v_cache)
             return q
-        norm = self.spec.qk_norm
         return self.prologue_kernels.qk_norm_rotary_write_kv(
-            qkv, positions, self.rotary.cos, self.rotary.sin, self.nh, self.nkv, self.d, norm,
+            qkv, positions, self.rotary.cos, self.rotary.sin, self.nh, self.nkv, self.d, self.spec.qk_norm,
             None if self.q_norm is None else self.q_norm.weight, None if self.k_norm is None else self.k_norm.weight,
             self.spec.rms_norm_eps, k_cache, v_cache, meta.slot_mapping, self.spec.clip_qkv)
 
