@@ -44,13 +44,14 @@ def test_regions_chained_are_the_layer_forward(family, backend):
 
     seqs = bench.sequences(B, [-1] * B)
     batch = bench.runner.prepare(ScheduledBatch(seqs, [1] * B, is_decode=True))
-    x = torch.randn(B, bench.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(B, bench.spec.hidden_size, generator=gen) for _ in range(2))
     for layer, (k_cache, v_cache) in zip(bench.model.layers, bench.model.kv_caches):
-        regions, chained = layer_profile.layer_regions(layer, x, batch, k_cache, v_cache, ctx_len=512)
-        reference = layer(x, batch, k_cache, v_cache)
-        assert torch.equal(chained, reference), (family, layer.layer_idx)
+        regions, chained = layer_profile.layer_regions(layer, x, residual, batch, k_cache, v_cache, ctx_len=512)
+        reference = layer(x, residual, batch, k_cache, v_cache)
+        assert all(torch.equal(c, r) for c, r in zip(chained, reference)), (family, layer.layer_idx)
         names = [r.name for r in regions]
-        assert names[-1] == "residual_add" and ("experts" in names) == layer.is_sparse
+        assert names[-1] == ("experts" if layer.is_sparse else "dense_mlp")
         assert all(r.nbytes > 0 for r in regions)
 
 

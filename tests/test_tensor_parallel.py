@@ -125,6 +125,20 @@ def test_triton_kernels_on_sharded_shapes_equal_tp1(tmp_path, tp_engine, expert_
     assert_same(two.generate(ps, sp, lora=loras), ref)
 
 
+def test_triton_attention_and_fused_norms_on_sharded_shapes_equal_tp1(tmp_path, tp_engine):
+    """The Triton attention backend's fused norms (interpreted on CPU) under TP: the residual add + norm follows
+    the all-reduce, and olmoe's full-width q/k norm (spanning the ranks, one KV head replicated) keeps the torch
+    path with its all-reduce while the rest of the layer runs the kernels."""
+    overrides = CASES["olmoe"][0]
+    base = save_base_checkpoint("olmoe", tmp_path / "base", **overrides)
+    ps, sp = prompts(2, seed=5), SamplingParams(max_tokens=2, **GREEDY)
+    ref = Engine(config(base)).generate(ps, sp)
+    two = tp_engine(config(base, tensor_parallel_size=2, attention_backend="triton"))
+    layer = two.runner.model.layers[0]
+    assert layer.self_attn.prologue_kernels is None and layer.input_layernorm.kernels is not None
+    assert_same(two.generate(ps, sp), ref)
+
+
 @pytest.mark.parametrize("family,overrides", [("qwen2_moe", {}), ("olmoe", {"num_key_value_heads": 1})])
 def test_a_rank_loads_exactly_its_slices_through_get_slice(tmp_path, monkeypatch, family, overrides):
     """Rank 1 of 2, loaded in-process (building a shard runs no collective): every parameter is the slice of the

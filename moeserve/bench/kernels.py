@@ -1,7 +1,7 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
-                                     [--sweep] [--profile] [--parts moe,router,dense_lora]
+                                     [--sweep] [--profile] [--parts moe,router,dense_lora,norm_rotary]
 
 Measures, in one process on one GPU:
 - read bandwidth: a large device-to-device copy (read + write counted) and a large
@@ -21,6 +21,9 @@ per-kernel GPU time at a few batch sizes. Prints one table last, writes kernels_
 256, 512: the torch code, the linear layer + `fused_topk`, and `fused_gemm_topk` at a few tiles,
 each over enough router weights (cold L2, as between layers) in one CUDA graph; writes router_bench.json.
 Part `dense_lora` (moeserve.bench.dense_lora) times the dense multi-LoRA paths first, with its own table.
+Part `norm_rotary` (bench/norm_kernels.py): the fused RMSNorm, residual add + RMSNorm and q/k norm +
+rotary + KV write kernels against the torch code they replace at T = 1, 8, 64, 256, 512; its own table
+and norm_rotary_bench.json.
 """
 
 import argparse
@@ -307,10 +310,10 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out/")
     ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
-    known = {"moe", "router", "dense_lora"}
-    ap.add_argument("--parts", default="moe,router,dense_lora",
+    known = {"moe", "router", "dense_lora", "norm_rotary"}
+    ap.add_argument("--parts", default="moe,router,dense_lora,norm_rotary",
                     help="comma list: moe (fused MoE and MoE-LoRA), router (routing), dense_lora (one- vs two-launch "
-                         "dense LoRA)")
+                         "dense LoRA), norm_rotary (fused norms, attention prologue)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if not parts <= known:
@@ -324,6 +327,8 @@ def main(argv=None):
     t0 = time.time()
     gen = torch.Generator(DEVICE).manual_seed(0)
     device = torch.cuda.get_device_name()
+    if "norm_rotary" in parts:
+        run_norm_rotary(out_dir)
     if "router" in parts:
         router = bench_router(gen)
         (out_dir / "router_bench.json").write_text(json.dumps({"device": device, **router}, indent=1))
@@ -369,6 +374,15 @@ def main(argv=None):
               + f" {r['align_us']:>8.1f} {r['align_ref_us']:>6.1f}")
     save()
     return 0
+
+
+def run_norm_rotary(out_dir: Path) -> None:
+    from moeserve.bench import norm_kernels
+
+    rows = norm_kernels.bench_norm_rotary()
+    (out_dir / "norm_rotary_bench.json").write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    norm_kernels.print_table(rows)
 
 
 if __name__ == "__main__":

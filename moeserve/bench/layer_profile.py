@@ -1,7 +1,9 @@
 """Per-layer kernel budget of a decode step (`bench decode --profile`).
 
-A decoder layer is cut into the regions its forward runs one after another (input norm, qkv GEMM,
-q/k norm + rotary, KV write, attention, o_proj, residual add + norm, router, experts, residual add).
+A decoder layer is cut into the regions its forward runs one after another (residual add + input norm,
+qkv GEMM, q/k norm + rotary + KV write, attention, o_proj, residual add + post-attention norm, router,
+experts). The layer is the residual-stream form: the add after the MLP is the next layer's input norm's,
+so the layer profiled is a middle one (its input norm adds the previous MLP output to the residual).
 Each region is timed as one CUDA graph that runs it for every layer of the model in turn, so no
 layer's weights are still in L2 when it runs again (a region replayed on one layer alone would read
 from L2 and look faster than it is). Its floor is the bytes it must move at the read bandwidth
@@ -32,64 +34,54 @@ def _elem(t: torch.Tensor) -> int:
     return t.element_size()
 
 
-def layer_regions(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, k_cache, v_cache,
-                  ctx_len: int) -> tuple[list[Region], torch.Tensor]:
-    """The regions of `layer` at input x [T, H] (a decode batch), each bound to the inputs the previous
-    region produced, and the layer's output computed by chaining them (for the equivalence test)."""
+def layer_regions(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch, k_cache,
+                  v_cache, ctx_len: int) -> tuple[list[Region], tuple[torch.Tensor, torch.Tensor]]:
+    """The regions of `layer` at input (x, residual) [T, H] (a decode batch), each bound to the inputs the
+    previous region produced, and the layer's output (MLP output, residual) computed by chaining them (for the
+    equivalence test)."""
     attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
     T, H = x.shape
     b = _elem(x)
     q_size, kv_size, d = spec.q_size, spec.kv_size, attn.d
     regions: list[Region] = []
-    state: dict = {"x": x}  # each region reads what the one before it produced
+    state: dict = {}  # each region reads what the one before it produced
 
     def add(name: str, fn, nbytes: int, key: str):
         state[key] = fn()
         regions.append(Region(name, fn, int(nbytes)))
 
-    add("input_layernorm", lambda: layer.input_layernorm(state["x"]), 2 * T * H * b + H * 4, "h")
+    add("add+input_norm", lambda: layer.input_layernorm(x, residual), 4 * T * H * b + H * b, "h_res")
     qkv_w = attn.qkv_proj.weight
-    add("qkv_proj", lambda: attn.qkv_proj(state["h"], batch.lora),
+    add("qkv_proj", lambda: attn.qkv_proj(state["h_res"][0], batch.lora),
         qkv_w.numel() * _elem(qkv_w) + T * (H + q_size + 2 * kv_size) * b, "qkv")
-
-    add("qk_norm+rotary", lambda: attn.qk_norm_rotary(state["qkv"], batch.positions),
-        2 * T * (q_size + 2 * kv_size) * b + 2 * T * d * 4, "qkv_rot")
-
-    def kv_write():
-        _, k, v = state["qkv_rot"]
-        attn.write_kv(k, v, batch.attn, k_cache, v_cache)
-        return k_cache
-
-    add("kv_write", kv_write, 2 * 2 * T * kv_size * b, "_kv")
-    add("attention", lambda: attn.attend(state["qkv_rot"][0], batch.attn, k_cache, v_cache),
+    # reads qkv and a cos/sin row per token, writes q and this step's K/V into the cache
+    add("qk_norm+rotary+kv_write",
+        lambda: attn.qk_norm_rotary_write_kv(state["qkv"], batch.positions, batch.attn, k_cache, v_cache),
+        2 * T * (q_size + 2 * kv_size) * b + 2 * T * d * _elem(attn.rotary.cos), "q")
+    add("attention", lambda: attn.attend(state["q"], batch.attn, k_cache, v_cache),
         T * ctx_len * 2 * kv_size * _elem(k_cache) + 2 * T * q_size * b, "o")
     o_w = attn.o_proj.weight
     add("o_proj", lambda: attn.o_proj(state["o"], batch.lora), o_w.numel() * _elem(o_w) + T * (q_size + H) * b,
         "attn_out")
-
-    def add_norm():
-        x2 = state["x"] + state["attn_out"]
-        return x2, layer.post_attention_layernorm(x2)
-
-    add("add+post_norm", add_norm, 4 * T * H * b + H * 4, "x2h")
+    add("add+post_norm", lambda: layer.post_attention_layernorm(state["attn_out"], state["h_res"][1]),
+        4 * T * H * b + H * b, "x2h")
     if not layer.is_sparse:
         mlp_bytes = sum(p.numel() * _elem(p) for p in mlp.parameters())
-        add("dense_mlp", lambda: mlp(state["x2h"][1], batch.lora), mlp_bytes + 2 * T * H * b, "y")
+        add("dense_mlp", lambda: mlp(state["x2h"][0], batch.lora), mlp_bytes + 2 * T * H * b, "y")
     else:
         E, k_top, inter = spec.num_experts, spec.top_k, spec.moe_intermediate_size
-        add("router", lambda: mlp.route(state["x2h"][1], batch.lora),
+        add("router", lambda: mlp.route(state["x2h"][0], batch.lora),
             E * H * _elem(mlp.router.weight) + T * H * b, "routing")
         touched = E * (1 - (1 - k_top / E) ** T)  # experts a batch of T tokens is expected to touch
 
         def experts():
             w, ids = state["routing"]
-            return mlp.experts(state["x2h"][1], w, ids, batch.lora)
+            return mlp.experts(state["x2h"][0], w, ids, batch.lora)
 
         shared_bytes = 0 if mlp.shared_expert is None else sum(
             p.numel() * _elem(p) for p in mlp.shared_expert.parameters())
         add("experts", experts, touched * 3 * H * inter * _elem(mlp.w13) + shared_bytes + 2 * T * H * b, "y")
-    add("residual_add", lambda: state["x2h"][0] + state["y"], 3 * T * H * b, "out")
-    return regions, state["out"]
+    return regions, (state["y"], state["x2h"][1])
 
 
 def kernel_names(fn: Callable[[], object]) -> list[str] | None:
@@ -115,10 +107,11 @@ def layer_budget(model, batch: ForwardBatch, x: torch.Tensor, ctx_len: int, band
     # the routed-expert layers (dense layers, where a family has them, cut into other regions)
     pairs = [(layer, kv) for layer, kv in zip(model.layers, model.kv_caches) if layer.is_sparse] or \
         list(zip(model.layers, model.kv_caches))
-    per_layer = [layer_regions(layer, x, batch, k, v, ctx_len)[0] for layer, (k, v) in pairs]
+    residual = x.flip(0).contiguous()  # a residual stream unlike x (a middle layer's input norm adds them)
+    per_layer = [layer_regions(layer, x, residual, batch, k, v, ctx_len)[0] for layer, (k, v) in pairs]
     # every timing first: the profiler (kernel names) can leave tracing hooks that slow later launches
     times = [timer([regions[i].run for regions in per_layer]) for i in range(len(per_layer[0]))]
-    layer_fns = [lambda layer=layer, k=k, v=v: layer(x, batch, k, v) for layer, (k, v) in pairs]
+    layer_fns = [lambda layer=layer, k=k, v=v: layer(x, residual, batch, k, v) for layer, (k, v) in pairs]
     layer_us = timer(layer_fns)
     rows = []
     for region, us in zip(per_layer[0], times):
@@ -138,8 +131,8 @@ def layer_budget(model, batch: ForwardBatch, x: torch.Tensor, ctx_len: int, band
 
 def print_budget(B: int, rows: list[dict]) -> None:
     print(f"\nkernel budget of one layer, decode B={B} (regions timed across all layers in one CUDA graph)")
-    print(f"{'region':>18} {'us':>8} {'bytes':>12} {'floor us':>9} {'share':>6} {'kernels':>7}")
+    print(f"{'region':>24} {'us':>8} {'bytes':>12} {'floor us':>9} {'share':>6} {'kernels':>7}")
     for r in rows:
         share = f"{r['share_of_floor']:.0%}" if r["share_of_floor"] is not None else "-"
         kern = r["kernels"] if r["kernels"] is not None else "-"
-        print(f"{r['region']:>18} {r['us']:8.1f} {r['bytes']:12,d} {r['floor_us']:9.1f} {share:>6} {kern!s:>7}")
+        print(f"{r['region']:>24} {r['us']:8.1f} {r['bytes']:12,d} {r['floor_us']:9.1f} {share:>6} {kern!s:>7}")

@@ -72,9 +72,11 @@ def make_attention_backend(name: str):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend, lora_backend: str, rotary: RotaryEmbedding):
+    def __init__(self, spec: ModelSpec, backend, lora_backend: str, rotary: RotaryEmbedding,
+                 fused_prologue: bool = False):
         """`rotary`: the model's one cos/sin table, shared by every layer (one per layer would cost
-        max_position x head_dim x 2 per layer: ~1 GiB at Qwen3-30B-A3B's 48 layers x 40k positions)."""
+        max_position x head_dim x 2 per layer: ~1 GiB at Qwen3-30B-A3B's 48 layers x 40k positions).
+        `fused_prologue`: q/k norm + rotary + KV write as one Triton kernel (else the torch code below)."""
         super().__init__()
         self.spec = spec
         self.nh, self.nkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -89,11 +91,28 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary
         self.backend = backend
+        self.prologue_kernels = None
+        if fused_prologue:
+            from moeserve.kernels import norm_rotary
+
+            self.prologue_kernels = norm_rotary
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        q, k, v = self.qk_norm_rotary(self.qkv_proj(x, batch.lora), batch.positions)
-        self.write_kv(k, v, batch.attn, k_cache, v_cache)
+        qkv = self.qkv_proj(x, batch.lora)
+        q = self.qk_norm_rotary_write_kv(qkv, batch.positions, batch.attn, k_cache, v_cache)
         return self.o_proj(self.attend(q, batch.attn, k_cache, v_cache), batch.lora)
+
+    def qk_norm_rotary_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The attention prologue: q [T, nh, d] ready to attend; this step's K/V written into the cache."""
+        if self.prologue_kernels is None:
+            q, k, v = self.qk_norm_rotary(qkv, positions)
+            self.write_kv(k, v, meta, k_cache, v_cache)
+            return q
+        return self.prologue_kernels.qk_norm_rotary_write_kv(
+            qkv, positions, self.rotary.cos, self.rotary.sin, self.nh, self.nkv, self.d, self.spec.qk_norm,
+            None if self.q_norm is None else self.q_norm.weight, None if self.k_norm is None else self.k_norm.weight,
+            self.spec.rms_norm_eps, k_cache, v_cache, meta.slot_mapping, self.spec.clip_qkv)
 
     def qk_norm_rotary(self, qkv: torch.Tensor, positions: torch.Tensor):
         """q [T, nh, d], k and v [T, nkv, d] from the fused projection: q/k norms, clipping, rotary."""

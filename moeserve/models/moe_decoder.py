@@ -19,15 +19,19 @@ from moeserve.layers.batch import ForwardBatch
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, attn_backend, moe_backend: str, lora_backend: str,
-                 rotary: RotaryEmbedding, tp: ParallelState | None = None):
+                 rotary: RotaryEmbedding, tp: ParallelState | None = None, norm_backend: str = "torch"):
         """`spec`: the shapes this rank holds; `tp`: the parallel state under tensor parallelism (None: one rank,
-        no collectives at all)."""
+        no collectives at all); `norm_backend` "triton": the norms (fused with the residual add) and the
+        attention prologue (q/k norm + rotary + KV write) run as one Triton kernel each."""
         super().__init__()
         self.tp = tp
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, attn_backend, lora_backend, rotary)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend)
+        # OLMoE's full-width q/k norms under TP need an all-reduce inside the norm: those keep the torch path
+        sharded_qk_norm = tp is not None and spec.qk_norm == "full"
+        self.self_attn = Attention(spec, attn_backend, lora_backend, rotary,
+                                   fused_prologue=norm_backend == "triton" and not sharded_qk_norm)
         self.is_sparse = spec.sparse_layers[layer_idx]
         if self.is_sparse and tp is not None and tp.expert_parallel:
             self.mlp = ExpertParallelMoEBlock(spec, moe_backend, lora_backend, tp)
@@ -35,17 +39,27 @@ class DecoderLayer(nn.Module):
             self.mlp = MoEBlock(spec, moe_backend, lora_backend)
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, lora_backend)
-        if tp is not None and spec.qk_norm == "full":  # olmoe's q/k norms span all heads, now split across ranks
+        if sharded_qk_norm:  # olmoe's q/k norms span all heads, now split across ranks
             attn = self.self_attn
             attn.q_norm = ShardedRMSNorm(spec.q_size, spec.rms_norm_eps, tp)
             attn.k_norm = ShardedRMSNorm(spec.kv_size, spec.rms_norm_eps, tp)
 
-    def forward(self, x, batch: ForwardBatch, k_cache, v_cache):
+    def forward(self, x, residual, batch: ForwardBatch, k_cache, v_cache):
+        """Residual-stream form: x is the previous layer's MLP output (the embeddings for the first layer, whose
+        residual is None); returns (this layer's MLP output, residual stream). Each residual add is fused into
+        the norm that follows it; the model's final norm adds the last MLP output."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        attn_out = self.self_attn(h, batch, k_cache, v_cache)
         if self.tp is not None:  # attention and MLP outputs are per-rank partial sums (row-parallel)
-            x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache))
-            return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x), batch.lora))
-        x = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
+            attn_out = self.tp.all_reduce(attn_out)
+        h, residual = self.post_attention_layernorm(attn_out, residual)
+        out = self.mlp(h, batch.lora)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        return out, residual
 
 
 class MoEForCausalLM(nn.Module):
@@ -62,13 +76,14 @@ class MoEForCausalLM(nn.Module):
             self.rank_spec, vocab_rows = rank_spec(spec, tp.world_size, tp.expert_parallel), sharding.vocab_per_rank
             self.vocab_start = sharding.vocab_rows()[0]
         attn = make_attention_backend(attention_backend)
+        norm_backend = "triton" if attention_backend == "triton" else "torch"  # the norms follow attention
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta)
         self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.rank_spec, i, attn, moe_backend, lora_backend, self.rotary, self.tp)
+            DecoderLayer(self.rank_spec, i, attn, moe_backend, lora_backend, self.rotary, self.tp, norm_backend)
             for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend)
         self.lm_head = None if spec.tie_word_embeddings else nn.Parameter(
             torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # bound by the model runner
@@ -82,9 +97,10 @@ class MoEForCausalLM(nn.Module):
             x = vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.vocab_start, self.tp)
         else:
             x = F.embedding(batch.input_ids, self.embed_tokens)
+        residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, self.kv_caches):
-            x = layer(x, batch, k_cache, v_cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch, k_cache, v_cache)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens if self.lm_head is None else self.lm_head
