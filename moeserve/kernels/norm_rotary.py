@@ -143,27 +143,28 @@ def _qk_norm_rotary_kv_kernel(qkv_ptr, qkv_stride, pos_ptr, cos_ptr, sin_ptr, co
     sin1 = _round(tl.load(sin_ptr + pos * cos_stride + cols, mask=cmask, other=0.0).to(tl.float32), act)
     sin2 = _round(tl.load(sin_ptr + pos * cos_stride + HALF + cols, mask=cmask, other=0.0).to(tl.float32), act)
     num_q_groups = tl.cdiv(NH, BLOCK_QH)
+    # the two branches name their tiles apart: Triton merges a name assigned in both, and q and k tiles differ
     if group < num_q_groups:
-        o1, o2, offs, mask = _norm_rotate_heads(row, qw_ptr, group * BLOCK_QH, cos1, sin1, cos2, sin2, eps, clip,
-                                                NH, D, HALF, BLOCK_QH, BLOCK_HALF, NORM, CLIP, act)
+        q1, q2, q_offs, q_mask = _norm_rotate_heads(row, qw_ptr, group * BLOCK_QH, cos1, sin1, cos2, sin2, eps, clip,
+                                                    NH, D, HALF, BLOCK_QH, BLOCK_HALF, NORM, CLIP, act)
         q_row = q_ptr + t * (NH * D)
-        tl.store(q_row + offs, o1.to(act), mask=mask)
-        tl.store(q_row + offs + HALF, o2.to(act), mask=mask)
+        tl.store(q_row + q_offs, q1.to(act), mask=q_mask)
+        tl.store(q_row + q_offs + HALF, q2.to(act), mask=q_mask)
     else:  # this token's K (normed, rotated) and V into the cache; padded rows go to the dummy slot
         cache_t = k_cache_ptr.dtype.element_ty
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        o1, o2, offs, mask = _norm_rotate_heads(row + NH * D, kw_ptr, 0, cos1, sin1, cos2, sin2, eps, clip,
-                                                NKV, D, HALF, BLOCK_KH, BLOCK_HALF, NORM, CLIP, act)
+        k1, k2, k_offs, k_mask = _norm_rotate_heads(row + NH * D, kw_ptr, 0, cos1, sin1, cos2, sin2, eps, clip,
+                                                    NKV, D, HALF, BLOCK_KH, BLOCK_HALF, NORM, CLIP, act)
         k_row = k_cache_ptr + slot * (NKV * D)
-        tl.store(k_row + offs, o1.to(act).to(cache_t), mask=mask)
-        tl.store(k_row + offs + HALF, o2.to(act).to(cache_t), mask=mask)
+        tl.store(k_row + k_offs, k1.to(act).to(cache_t), mask=k_mask)
+        tl.store(k_row + k_offs + HALF, k2.to(act).to(cache_t), mask=k_mask)
         v_src = row + (NH + NKV) * D
         v_row = v_cache_ptr + slot * (NKV * D)
         for half in tl.static_range(2):
-            v = tl.load(v_src + offs + half * HALF, mask=mask, other=0.0)
+            v = tl.load(v_src + k_offs + half * HALF, mask=k_mask, other=0.0)
             if CLIP:
                 v = tl.minimum(tl.maximum(v.to(tl.float32), -clip), clip).to(act)
-            tl.store(v_row + offs + half * HALF, v.to(cache_t), mask=mask)
+            tl.store(v_row + k_offs + half * HALF, v.to(cache_t), mask=k_mask)
 
 
 def default_q_heads_per_program(num_tokens: int, num_heads: int) -> int:
