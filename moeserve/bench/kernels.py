@@ -9,12 +9,10 @@ Measures, in one process on one GPU:
 - per batch: fused MoE time (CUDA-graph replay, rotating through 4 sets of weights and
   inputs, each 1.2 GB, so L2 never holds a set), expected touched expert bytes
   E*(1-(1-K/E)^T)*3*H*I*2, achieved GB/s and fraction of read bandwidth;
-- MoE with the expert LoRA fused into its GEMMs, with 1, 4 and 8 active rank-16 adapters
-  (every token has one) and one rank-8 adapter in the max-rank-64 pool, each as
-  (fused MoE + LoRA) / (fused MoE alone), timed side by side;
+- MoE-LoRA with 1, 4 and 8 active rank-16 adapters (every token has one) and one rank-8
+  adapter in the max-rank-64 pool, each as (fused MoE + LoRA) / (fused MoE alone);
 - the alignment kernel against its torch reference.
-`--sweep` also times block-size candidates and both paths per batch, without and with 4
-adapters (the LoRA columns use the default plan; pick tiles from the sweep); `--profile` prints
+`--sweep` also times block-size candidates and both paths per batch; `--profile` prints
 per-kernel GPU time at a few batch sizes. Prints one table last, writes kernels_bench.json.
 
 `--parts router` times the MoE routing (router GEMM, softmax, top-k, renorm, cast) at T = 1, 8, 64,
@@ -31,7 +29,7 @@ import json
 import statistics
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -85,7 +83,7 @@ def make_lora_pool(gen):
         return torch.randn(LORA_SLOTS, NUM_EXPERTS, *shape, generator=gen, device=DEVICE,
                            dtype=torch.bfloat16) * 0.02
 
-    return (normal(2, LORA_MAX_RANK, HIDDEN), normal(2 * INTER, LORA_MAX_RANK),
+    return (normal(LORA_MAX_RANK, HIDDEN), normal(2 * INTER, LORA_MAX_RANK),
             normal(LORA_MAX_RANK, INTER), normal(HIDDEN, LORA_MAX_RANK))
 
 
@@ -158,20 +156,16 @@ def sweep(batch: int, weights, inputs) -> list[dict]:
 
 
 def sweep_lora(batch: int, weights, inputs, pools) -> list[dict]:
-    """4 rank-16 adapters: both paths and the base tile candidates of the sorted path, each as
-    (MoE + fused LoRA) / MoE with the same plan."""
+    """4 rank-16 adapters: both paths, LoRA tile widths, taller LoRA blocks; (MoE + LoRA) / MoE."""
     loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
-    plans = {"sorted": default_plan(batch, TOP_K, decode=False)}
+    sorted_plan = default_plan(batch, TOP_K, decode=False)
+    plans = {"sorted": sorted_plan,
+             "sorted_gu128": replace(sorted_plan, lora_gate_up_block_n=128),
+             "sorted_d256": replace(sorted_plan, lora_down_block_n=256)}
     if batch * TOP_K <= 256:
         plans["decode"] = default_plan(batch, TOP_K, decode=True)
-        for bn, bk, nw, ns in SWEEP_GEMV:
-            tile = GemmTile(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-            plans[f"gemv:n{bn}k{bk}w{nw}s{ns}"] = MoEPlan(True, tile, tile)
-    for gate_up, down in SWEEP_TILES:
-        if gate_up[0] > 16 and batch * TOP_K < 512:
-            continue
-        plans[_tile_label({"path": "sorted", "tile": [gate_up, down]})] = MoEPlan(
-            False, GemmTile(*gate_up), GemmTile(*down))
+    if batch * TOP_K >= 1024:
+        plans["sorted_lbm32"] = replace(sorted_plan, lora_block_m=32)
     rows = []
     for name, plan in plans.items():
         base, lora = [], []

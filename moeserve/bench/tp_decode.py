@@ -65,7 +65,7 @@ def random_adapter(spec: ModelSpec, name: str, seed: int) -> LoRAAdapter:
         for target, (fan_in, fan_out) in {"q_proj": (H, spec.q_size), "k_proj": (H, spec.kv_size),
                                           "v_proj": (H, spec.kv_size), "o_proj": (spec.q_size, H)}.items():
             dense[(layer, target)] = (r(RANK, fan_in), r(fan_out, RANK))
-        experts[layer] = ExpertLoRA(r(E, 2, RANK, H), r(E, 2 * inter, RANK), r(E, RANK, inter), r(E, H, RANK))
+        experts[layer] = ExpertLoRA(r(E, RANK, H), r(E, 2 * inter, RANK), r(E, RANK, inter), r(E, H, RANK))
     return LoRAAdapter(name, "random", RANK, dense, experts,
                        frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "experts"}))
 

@@ -13,12 +13,9 @@ result can be computed inside a CUDA graph with no host sync. The Triton kernel 
 pairs of a group in any order (atomics); the torch reference keeps pair order. Nothing
 downstream depends on the order within a group: every row is computed independently.
 
-Groups are experts, or (expert, slot) when token slots are given: group
-`expert * (num_slots + 1) + slot + 1`, where pairs without an adapter (slot -1, or a slot of
-rank 0) take slot -1. The fused MoE-LoRA kernels need each block to share one expert and one
-adapter; the groups of one expert are adjacent, so its blocks run close together and its
-weights are read from L2 after the first. Pairs with an expert id outside [0, num_experts)
-belong to no group.
+Groups are experts, or `slot * num_experts + expert` when token slots are given (the
+LoRA delta kernels need each block to share one adapter and one expert). Pairs with an
+expert id outside [0, num_experts), a slot < 0 or a slot of rank 0 belong to no group.
 """
 
 from typing import NamedTuple
@@ -39,9 +36,8 @@ def align_max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
     return (num_pairs + min(num_pairs, num_groups) * (block_m - 1)) // block_m
 
 
-def groups_per_expert(slot_ranks: torch.Tensor | None) -> int:
-    """Groups of one expert: 1, or one per LoRA slot plus one for pairs without an adapter."""
-    return 1 if slot_ranks is None else slot_ranks.numel() + 1
+def _num_groups(num_experts: int, slot_ranks: torch.Tensor | None) -> int:
+    return num_experts if slot_ranks is None else num_experts * slot_ranks.numel()
 
 
 @triton.jit
@@ -54,8 +50,8 @@ def _pair_groups(ids_ptr, slots_ptr, ranks_ptr, offs, num_pairs, top_k, num_expe
     if BY_SLOT:
         slot = tl.load(slots_ptr + offs // top_k, mask=in_range, other=-1).to(tl.int32)
         rank = tl.load(ranks_ptr + slot, mask=in_range & (slot >= 0), other=0)
-        slot = tl.where(rank > 0, slot, -1)
-        group = expert * (num_groups // num_experts) + slot + 1
+        valid = valid & (rank > 0)
+        group = slot * num_experts + expert
     else:
         group = expert
     return tl.where(valid, group, num_groups)
@@ -127,12 +123,12 @@ def moe_align(
     slot_ranks: torch.Tensor | None = None,
     chunk: int = 1024,
 ) -> AlignedBlocks:
-    """Align pairs of `topk_ids [T, K]` into expert groups (or (expert, slot) groups when
+    """Align pairs of `topk_ids [T, K]` into expert groups (or (slot, expert) groups when
     `token_slots [T]` and `slot_ranks [L]` are given). One Triton launch, no host sync."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     by_slot = token_slots is not None
-    num_groups = num_experts * groups_per_expert(slot_ranks if by_slot else None)
+    num_groups = _num_groups(num_experts, slot_ranks if by_slot else None)
     max_blocks = align_max_blocks(num_pairs, num_groups, block_m)
     num_bins = max(32, triton.next_power_of_2(num_groups + 1))
     chunk = min(chunk, max(16, triton.next_power_of_2(num_pairs)))
@@ -165,8 +161,7 @@ def moe_align_ref(
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     dev = topk_ids.device
-    per_expert = groups_per_expert(slot_ranks if token_slots is not None else None)
-    num_groups = num_experts * per_expert
+    num_groups = _num_groups(num_experts, slot_ranks if token_slots is not None else None)
     max_blocks = align_max_blocks(num_pairs, num_groups, block_m)
     num_rows = max_blocks * block_m
 
@@ -176,8 +171,8 @@ def moe_align_ref(
     if token_slots is not None:
         slots = token_slots.long()[:, None].expand(num_tokens, top_k).reshape(-1)
         ranks = slot_ranks.long()[slots.clamp(min=0)]
-        slots = torch.where((slots >= 0) & (ranks > 0), slots, -1)
-        groups = experts * per_expert + slots + 1
+        valid &= (slots >= 0) & (ranks > 0)
+        groups = slots * num_experts + experts
     groups = torch.where(valid, groups, num_groups)
 
     counts = torch.zeros(num_groups + 1, dtype=torch.long, device=dev)

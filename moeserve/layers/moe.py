@@ -21,10 +21,7 @@ from moeserve.layers.batch import LoRABatch
 
 @dataclass
 class ExpertLoRABuffers:
-    """Routed-expert LoRA slots (LoRA scaling folded into B). gate_up has two A's: rows [:I] of the
-    gate_up output (gate) use gate_up_a[:, :, 0], rows [I:] (up) gate_up_a[:, :, 1]; a fused gate_up
-    adapter stores its one A in both."""
-    gate_up_a: torch.Tensor  # [L, E, 2, R, H]
+    gate_up_a: torch.Tensor  # [L, E, R, H]
     gate_up_b: torch.Tensor  # [L, E, 2I, R]
     down_a: torch.Tensor  # [L, E, R, I]
     down_b: torch.Tensor  # [L, E, H, R]
@@ -55,9 +52,8 @@ def moe_experts_torch(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None
         weight = (topk_weights * (topk_ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
         gu = x @ w13[e].t()
         if use_lora:
-            xa = x.to(b.gate_up_a.dtype)
-            d = torch.cat([_lora_delta(xa, b.gate_up_a[:, e, half], b.gate_up_b[:, e, half * inter:(half + 1) * inter],
-                                       lora.token_slots, lora.active_slots) for half in (0, 1)], dim=-1)
+            d = _lora_delta(x.to(b.gate_up_a.dtype), b.gate_up_a[:, e], b.gate_up_b[:, e], lora.token_slots,
+                            lora.active_slots)
             gu = torch.where(has_adapter, gu + d.to(gu.dtype), gu)
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
         y = h @ w2[e].t()

@@ -2,8 +2,7 @@
 
 The result is one fixed layout the slot pool can copy from: dense targets (attention, dense MLP, shared expert,
 the MoE router and qwen2's shared-expert gate) as (A [r, in], B [out, r]),
-routed experts as stacked [E, ...] factors, gate and up as one gate_up LoRA with a gate A and an up A (a fused
-gate_up LoRA has one A, stored in both halves; separate gate and up LoRAs of rank r cost rank r, not 2r), every
+routed experts as stacked [E, ...] factors with gate and up fused into one gate_up LoRA, every
 tensor fp32, on CPU, contiguous, with the LoRA scaling (alpha/r, or alpha/sqrt(r) with rsLoRA)
 already folded into B.
 
@@ -118,8 +117,8 @@ def validate_adapter_name(name: str) -> None:
 @dataclass
 class ExpertLoRA:
     """Routed-expert LoRA of one sparse layer; None where not targeted; scaling folded into B."""
-    gate_up_a: Tensor | None  # [E, 2, r_gu, H]: [:, 0] gate's A, [:, 1] up's A
-    gate_up_b: Tensor | None  # [E, 2I, r_gu]: rows [:I] use the gate A, rows [I:] the up A
+    gate_up_a: Tensor | None  # [E, r_gu, H]
+    gate_up_b: Tensor | None  # [E, 2I, r_gu]
     down_a: Tensor | None  # [E, r_d, I]
     down_b: Tensor | None  # [E, H, r_d]
 
@@ -128,7 +127,7 @@ class ExpertLoRA:
 class LoRAAdapter:
     name: str
     path: str
-    rank: int  # max rank over all its tensors (separate gate and up LoRAs count max(r_g, r_u))
+    rank: int  # max rank over all its tensors (gate and up stacked count as one rank r_g + r_u)
     dense: dict[tuple[int, str], tuple[Tensor, Tensor]]  # (layer, target) -> (A [r, in], B [out, r])
     experts: dict[int, ExpertLoRA]  # layer -> routed-expert LoRA
     target_modules: frozenset[str]  # e.g. {"q_proj", "v_proj", "experts"}
@@ -182,8 +181,9 @@ def _load(ctx: _Ctx, spec: ModelSpec, max_rank: int) -> LoRAAdapter:
     dense = {k: (_finish(a), _finish(b)) for k, (a, b) in sorted(dense.items())}
     rank, where = _max_rank(dense, experts)
     if rank > max_rank:
+        note = " (separate gate and up LoRAs are stacked into one, so their ranks add)" if "gate_up" in where else ""
         raise ctx.error(f"{WEIGHTS_FILE} ({where})",
-                        f"LoRA rank {rank} exceeds the engine's max_lora_rank {max_rank} (--max-lora-rank)")
+                        f"LoRA rank {rank} exceeds the engine's max_lora_rank {max_rank} (--max-lora-rank){note}")
     targets = {t for (_, t) in dense} | ({"experts"} if experts else set())
     return LoRAAdapter(name=ctx.name, path=str(ctx.path), rank=rank, dense=dense, experts=experts,
                        target_modules=frozenset(targets))
@@ -866,20 +866,17 @@ def _assemble_experts(ctx, spec, layer: int, projs: dict[str, _ExpertProj]) -> E
             if half in projs:
                 raise ctx.error(f"{WEIGHTS_FILE}[{projs[half].key}]", f"layer {layer} experts have both a fused "
                                 f"gate_up LoRA ({projs['gate_up'].key}) and a separate {half} LoRA")
-        a, gate_up_b = _expert_stack(projs["gate_up"], E, H, 2 * I)
-        gate_up_a = a.unsqueeze(1).expand(-1, 2, -1, -1)  # one A for both halves
+        gate_up_a, gate_up_b = _expert_stack(projs["gate_up"], E, H, 2 * I)
     elif "gate" in projs or "up" in projs:
-        # gate and up side by side, each in its own half of rank max(r_g, r_u); an absent one is zero
+        # gate and up as one LoRA of rank r_g + r_u: A stacked, B block-diagonal
         empty = (torch.zeros(E, 0, H), torch.zeros(E, I, 0))
         ga, gb = _expert_stack(projs["gate"], E, H, I) if "gate" in projs else empty
         ua, ub = _expert_stack(projs["up"], E, H, I) if "up" in projs else empty
         rg, ru = ga.shape[1], ua.shape[1]
-        gate_up_a = torch.zeros(E, 2, max(rg, ru), H)
-        gate_up_a[:, 0, :rg] = ga
-        gate_up_a[:, 1, :ru] = ua
-        gate_up_b = torch.zeros(E, 2 * I, max(rg, ru))
+        gate_up_a = torch.cat([ga, ua], dim=1)
+        gate_up_b = torch.zeros(E, 2 * I, rg + ru)
         gate_up_b[:, :I, :rg] = gb
-        gate_up_b[:, I:, :ru] = ub
+        gate_up_b[:, I:, rg:] = ub
     if "down" in projs:
         down_a, down_b = _expert_stack(projs["down"], E, I, H)
     return ExpertLoRA(*(None if t is None else _finish(t) for t in (gate_up_a, gate_up_b, down_a, down_b)))
@@ -895,7 +892,7 @@ def _max_rank(dense, experts) -> tuple[int, str]:
         if a.shape[0] > best:
             best, where = a.shape[0], f"layer {layer} {target}"
     for layer, ex in experts.items():
-        for what, r in (("experts gate_up", ex.gate_up_b), ("experts down", ex.down_b)):
-            if r is not None and r.shape[2] > best:
-                best, where = r.shape[2], f"layer {layer} {what}"
+        for what, a in (("experts gate_up", ex.gate_up_a), ("experts down", ex.down_a)):
+            if a is not None and a.shape[1] > best:
+                best, where = a.shape[1], f"layer {layer} {what}"
     return best, where

@@ -87,9 +87,8 @@ class LoRASlotPool:
             attach("router", mlp.router, "router" in targets)
             if "experts" in targets:
                 E, H, inter = mlp.w2.shape  # the layer's own shapes: a tensor-parallel rank holds a slice of inter
-                # gate_up A in two halves (gate, up): separate gate and up LoRAs of rank r cost r each
-                bufs = [make("experts", *shape) for shape in ((L, E, 2, R, H), (L, E, 2 * inter, R),
-                                                              (L, E, R, inter), (L, E, H, R))]
+                bufs = [make("experts", *shape) for shape in ((L, E, R, H), (L, E, 2 * inter, R), (L, E, R, inter),
+                                                              (L, E, H, R))]
                 if bufs[0] is not None:
                     mlp.lora_bufs = ExpertLoRABuffers(*bufs)
             if mlp.shared_expert is not None and "shared_expert" in targets:
@@ -169,8 +168,8 @@ class LoRASlotPool:
         for layer_idx, ex in adapter.experts.items():
             bufs = self.model.layers[layer_idx].mlp.lora_bufs
             if ex.gate_up_a is not None:
-                r = ex.gate_up_a.shape[2]
-                bufs.gate_up_a[slot, :, :, :r].copy_(ex.gate_up_a)
+                r = ex.gate_up_a.shape[1]
+                bufs.gate_up_a[slot, :, :r].copy_(ex.gate_up_a)
                 bufs.gate_up_b[slot, :, :, :r].copy_(ex.gate_up_b)
             if ex.down_a is not None:
                 r = ex.down_a.shape[1]

@@ -1,0 +1,254 @@
+"""LoRA deltas on routed experts, for many adapters at once (one adapter slot per token).
+
+    dGU = gate_up_b[s, e] @ (gate_up_a[s, e] @ x_t)          added to [pair, 2I] before SiLU*up
+    dD  = down_b[s, e] @ (down_a[s, e] @ h)                   times w[t, k], before the top-k sum
+
+Ranks differ per slot inside a pool of max rank R: every kernel reads the slot's rank and
+masks rank columns beyond it, so a rank-8 adapter in a rank-64 pool reads 8 columns of
+each weight (the rank tile is R rounded up to a power of two, >= 16 for tl.dot).
+
+- decode path: `lora_shrink_pairs` runs one program per ((token, k) pair, K split), each
+  writing fp32 partial sums [pairs, splits, R] (short programs: a whole-row shrink per
+  program was latency-bound, 12 us per launch at T=1 on H200); the matching expands, which
+  add the partials up, are fused into the fused_moe GEMV epilogues.
+- sorted path: pairs are aligned into (slot, expert) blocks, so each block shares one
+  adapter-expert weight set and each touched set is read about once per step.
+  `lora_sorted_gate_up` does shrink, expand into gate_up, SiLU*up and the down shrink in
+  one program per block; `lora_sorted_down` adds the weighted down expand. (Splitting these
+  over N tiles with partial sums measured slower on H200: more dependent round trips per
+  program than it saved.)
+
+Pairs without an adapter (slot -1, rank 0) fall in no block or exit at once; their rows of
+the shrink buffers are never written and never read.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.moe_align import AlignedBlocks, moe_align
+
+
+def lora_rank_block(lora) -> int:
+    return max(16, triton.next_power_of_2(lora.gate_up_a.shape[2]))
+
+
+SHRINK_TILE = 8192  # elements of the [rank block, K] tile a shrink program holds in registers
+
+
+def shrink_block_k(block_r: int) -> int:
+    """Reduction columns per shrink step."""
+    return max(16, SHRINK_TILE // block_r)
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+# ---------------------------------------------------------------------------------------------
+# decode path
+
+
+@triton.jit
+def _lora_shrink_pairs_kernel(
+    src_ptr, a_ptr, out_ptr, topk_ids_ptr, slots_ptr, ranks_ptr,
+    num_experts, top_k, K,
+    stride_src, stride_al, stride_ae, stride_ar, stride_op, stride_os,
+    FROM_GATE_UP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[pair, split, :rank] = A[slot, expert][:rank, split cols] @ v[split cols],
+    v = x[token], or silu(g) * u of gu[pair] (fp32 rows [g | u])."""
+    pair = tl.program_id(0)
+    split = tl.program_id(1)
+    token = pair // top_k
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    slot = tl.load(slots_ptr + token).to(tl.int32)
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
+    if (slot < 0) | (rank <= 0) | (expert < 0) | (expert >= num_experts):
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    if FROM_GATE_UP:
+        src = src_ptr + pair.to(tl.int64) * stride_src + offs_k
+        gate = tl.load(src, mask=k_ok, other=0.0).to(tl.float32)
+        up = tl.load(src + K, mask=k_ok, other=0.0).to(tl.float32)
+        v = _silu_mul(gate, up)
+    else:
+        v = tl.load(src_ptr + token.to(tl.int64) * stride_src + offs_k, mask=k_ok,
+                    other=0.0).to(tl.float32)
+    a_ptrs = (a_ptr + slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+              + offs_r[:, None] * stride_ar + offs_k[None, :])
+    a = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    part = tl.sum(a.to(tl.float32) * v[None, :], 1)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_op + split * stride_os + offs_r, part,
+             mask=r_ok)
+
+
+def lora_shrink_pairs(src: torch.Tensor, a: torch.Tensor, topk_ids: torch.Tensor, lora,
+                      from_gate_up: bool) -> torch.Tensor:
+    """Per-pair split shrink for the decode path -> fp32 partials [pairs, splits, rank block]."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    block_r = lora_rank_block(lora)
+    k = a.shape[3]
+    block_k = min(shrink_block_k(block_r), triton.next_power_of_2(k))
+    splits = triton.cdiv(k, block_k)
+    out = torch.empty(num_pairs, splits, block_r, dtype=torch.float32, device=src.device)
+    _lora_shrink_pairs_kernel[(num_pairs, splits)](
+        src, a, out, topk_ids, lora.token_slots, lora.slot_ranks,
+        a.shape[1], top_k, k,
+        src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(1),
+        FROM_GATE_UP=from_gate_up, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sorted path: one program per (slot, expert) block
+
+
+@triton.jit
+def _lora_gate_up_blocks_kernel(
+    x_ptr, gu_ptr, shrunk_d_ptr, a_ptr, b_ptr, da_ptr, ranks_ptr,
+    sorted_ids_ptr, block_groups_ptr,
+    num_pairs, top_k, num_experts, H, I,
+    stride_xt, stride_gu, stride_sd,
+    stride_al, stride_ae, stride_ar,
+    stride_bl, stride_be, stride_bn,
+    stride_dal, stride_dae, stride_dar,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """For one (slot, expert) block: gu += B (A x); then shrunk_d = down_A @ silu(g)*u."""
+    blk = tl.program_id(0)
+    group = tl.load(block_groups_ptr + blk)
+    if group < 0:
+        return
+    slot = group // num_experts
+    expert = group % num_experts
+    rank = tl.load(ranks_ptr + slot)
+    pairs = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    dtype = x_ptr.dtype.element_ty
+
+    # shrink: [M, R] = x[tokens] @ A^T
+    a_base = a_ptr + slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        xa = tl.load(x_ptr + tokens[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                     mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        at = tl.load(a_base + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None],
+                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(xa.to(dtype), at.to(dtype), acc)
+    shrunk = acc.to(dtype)
+
+    # expand into gate and up, activation, down shrink -- I columns at a time
+    b_base = b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+    da_base = da_ptr + slot.to(tl.int64) * stride_dal + expert.to(tl.int64) * stride_dae
+    offs_n = tl.arange(0, BLOCK_N)
+    shrunk_d = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for n0 in range(0, I, BLOCK_N):
+        cols = n0 + offs_n
+        n_ok = cols < I
+        b_mask = r_ok[:, None] & n_ok[None, :]
+        bg = tl.load(b_base + cols[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
+        bu = tl.load(b_base + (cols + I)[None, :] * stride_bn + offs_r[:, None], mask=b_mask,
+                     other=0.0)
+        io_mask = pair_ok[:, None] & n_ok[None, :]
+        gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + cols[None, :]
+        gate = tl.load(gate_ptrs, mask=io_mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptrs + I, mask=io_mask, other=0.0).to(tl.float32)
+        gate = (gate + tl.dot(shrunk, bg.to(dtype))).to(gu_ptr.dtype.element_ty)
+        up = (up + tl.dot(shrunk, bu.to(dtype))).to(gu_ptr.dtype.element_ty)
+        tl.store(gate_ptrs, gate, mask=io_mask)
+        tl.store(gate_ptrs + I, up, mask=io_mask)
+        # the activation of exactly what the down GEMM will read back
+        h = _silu_mul(gate.to(tl.float32), up.to(tl.float32))
+        da = tl.load(da_base + offs_r[None, :] * stride_dar + cols[:, None],
+                     mask=r_ok[None, :] & n_ok[:, None], other=0.0)
+        shrunk_d = tl.dot(h.to(dtype), da.to(dtype), shrunk_d)
+    tl.store(shrunk_d_ptr + pairs.to(tl.int64)[:, None] * stride_sd + offs_r[None, :], shrunk_d,
+             mask=pair_ok[:, None])
+
+
+@triton.jit
+def _lora_down_blocks_kernel(
+    y_ptr, shrunk_d_ptr, db_ptr, topk_weights_ptr, ranks_ptr, sorted_ids_ptr, block_groups_ptr,
+    num_pairs, num_experts, H,
+    stride_y, stride_sd, stride_dbl, stride_dbe, stride_dbn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """For one (slot, expert) block: y[pair] += w[pair] * down_B @ shrunk_d[pair]."""
+    blk = tl.program_id(0)
+    group = tl.load(block_groups_ptr + blk)
+    if group < 0:
+        return
+    slot = group // num_experts
+    expert = group % num_experts
+    rank = tl.load(ranks_ptr + slot)
+    pairs = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    dtype = db_ptr.dtype.element_ty
+    shrunk = tl.load(shrunk_d_ptr + pairs.to(tl.int64)[:, None] * stride_sd + offs_r[None, :],
+                     mask=pair_ok[:, None] & r_ok[None, :], other=0.0).to(dtype)
+    weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+    db_base = db_ptr + slot.to(tl.int64) * stride_dbl + expert.to(tl.int64) * stride_dbe
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, H, BLOCK_N):
+        cols = n0 + offs_n
+        n_ok = cols < H
+        db = tl.load(db_base + cols[None, :] * stride_dbn + offs_r[:, None],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        delta = tl.dot(shrunk, db)
+        y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + cols[None, :]
+        io_mask = pair_ok[:, None] & n_ok[None, :]
+        y = tl.load(y_ptrs, mask=io_mask, other=0.0)
+        tl.store(y_ptrs, y + weights[:, None] * delta, mask=io_mask)
+
+
+def lora_sorted_gate_up(x: torch.Tensor, gu: torch.Tensor, topk_ids: torch.Tensor, lora,
+                        block_m: int = 16, block_n: int = 64) -> tuple[AlignedBlocks, torch.Tensor]:
+    """Adds the gate_up delta into gu [pairs, 2I] in place; returns the (slot, expert)
+    alignment and the down shrink [pairs, rank block] (fp32) for `lora_sorted_down`."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    num_experts = lora.gate_up_a.shape[1]
+    hidden = x.shape[1]
+    inter = gu.shape[1] // 2
+    aligned = moe_align(topk_ids, num_experts, block_m, lora.token_slots, lora.slot_ranks)
+    block_r = lora_rank_block(lora)
+    shrunk_d = torch.empty(num_pairs, block_r, dtype=torch.float32, device=x.device)
+    a, b, da = lora.gate_up_a, lora.gate_up_b, lora.down_a
+    _lora_gate_up_blocks_kernel[(aligned.block_groups.numel(),)](
+        x, gu, shrunk_d, a, b, da, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
+        num_pairs, top_k, num_experts, hidden, inter,
+        x.stride(0), gu.stride(0), shrunk_d.stride(0),
+        a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        da.stride(0), da.stride(1), da.stride(2),
+        BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(inter)),
+        BLOCK_K=min(shrink_block_k(block_r), triton.next_power_of_2(hidden)), BLOCK_R=block_r,
+        num_warps=4)
+    return aligned, shrunk_d
+
+
+def lora_sorted_down(y: torch.Tensor, shrunk_d: torch.Tensor, aligned: AlignedBlocks,
+                     topk_weights: torch.Tensor, lora, block_m: int = 16,
+                     block_n: int = 128) -> None:
+    """y [pairs, H] (fp32, routing weight applied) += w * down delta, in place."""
+    num_pairs, hidden = y.shape
+    db = lora.down_b
+    _lora_down_blocks_kernel[(aligned.block_groups.numel(),)](
+        y, shrunk_d, db, topk_weights, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
+        num_pairs, db.shape[1], hidden,
+        y.stride(0), shrunk_d.stride(0), db.stride(0), db.stride(1), db.stride(2),
+        BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(hidden)),
+        BLOCK_R=lora_rank_block(lora), num_warps=4)
