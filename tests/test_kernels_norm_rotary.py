@@ -121,8 +121,8 @@ def test_prologue_refuses_a_qkv_of_the_wrong_width():
                          ids=["qwen3", "olmoe", "qwen1.5"])
 @torch.inference_mode()
 def test_bf16_kernels_match_the_torch_layers_on_gpu(T, qk_norm, nh, nkv):
-    """Presets' shapes in bf16: same rounding points as the torch code, so at most a rare 1-ulp flip where
-    the fp32 reduction order differs."""
+    """Presets' shapes in bf16: within bf16 tolerance of the torch code; the norms bitwise but for rare 1-ulp
+    flips where the fp32 reduction order differs, the prologue at least as close to the fp32 layer."""
     dev, H, d = "cuda", 2048, 128
     gen = torch.Generator(dev).manual_seed(T)
     norm = RMSNorm(H, EPS).to(dev, torch.bfloat16)
@@ -151,5 +151,11 @@ def test_bf16_kernels_match_the_torch_layers_on_gpu(T, qk_norm, nh, nkv):
     torch.testing.assert_close(q, q_ref, **tol)
     torch.testing.assert_close(k_fused, k_ref, **tol)
     assert torch.equal(v_fused, v_ref)
-    k_written, k_want = (c.view(-1, nkv, d)[slots] for c in (k_fused, k_ref))
-    assert (q == q_ref).float().mean() > 0.99 and (k_written == k_want).float().mean() > 0.99
+    # the kernel rotates in fp32 and rounds once, where torch rounds each bf16 product and the sum (~20 % of
+    # elements then differ by an ulp): it must be at least as close as the torch path to the fp32 layer
+    attn32 = _attention(qk_norm, nh, nkv, d, None, seed=T).to(dev)
+    q32, k32, _ = attn32.qk_norm_rotary(qkv.float(), positions)
+    k_written, k_want = (c.view(-1, nkv, d)[slots].float() for c in (k_fused, k_ref))
+    for ours, torch_path, exact in ((q.float(), q_ref.float(), q32), (k_written, k_want, k32)):
+        assert (ours - exact).abs().mean() <= (torch_path - exact).abs().mean() * 1.05
+        assert (ours - exact).abs().max() <= (torch_path - exact).abs().max() * 1.5

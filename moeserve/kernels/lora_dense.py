@@ -36,7 +36,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 RANK_BLOCK = 16  # rank columns per step (tl.dot needs K >= 16); loops run to roundup(rank, RANK_BLOCK)
 MAX_SLICES = 4
-SINGLE_LAUNCH_MAX_TOKENS = 64  # dense_lora's default: one launch up to this T, two launches above
+# dense_lora's default: one launch up to this T, two launches above. 0: measured on the H200 (bench kernels --parts
+# dense_lora), the one-launch path was slower at every T (qkv T=1: +9.0 us vs +7.6; o T=1: +11.0 vs +7.8), its
+# per-program shrink over all of `in` is latency-bound; kept selectable for other shapes and GPUs.
+SINGLE_LAUNCH_MAX_TOKENS = 0
 _NO_SLOT = tl.constexpr(1 << 30)  # larger than any slot id
 
 
