@@ -1,4 +1,4 @@
-"""Decode attention and dense multi-LoRA kernels at Qwen3-30B-A3B shapes.
+"""Paged decode attention at Qwen3-30B-A3B shapes (dense multi-LoRA: `bench kernels --parts dense_lora`).
 
     python -m moeserve.bench.attention --out DIR [--quick]
 
@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from moeserve.bench.common import bandwidths, graph_time_us
-from moeserve.kernels.lora_dense import SINGLE_LAUNCH_MAX_TOKENS, _dense_lora_one_launch, _dense_lora_two_launch
 from moeserve.kernels.paged_attention import (
     DECODE_BLOCK_N,
     _launch_decode,
@@ -28,7 +27,6 @@ from moeserve.kernels.paged_attention import (
 
 N_HEADS, N_KV, HEAD_DIM, HIDDEN = 32, 4, 128, 2048
 BLOCK_SIZE, MAX_MODEL_LEN = 16, 4096
-QKV_SIZES = (N_HEADS * HEAD_DIM, N_KV * HEAD_DIM, N_KV * HEAD_DIM)
 L2_FLUSH_BYTES = 256 << 20  # the copies one timed graph cycles through
 
 
@@ -95,63 +93,9 @@ def bench_decode(batch: int, ctx: int, gen, variants: list[dict]):
     return rows
 
 
-# ----------------------------------------------------------------------------- dense LoRA
-
-
-def lora_setup(T: int, slice_sizes, in_features: int, num_slots: int, max_rank: int, rank: int,
-               pattern: str, copies: int, gen):
-    sets = []
-    n_total = sum(slice_sizes)
-    for _ in range(copies):
-        a = torch.zeros(num_slots, len(slice_sizes), max_rank, in_features, device="cuda", dtype=torch.bfloat16)
-        b = torch.zeros(num_slots, n_total, max_rank, device="cuda", dtype=torch.bfloat16)
-        a[:, :, :rank].normal_(0, 0.02, generator=gen)
-        b[:, :, :rank].normal_(0, 0.02, generator=gen)
-        x = torch.randn(T, in_features, device="cuda", dtype=torch.bfloat16, generator=gen)
-        out = torch.zeros(T, n_total, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n_total, in_features, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-        sets.append((x, a, b, out, w))
-    ranks = torch.full((num_slots,), rank, dtype=torch.int32, device="cuda")
-    if pattern == "uniform":
-        slots = torch.zeros(T, dtype=torch.int32, device="cuda")
-    elif pattern == "mixed4":
-        slots = torch.randint(0, 4, (T,), device="cuda", generator=gen).int()
-    elif pattern == "half_none":
-        slots = torch.randint(-4, 4, (T,), device="cuda", generator=gen).clamp_min(-1).int()
-    else:
-        raise ValueError(pattern)
-    return sets, ranks, slots
-
-
-def bench_lora(T: int, proj: str, pattern: str, gen, variants: list[dict], num_slots=8, max_rank=64, rank=16):
-    slice_sizes, in_features = {"qkv": (QKV_SIZES, HIDDEN), "o": ((HIDDEN,), N_HEADS * HEAD_DIM)}[proj]
-    n_total = sum(slice_sizes)
-    weight_bytes = n_total * in_features * 2
-    copies = copies_for(weight_bytes + T * (in_features + n_total) * 2)
-    sets, ranks, slots = lora_setup(T, slice_sizes, in_features, num_slots, max_rank, rank, pattern, copies, gen)
-    # the base projection this delta rides on: y = x @ W.T
-    base_us = graph_time_us([lambda s=s: torch.mm(s[0], s[4].t(), out=s[3]) for s in sets])
-    adapters = 1 if pattern == "uniform" else 4
-    lora_bytes = adapters * rank * (len(slice_sizes) * in_features + n_total) * 2 + T * (in_features + 2 * n_total) * 2
-    rows = []
-    for var in variants:
-        cfg = {k: var[k] for k in ("block_t", "block_k", "block_n", "k_splits", "lanes", "num_warps") if k in var}
-        # the path dense_lora takes at this T
-        path = _dense_lora_one_launch if T <= SINGLE_LAUNCH_MAX_TOKENS else _dense_lora_two_launch
-        fns = [lambda s=s: path(s[0], s[1], s[2], slots, ranks, slice_sizes, s[3], **cfg) for s in sets]
-        us = graph_time_us(fns)
-        rows.append(dict(kernel="dense_lora", proj=proj, T=T, pattern=pattern, rank=rank, max_rank=max_rank,
-                         variant=var.get("name", "default"), **cfg, us=us, base_gemm_us=base_us,
-                         ratio_to_base=us / base_us, bytes=lora_bytes, gbps=lora_bytes / us / 1e3))
-    del sets
-    return rows
-
-
-# Tile configs were swept once (block_n 32/64/128 x warps 4/8 x stages 2/3; LoRA block_k
-# 128/256/512 x block_n 64/128 x k_splits 1/4): the defaults were best or within 3 %.
-# What stays swept: the split count around its default, and LoRA slot lanes.
+# Tile configs were swept once (block_n 32/64/128 x warps 4/8 x stages 2/3): the defaults were best or within
+# 3 %. What stays swept: the split count around its default.
 DECODE_SWEEP = [dict(name="splits_x0.5", num_splits=-1), dict(name="splits_x2", num_splits=-2)]
-LORA_SWEEP = [dict(name=f"lanes{n}", lanes=n) for n in (1, 2, 4, 8)]
 
 
 def main():
@@ -186,18 +130,6 @@ def main():
             rows += bench_decode(batch, ctx, gen, variants)
             save()
             print(f"decode B={batch} ctx={ctx} done {time.time() - t0:.0f} s", flush=True)
-    for proj in ("qkv", "o"):
-        for T in (1, 8, 32, 64, 128, 256, 512, 4096):
-            for pattern in ("uniform", "mixed4", "half_none"):
-                if proj == "o" and pattern != "mixed4":
-                    continue
-                variants = [dict()]
-                if not args.quick and proj == "qkv" and pattern != "half_none" and T in (8, 64, 256):
-                    variants += LORA_SWEEP
-                rows += bench_lora(T, proj, pattern, gen, variants)
-                save()
-        print(f"lora {proj} done {time.time() - t0:.0f} s", flush=True)
-
     result = save()
 
     print(f"{result['device']}  torch {result['torch']}  triton {result['triton']}  "
@@ -219,18 +151,6 @@ def main():
                 if others:
                     print(f"  B={r['batch']:>3} ctx={r['ctx']:>4}: splits {r['num_splits']} {r['us']:.1f}; " +
                           ", ".join(f"splits {x['num_splits']} {x['us']:.1f}" for x in others))
-    print("\ndense LoRA (bf16, rank 16 in a rank-64 pool of 8 slots): default config vs the base GEMM")
-    print(f"{'proj':>4} {'T':>5} {'pattern':>9} {'us':>8} {'base us':>8} {'ratio':>6}")
-    for r in rows:
-        if r["kernel"] == "dense_lora" and r["variant"] == "default":
-            print(f"{r['proj']:>4} {r['T']:>5} {r['pattern']:>9} {r['us']:>8.1f} {r['base_gemm_us']:>8.1f} "
-                  f"{r['ratio_to_base']:>6.2f}")
-    lsweep = [r for r in rows if r["kernel"] == "dense_lora" and r["variant"] != "default"]
-    if lsweep:
-        print("\ndense LoRA (qkv): slot lanes (us)")
-        for key in sorted({(r["T"], r["pattern"]) for r in lsweep}):
-            print(f"  T={key[0]:>4} {key[1]:>8}: " + ", ".join(
-                f"{r['variant']} {r['us']:.1f}" for r in lsweep if (r["T"], r["pattern"]) == key))
     print(f"\n{result['seconds']:.0f} s")
 
 

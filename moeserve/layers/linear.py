@@ -54,9 +54,13 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a is not None:
-            args = (x, self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes, y)
-            if self.use_triton:
-                self.triton_lora(*args)
-            else:
-                dense_lora_torch(*args, slots=lora.active_slots)
+            self.add_lora(x, lora, y)
         return y
+
+    def add_lora(self, x: torch.Tensor, lora: LoRABatch, out: torch.Tensor) -> None:
+        """out += each row's adapter delta (rows without an adapter untouched); needs the slot pool's buffers."""
+        args = (x, self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes, out)
+        if self.use_triton:
+            self.triton_lora(*args)
+        else:
+            dense_lora_torch(*args, slots=lora.active_slots)

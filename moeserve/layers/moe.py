@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.linear import LoRALinear, dense_lora_torch
+from moeserve.layers.linear import LoRALinear
 from moeserve.models.spec import ModelSpec
 from moeserve.layers.batch import LoRABatch
 
@@ -135,12 +135,7 @@ class MoEBlock(nn.Module):
         delta = None
         if lora is not None and self.router.lora_a is not None:
             delta = torch.zeros(x.shape[0], self.router.out_features, dtype=x.dtype, device=x.device)
-            r = self.router
-            args = (x, r.lora_a, r.lora_b, lora.token_slots, lora.slot_ranks, r.slice_sizes, delta)
-            if r.use_triton:
-                r.triton_lora(*args)
-            else:
-                dense_lora_torch(*args, slots=lora.active_slots)
+            self.router.add_lora(x, lora, delta)
         return self._routing.fused_gemm_topk(x, self.router.weight, k, renorm, out_dtype, delta,
                                              counters=self.router_counters)
 
