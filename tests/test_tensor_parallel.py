@@ -324,3 +324,20 @@ def test_adapter_load_failing_on_one_rank_is_rolled_back_on_every_rank(tmp_path,
     loras = ["ad", None]
     assert_same(two.generate(ps, sp, lora=loras), one.generate(ps, sp, lora=loras))
     assert [r for r, used in two.runner.worker_lora_slots()[1]] == [4, 0]
+
+
+def test_bench_collectives_checks_and_times_each_collective_on_two_ranks(tmp_path):
+    """`bench collectives` on gloo: every op it times first gave the right sums (else the row says error), and
+    the symmetric-memory rows say why they were skipped on CPU."""
+    import json
+
+    from moeserve.bench import collectives
+
+    assert collectives.main(["--device", "cpu", "--batches", "1,3", "--hidden", "8", "--iters", "2",
+                             "--dtype", "float32", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "collectives.json").read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        for name in ("all_reduce", "all_gather", "reduce_scatter"):
+            assert r["ops"][name]["eager_us"] > 0, r["ops"][name]
+        assert "needs CUDA" in r["ops"]["one_shot"]["skipped"]

@@ -98,11 +98,11 @@ def bench_decode(batch: int, ctx: int, gen, variants: list[dict]):
 DECODE_SWEEP = [dict(name="splits_x0.5", num_splits=-1), dict(name="splits_x2", num_splits=-2)]
 
 
-def main():
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".")
     parser.add_argument("--quick", action="store_true", help="default configs only, no sweeps")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
@@ -152,7 +152,8 @@ def main():
                     print(f"  B={r['batch']:>3} ctx={r['ctx']:>4}: splits {r['num_splits']} {r['us']:.1f}; " +
                           ", ".join(f"splits {x['num_splits']} {x['us']:.1f}" for x in others))
     print(f"\n{result['seconds']:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
