@@ -159,3 +159,42 @@ def test_bf16_kernels_match_the_torch_layers_on_gpu(T, qk_norm, nh, nkv):
     for ours, torch_path, exact in ((q.float(), q_ref.float(), q32), (k_written, k_want, k32)):
         assert (ours - exact).abs().mean() <= (torch_path - exact).abs().mean() * 1.05
         assert (ours - exact).abs().max() <= (torch_path - exact).abs().max() * 1.5
+
+
+def test_clip_bound_is_the_clip_value_in_the_activation_dtype():
+    """torch clamps fp16/bf16 q/k/v to clip_qkv rounded to their dtype (0.7 -> 0.7001953125 in fp16); the kernel
+    must use that bound too, or every clipped element rotates from a different value. fp16, because the
+    interpreter's bf16 arithmetic is not the GPU's; there the kernel reproduces the torch twin bit for bit."""
+    T, nh, nkv, d = 16, 2, 1, 64
+    qkv = (torch.randn(T, (nh + 2 * nkv) * d, generator=_gen(7)) * 2).to(torch.float16)  # most elements clipped
+    rotary = RotaryEmbedding(d, 64, 10000.0)
+    positions, slots = torch.arange(T), torch.arange(4, 4 + T)
+    caches = [tuple(torch.zeros(8, 4, nkv, d, dtype=torch.float16) for _ in range(2)) for _ in range(2)]
+    args = (qkv, positions, rotary.cos, rotary.sin, nh, nkv, d, "none", None, None, EPS)
+    q = norm_rotary.qk_norm_rotary_write_kv(*args, *caches[0], slots, clip_qkv=0.7)
+    q_ref = norm_rotary.qk_norm_rotary_write_kv_ref(*args, *caches[1], slots, clip_qkv=0.7)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(qk_norm="rms"), "qk_norm 'rms' is not one of"),
+    (dict(q_norm_weight=torch.ones(3)), "q_norm_weight"),
+    (dict(positions=torch.zeros(3, dtype=torch.long)), "positions"),
+    (dict(q_heads_per_program=3), "power of two"),
+])
+def test_prologue_refuses_bad_arguments_by_name(change, match):
+    T, nh, nkv, d = 2, 2, 1, 8
+    rotary = RotaryEmbedding(d, 16, 10000.0)
+    cache = torch.zeros(2, 4, nkv, d)
+    kw = dict(qkv=torch.randn(T, (nh + 2 * nkv) * d), positions=torch.zeros(T, dtype=torch.long), cos=rotary.cos,
+              sin=rotary.sin, num_heads=nh, num_kv_heads=nkv, head_dim=d, qk_norm="head", q_norm_weight=torch.ones(d),
+              k_norm_weight=torch.ones(d), eps=EPS, k_cache=cache, v_cache=cache.clone(),
+              slot_mapping=torch.tensor([4, 5]))
+    with pytest.raises(ValueError, match=match):
+        norm_rotary.qk_norm_rotary_write_kv(**{**kw, **change})
+
+
+def test_norm_refuses_a_weight_of_the_wrong_width():
+    with pytest.raises(ValueError, match="norm weight"):
+        norm_rotary.rms_norm(torch.randn(2, 8), torch.ones(4), EPS)

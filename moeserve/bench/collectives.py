@@ -38,15 +38,29 @@ def _timed(fn, iters: int, device: torch.device) -> float:
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-def _graph_timed(fn, iters: int) -> float:
+def _all_ranks_ok(ok: bool, device: torch.device) -> bool:
+    """Whether every rank got `ok`: the ranks then branch alike (one skipping a collective the others enter
+    would hang the run instead of reporting)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _graph_timed(fn, iters: int, device: torch.device) -> float:
     """Mean microseconds per op of GRAPH_OPS ops captured in one CUDA graph and replayed."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_OPS):
-            fn()
+    error = None
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_OPS):
+                fn()
+    except Exception as e:  # noqa: BLE001 - every rank learns of it before anyone replays
+        error = e
+    if not _all_ranks_ok(error is None, device):
+        raise RuntimeError(f"capture failed on a rank: {error}" if error else "capture failed on another rank")
     graph.replay()
     torch.cuda.synchronize()
     dist.barrier()
@@ -80,6 +94,7 @@ def _ops(B: int, H: int, dtype, device, rank: int, world: int):
     if device.type != "cuda":
         return ops, {"one_shot": "symmetric memory needs CUDA", "two_shot": "symmetric memory needs CUDA"}
     skipped = {}
+    error = None
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -95,7 +110,11 @@ def _ops(B: int, H: int, dtype, device, rank: int, world: int):
                            lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name),
                            lambda: bool((buf == total).all()))
     except Exception as e:  # noqa: BLE001 - reported in the table
-        skipped.update({k: f"{type(e).__name__}: {e}"[:200] for k in ("one_shot", "two_shot")})
+        error = f"{type(e).__name__}: {e}"[:200]
+    if not _all_ranks_ok(error is None, device):  # every rank times the same ops
+        ops.pop("one_shot", None)
+        ops.pop("two_shot", None)
+        skipped.update({k: error or "set-up failed on another rank" for k in ("one_shot", "two_shot")})
     return ops, skipped
 
 
@@ -115,14 +134,14 @@ def run_rank(rank: int, world: int, port: int, args, out_path: str | None) -> No
             fill()
             op()
             _sync(device)
-            if not check():
-                row["ops"][name] = {"error": "wrong result"}
+            if not _all_ranks_ok(check(), device):
+                row["ops"][name] = {"error": "wrong result on a rank"}
                 continue
             entry = {"eager_us": _timed(op, args.iters, device)}
             if device.type == "cuda":
                 try:
-                    entry["graph_us"] = _graph_timed(op, args.iters)
-                except Exception as e:  # noqa: BLE001 - reported in the table
+                    entry["graph_us"] = _graph_timed(op, args.iters, device)
+                except Exception as e:  # noqa: BLE001 - reported in the table (every rank raised alike)
                     entry["graph_error"] = f"{type(e).__name__}: {e}"[:200]
             row["ops"][name] = entry
         for name, why in skipped.items():

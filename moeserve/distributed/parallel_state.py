@@ -73,11 +73,16 @@ def destroy_parallel_state() -> None:
 
 
 def abort_parallel_state() -> None:
-    """Drop the group's communicators without the other ranks (after a failed teardown)."""
+    """Leave the group without the other ranks (one is gone or hung). NCCL: abort its communicators, which also
+    ends kernels waiting on the missing rank; gloo's teardown is local, so it is simply destroyed."""
     from torch.distributed.distributed_c10d import _abort_process_group
 
-    if dist.is_initialized():
-        try:
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "nccl":  # destroying after an abort could block on the aborted communicators
             _abort_process_group()
-        except Exception:  # noqa: BLE001 - the process is leaving tensor parallelism either way
-            pass
+        else:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the process is leaving tensor parallelism either way
+        pass

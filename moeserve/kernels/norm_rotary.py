@@ -51,6 +51,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_norm(x, residual, weight, eps, num_warps):
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or not weight.is_contiguous():
+        raise ValueError(f"norm weight {tuple(weight.shape)} is not a contiguous [{x.shape[-1]}] (x's last dim)")
     rows = _rows(x)
     T, N = rows.shape
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
@@ -190,9 +192,25 @@ def qk_norm_rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: tor
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not cache.is_contiguous() or cache.shape[-2:] != (nkv, d):
             raise ValueError(f"{name} {tuple(cache.shape)} is not a contiguous [blocks, block_size, {nkv}, {d}]")
+    if qk_norm not in NORM_MODES:
+        raise ValueError(f"qk_norm {qk_norm!r} is not one of {sorted(NORM_MODES)}")
     norm = NORM_MODES[qk_norm]
     if norm and (q_norm_weight is None or k_norm_weight is None):
         raise ValueError(f"qk_norm {qk_norm!r} needs q and k norm weights")
+    if norm:
+        widths = (d, d) if qk_norm == "head" else (nh * d, nkv * d)
+        for name, w, n in (("q_norm_weight", q_norm_weight, widths[0]), ("k_norm_weight", k_norm_weight, widths[1])):
+            if w.shape != (n,) or not w.is_contiguous():
+                raise ValueError(f"{name} {tuple(w.shape)} is not a contiguous [{n}] for qk_norm {qk_norm!r}")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.shape != (T,) or (T > 1 and t.stride(0) != 1):
+            raise ValueError(f"{name} {tuple(t.shape)} is not a contiguous [{T}] (one per token of qkv)")
+    if cos.shape[-1] != d or sin.shape != cos.shape:
+        raise ValueError(f"rotary tables cos {tuple(cos.shape)} / sin {tuple(sin.shape)} are not [max_pos, {d}]")
+    if q_heads_per_program is not None and q_heads_per_program & (q_heads_per_program - 1):
+        raise ValueError(f"q_heads_per_program must be a power of two, got {q_heads_per_program}")
+    if clip_qkv is not None:  # torch's clamp bound is the clip value in the activation dtype
+        clip_qkv = float(torch.tensor(clip_qkv, dtype=qkv.dtype))
     if cos.stride() != sin.stride() or cos.stride(1) != 1:
         raise ValueError("cos and sin tables must share a row-major layout")
     q = torch.empty(T, nh, d, dtype=qkv.dtype, device=qkv.device)

@@ -328,25 +328,47 @@ class ParallelModelRunner(ModelRunner):
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (a later engine in this process can start anew).
-        Rank 0 leaves the group while the workers leave theirs: NCCL's teardown is collective, so rank 0 waiting
-        for the workers to exit first would deadlock with workers waiting in their teardown for rank 0."""
+        Healthy: rank 0 leaves the group while the workers leave theirs (NCCL's teardown is collective, so rank 0
+        waiting for the workers to exit first would deadlock with workers waiting in their teardown for rank 0).
+        After a failure a rank is gone: the group is aborted at once, without waiting on the stream (it may hold a
+        collective that waits for the dead rank) or on a collective teardown that cannot complete."""
         healthy = self.failure is None
-        if healthy and self.workers:
-            try:
-                self._send(("shutdown",))
-            except RankFailure:
-                healthy = False
-        if self.tp is not None:
-            release_graphs(self)
-            leave_process_group(self.timeout_s if healthy else 5.0)
-            self.tp = None
-        for w in self.workers:
-            w.proc.join(5.0)
-            if w.proc.is_alive():
-                w.proc.kill()
+        try:
+            if healthy and self.workers:
+                try:
+                    self._send(("shutdown",))
+                except RankFailure:
+                    healthy = False
+            if self.tp is not None:
+                if healthy:
+                    release_graphs(self)
+                    self._leave_group()
+                else:
+                    abort_parallel_state()
+                self.tp = None
+        finally:
+            for w in self.workers:
                 w.proc.join(5.0)
-            w.conn.close()
-        self.workers = []
+                if w.proc.is_alive():
+                    w.proc.kill()
+                    w.proc.join(5.0)
+                w.conn.close()
+            self.workers = []
+
+    def _leave_group(self) -> None:
+        """destroy_process_group, watched: it ends when every rank has left; a worker that exits with an error or
+        dies meanwhile, or the timeout, turns it into an abort."""
+        t = threading.Thread(target=destroy_parallel_state, name="moeserve-tp-leave", daemon=True)
+        t.start()
+        deadline = time.monotonic() + self.timeout_s
+        while t.is_alive():
+            t.join(0.1)
+            failed = [w.rank for w in self.workers if w.proc.exitcode not in (None, 0)]
+            if t.is_alive() and (failed or time.monotonic() > deadline):
+                logger.warning("tensor-parallel process group teardown did not finish (%s); aborting it",
+                               f"rank(s) {failed} exited with an error" if failed else f"{self.timeout_s} s passed")
+                abort_parallel_state()
+                return
 
 
 def release_graphs(runner: ModelRunner) -> None:
@@ -355,20 +377,9 @@ def release_graphs(runner: ModelRunner) -> None:
     destroy_process_group on two H200s while the graphs were alive)."""
     runner.graph_runner = None
     gc.collect()
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
-
-
-def leave_process_group(timeout_s: float) -> None:
-    """destroy_process_group, bounded: with a rank gone, NCCL's collective teardown would wait forever. Past the
-    bound the group is aborted (its communicators dropped without the peers)."""
-    t = threading.Thread(target=destroy_parallel_state, name="moeserve-tp-leave", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        logger.warning("tensor-parallel process group teardown did not finish within %.0f s (a rank is gone?); "
-                       "aborting it", timeout_s)
-        abort_parallel_state()
+    device = getattr(runner, "device", None)  # unset when rank 0 failed while loading its shard
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class ShardedLoRAPool:
