@@ -151,8 +151,9 @@ def test_bf16_kernels_match_the_torch_layers_on_gpu(T, qk_norm, nh, nkv):
     torch.testing.assert_close(q, q_ref, **tol)
     torch.testing.assert_close(k_fused, k_ref, **tol)
     assert torch.equal(v_fused, v_ref)
-    # the kernel rotates in fp32 and rounds once, where torch rounds each bf16 product and the sum (~20 % of
-    # elements then differ by an ulp): it must be at least as close as the torch path to the fp32 layer
+    # on the H200 ~20 % of q/k elements differ from the torch path by an ulp although the kernel rounds where torch
+    # does (under the interpreter, in fp16, it equals the torch twin bit for bit; the GPU cause is not yet known):
+    # it must be at least as close as the torch path to the fp32 layer
     attn32 = _attention(qk_norm, nh, nkv, d, None, seed=T).to(dev)
     q32, k32, _ = attn32.qk_norm_rotary(qkv.float(), positions)
     k_written, k_want = (c.view(-1, nkv, d)[slots].float() for c in (k_fused, k_ref))
