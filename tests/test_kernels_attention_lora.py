@@ -12,14 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
 
-from moeserve.kernels import lora_dense  # noqa: E402
-from moeserve.kernels.lora_dense import (  # noqa: E402
-    RANK_BLOCK,
-    _dense_lora_one_launch,
-    _dense_lora_two_launch,
-    dense_lora,
-    dense_lora_ref,
-)
+from moeserve.kernels.lora_dense import RANK_BLOCK, _dense_lora, dense_lora, dense_lora_ref  # noqa: E402
 from moeserve.layers.linear import dense_lora_torch  # noqa: E402
 from moeserve.kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
@@ -166,7 +159,7 @@ def int_bits(t):
 
 @pytest.mark.parametrize("slice_sizes", [(20,), (24, 8, 8)])
 @pytest.mark.parametrize("k_splits,lanes", [(1, 1), (2, 1), (1, 3), (2, 4)])
-def test_two_launch_matches_ref(slice_sizes, k_splits, lanes):
+def test_dense_lora_matches_ref(slice_sizes, k_splits, lanes):
     """k_splits: partial sums over `in` that expand adds up; lanes: a tile's slots spread over programs."""
     gen = torch.Generator().manual_seed(len(slice_sizes) * 10 + k_splits)
     T, in_features, max_rank = 21, 48, 32  # two token tiles
@@ -184,7 +177,7 @@ def test_two_launch_matches_ref(slice_sizes, k_splits, lanes):
     want = out.clone()
     dense_lora_ref(x, a, b, slots, slot_ranks, slice_sizes, want)
 
-    _dense_lora_two_launch(x, a, b, slots, slot_ranks, slice_sizes, out, k_splits=k_splits, lanes=lanes)
+    _dense_lora(x, a, b, slots, slot_ranks, slice_sizes, out, k_splits=k_splits, lanes=lanes)
 
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     untouched = (slots < 0) | (slots == 1)
@@ -194,8 +187,7 @@ def test_two_launch_matches_ref(slice_sizes, k_splits, lanes):
     assert not torch.equal(big[~untouched], big_before[~untouched])
 
 
-@pytest.mark.parametrize("single_launch_max_tokens", [0, 64])  # two launches, one launch
-def test_dense_lora_uniform_slot_and_single_token(single_launch_max_tokens):
+def test_dense_lora_uniform_slot_and_single_token():
     gen = torch.Generator().manual_seed(7)
     sizes = (16, 16)  # gate/up-like
     a, b, ranks = make_lora_pool(3, sizes, 16, 32, [16, 16, 8], torch.float32, "cpu", gen)
@@ -205,24 +197,16 @@ def test_dense_lora_uniform_slot_and_single_token(single_launch_max_tokens):
         out = torch.randn(T, 32, generator=gen)
         want = out.clone()
         dense_lora_ref(x, a, b, slots, ranks, sizes, want)
-        dense_lora(x, a, b, slots, ranks, sizes, out, single_launch_max_tokens=single_launch_max_tokens)
+        dense_lora(x, a, b, slots, ranks, sizes, out)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 MIXED_RANKS = [8, 16, 64, 0, 16]  # rank-64 pool; slot 3 loaded but rank 0
 
 
-def _run_path(path, *args, **kw):
-    if path == "one":
-        _dense_lora_one_launch(*args, **kw)
-    else:
-        _dense_lora_two_launch(*args, **kw)
-
-
-@pytest.mark.parametrize("path", ["one", "two"])
 @pytest.mark.parametrize("T", [1, 7, 33])
-def test_dense_lora_mixed_ranks_both_paths(path, T):
-    """Both paths on a fused q|k|v of unequal slices, adapters of ranks 8, 16 and 64 in one batch,
+def test_dense_lora_mixed_ranks(T):
+    """A fused q|k|v of unequal slices, adapters of ranks 8, 16 and 64 in one batch,
     against dense_lora_ref and the layer's torch path; rows with slot -1 or a rank-0 slot stay bitwise."""
     gen = torch.Generator().manual_seed(100 + T)
     sizes, in_features = (48, 16, 16), 40  # `in` not a multiple of the k tile
@@ -239,50 +223,13 @@ def test_dense_lora_mixed_ranks_both_paths(path, T):
     want_torch = out.clone()
     dense_lora_torch(x, a.nan_to_num(0.0), b.nan_to_num(0.0), slots, slot_ranks, sizes, want_torch)
 
-    _run_path(path, x, a, b, slots, slot_ranks, sizes, out)
+    dense_lora(x, a, b, slots, slot_ranks, sizes, out)
 
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, want_torch, rtol=1e-5, atol=1e-5)
     untouched = (slots < 0) | (slot_ranks[slots.clamp_min(0).long()] == 0)
     assert torch.equal(int_bits(out[untouched]), int_bits(before[untouched]))
     assert (out[~untouched] != before[~untouched]).any(dim=1).all()  # every adapter row moved
-
-
-@pytest.mark.parametrize("lanes,block_t,block_n", [(1, 16, 16), (3, 16, 32), (4, 32, 16)])
-def test_one_launch_tiles_and_lanes(lanes, block_t, block_n):
-    """Tile shapes and slot lanes of the one-launch kernel; `out` a strided view whose margins stay bitwise."""
-    gen = torch.Generator().manual_seed(lanes * 100 + block_t + block_n)
-    sizes, T, in_features = (24, 8, 8), 21, 48
-    ranks = [8, 0, 32, 4]
-    a, b, slot_ranks = make_lora_pool(4, sizes, 32, in_features, ranks, torch.float32, "cpu", gen)
-    x = torch.randn(T, in_features, generator=gen)
-    slots = torch.randint(0, 4, (T,), generator=gen, dtype=torch.int32)
-    slots[[2, 7, 18]] = -1
-    big = torch.randn(T, sum(sizes) + 5, generator=gen)
-    big_before = big.clone()
-    out = big[:, 2 : 2 + sum(sizes)]
-    want = out.clone()
-    dense_lora_ref(x, a, b, slots, slot_ranks, sizes, want)
-
-    _dense_lora_one_launch(x, a, b, slots, slot_ranks, sizes, out, lanes=lanes, block_t=block_t, block_n=block_n)
-
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    untouched = (slots < 0) | (slots == 1)
-    assert torch.equal(int_bits(big[untouched]), int_bits(big_before[untouched]))
-    assert torch.equal(int_bits(big[:, :2]), int_bits(big_before[:, :2]))
-    assert torch.equal(int_bits(big[:, -3:]), int_bits(big_before[:, -3:]))
-
-
-def test_dense_lora_picks_the_path_by_token_count(monkeypatch):
-    calls = []
-    monkeypatch.setattr(lora_dense, "_dense_lora_one_launch", lambda *a, **k: calls.append(("one", a[0].shape[0])))
-    monkeypatch.setattr(lora_dense, "_dense_lora_two_launch", lambda *a, **k: calls.append(("two", a[0].shape[0])))
-    a, b = torch.zeros(2, 1, 16, 8), torch.zeros(2, 4, 16)
-    ranks = torch.tensor([16, 0], dtype=torch.int32)
-    for T in (1, 8, 9):
-        lora_dense.dense_lora(torch.zeros(T, 8), a, b, torch.zeros(T, dtype=torch.int32), ranks, (4,),
-                              torch.zeros(T, 4), single_launch_max_tokens=8)
-    assert calls == [("one", 1), ("one", 8), ("two", 9)]
 
 
 def test_dense_lora_ref_matches_dense_math():
@@ -356,7 +303,7 @@ DENSE_SHAPES = {"qkv": (QKV_SIZES, QWEN3["hidden"]), "o": ((QWEN3["hidden"],), Q
 @pytest.mark.parametrize("proj", ["qkv", "o"])
 @pytest.mark.parametrize("T", [1, 8, 64, 256, 2048])
 def test_gpu_dense_lora_qwen3_bf16(T, proj):
-    """Both paths (and dense_lora's pick) in bf16 at Qwen3-30B-A3B shapes, ranks 8..64 mixed in a rank-64 pool."""
+    """bf16 at Qwen3-30B-A3B shapes, ranks 8..64 mixed in a rank-64 pool, default and explicit slot lanes."""
     gen = torch.Generator(device="cuda").manual_seed(T)
     sizes, in_features = DENSE_SHAPES[proj]
     ranks = [16, 8, 0, 64, 16, 16, 32, 16]  # rank 16 typical; pool max rank 64
@@ -367,11 +314,8 @@ def test_gpu_dense_lora_qwen3_bf16(T, proj):
     dense_lora_ref(x, a, b, slots, slot_ranks, sizes, want)
     active = (slots >= 0) & (slot_ranks[slots.clamp_min(0).long()] > 0)
     variants = {"default": lambda *args: dense_lora(*args)}
-    for lanes in (None, 1, 8):
-        variants[f"one_lanes{lanes}"] = lambda *args, lanes=lanes: _dense_lora_one_launch(*args, lanes=lanes)
-        variants[f"two_lanes{lanes}"] = lambda *args, lanes=lanes: _dense_lora_two_launch(*args, lanes=lanes)
-    for block_n in (16, 64, 128):
-        variants[f"one_n{block_n}"] = lambda *args, block_n=block_n: _dense_lora_one_launch(*args, block_n=block_n)
+    for lanes in (1, 8):
+        variants[f"lanes{lanes}"] = lambda *args, lanes=lanes: _dense_lora(*args, lanes=lanes)
     for name, fn in variants.items():
         out = torch.zeros(T, sum(sizes), dtype=torch.bfloat16, device="cuda")
         fn(x, a, b, slots, slot_ranks, sizes, out)
@@ -407,7 +351,7 @@ def test_gpu_cuda_graph_decode_attention_and_lora():
     def step():
         paged_decode_attention(q, k, v, tables, ctx, scale, out=attn_out)
         lora_out.zero_()
-        dense_lora(x, a, b, slots, slot_ranks, QKV_SIZES, lora_out)  # batch 48: the one-launch path
+        dense_lora(x, a, b, slots, slot_ranks, QKV_SIZES, lora_out)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

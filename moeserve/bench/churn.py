@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from moeserve.bench.serve import WORDS, launch_server, percentile, split_server_argv, stop_server
+from moeserve.bench.serve import WORDS, launch_server, parse_with_server_argv, percentile, stop_server
 
 
 @dataclass
@@ -216,11 +216,7 @@ def print_table(res: ChurnResult, k: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv, server_argv = split_server_argv(argv)
-    args = build_parser().parse_args(argv)
-    if server_argv and not args.launch_server:
-        print("error: arguments after `--` need --launch-server", file=sys.stderr)
-        return 2
+    args, server_argv = parse_with_server_argv(build_parser(), argv)
     adapters = parse_adapters(args.adapters)
     proc, base = None, args.base_url
     if args.launch_server:

@@ -1,14 +1,16 @@
-"""Dense multi-LoRA at Qwen3-30B-A3B shapes: one launch vs shrink + expand, against the base GEMM.
+"""Dense multi-LoRA (shrink + expand) at Qwen3-30B-A3B shapes, against the base GEMM it rides on.
 
     python -m moeserve.bench.kernels --parts dense_lora [--batches 1,8,64,256,512] [--sweep]
 
 For the fused q|k|v projection (2048 -> 4096+512+512) and o_proj (4096 -> 2048), per T and adapter
-case, three CUDA graphs, timed interleaved (A, B, C, A, B, C) and reported as medians: the base GEMM
-alone, base + two-launch LoRA, base + one-launch LoRA. Each graph rotates through copies of weights,
+case, two CUDA graphs, timed interleaved (A, B, A, B) and reported as medians: the base GEMM alone and
+base + LoRA. Each graph rotates through copies of weights,
 adapters and inputs that together are far larger than L2, as when 48 layers run between two calls of
 one layer. Cases: 1, 4 and 8 rank-16 adapters on every row, 4 on every other row, and one rank-8 adapter,
-all in an 8-slot rank-64 pool. Each path is also checked against the fp32 reference.
-`--sweep` times one-launch tile candidates around the defaults at decode sizes.
+all in an 8-slot rank-64 pool. The kernel is also checked against the fp32 reference.
+`--sweep` times tile, split and lane candidates around the defaults at decode sizes.
+(A one-launch variant, shrink and expand in one program, measured slower at every T on the H200 and was
+removed: BENCHMARKS.md, session 4.)
 """
 from __future__ import annotations
 
@@ -19,12 +21,7 @@ import traceback
 import torch
 
 from moeserve.bench.common import graph_time_us
-from moeserve.kernels.lora_dense import (
-    SINGLE_LAUNCH_MAX_TOKENS,
-    _dense_lora_one_launch,
-    _dense_lora_two_launch,
-    dense_lora_ref,
-)
+from moeserve.kernels.lora_dense import _dense_lora, dense_lora_ref
 
 DEVICE = "cuda"
 PROJS = {"qkv": ((4096, 512, 512), 2048), "o": ((2048,), 4096)}  # slice sizes, in features
@@ -36,13 +33,12 @@ CASES = {  # name -> (rank of each slot, adapters in use, fraction of rows with 
     "lora8_r16": ([16] * 8, 8, 1.0),
     "lora1_r8_of_64": ([8] + [0] * 7, 1, 1.0),
 }
-PATHS = {"two": _dense_lora_two_launch, "one": _dense_lora_one_launch}
 L2_FLUSH_BYTES = 256 << 20  # the copies one timed graph cycles through
-ROUNDS = 3  # interleaved repeats of (base, two, one)
+ROUNDS = 3  # interleaved repeats of (base, base + LoRA)
 SWEEP_T = (1, 8, 64)
-SWEEP = ([dict(block_n=n, num_warps=w) for n in (16, 32, 64, 128) for w in (4, 8)]
-         + [dict(block_k=k) for k in (128, 256, 512)] + [dict(lanes=n) for n in (1, 2, 8)]
-         + [dict(num_stages=s) for s in (2, 4)])
+SWEEP = ([dict(block_n=n, num_warps=w) for n in (32, 64, 128) for w in (4, 8)]
+         + [dict(block_k=k) for k in (128, 256, 512)] + [dict(k_splits=n) for n in (1, 2, 4, 8)]
+         + [dict(lanes=n) for n in (1, 2, 8)])
 
 
 def make_sets(T: int, slice_sizes, in_features: int, gen):
@@ -91,8 +87,8 @@ def time_modes(sets, slice_sizes, slots, ranks, modes: dict) -> tuple[dict, dict
     return {name: statistics.median(t) for name, t in times.items() if t}, failed
 
 
-def check(sets, slice_sizes, slots, ranks) -> dict:
-    """Max error of each path relative to the fp32 reference's largest delta."""
+def check(sets, slice_sizes, slots, ranks) -> float:
+    """Max error of the kernel relative to the fp32 reference's largest delta."""
     x, _, _, a, b = sets[0]
     a, b = a.clone(), b.clone()  # the pool contract: columns past a slot's rank are zero
     for slot, rank in enumerate(ranks.tolist()):
@@ -100,12 +96,9 @@ def check(sets, slice_sizes, slots, ranks) -> dict:
         b[slot, :, rank:] = 0
     want = torch.zeros(x.shape[0], sum(slice_sizes), device=DEVICE)
     dense_lora_ref(x, a, b, slots, ranks, slice_sizes, want)
-    errs = {}
-    for name, path in PATHS.items():
-        got = torch.zeros(x.shape[0], sum(slice_sizes), device=DEVICE, dtype=torch.bfloat16)
-        path(x, a, b, slots, ranks, slice_sizes, got)
-        errs[name] = ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
-    return errs
+    got = torch.zeros(x.shape[0], sum(slice_sizes), device=DEVICE, dtype=torch.bfloat16)
+    _dense_lora(x, a, b, slots, ranks, slice_sizes, got)
+    return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
 
 
 def bench_shape(proj: str, T: int, gen, sweep: bool) -> list[dict]:
@@ -114,20 +107,17 @@ def bench_shape(proj: str, T: int, gen, sweep: bool) -> list[dict]:
     rows = []
     for case in CASES:
         slots, ranks = case_slots(T, case)
-        modes = {"base": (None, {}), "two": (PATHS["two"], {}), "one": (PATHS["one"], {})}
-        us, failed = time_modes(sets, slice_sizes, slots, ranks, modes)
+        us, failed = time_modes(sets, slice_sizes, slots, ranks, {"base": (None, {}), "lora": (_dense_lora, {})})
         if failed:
             raise RuntimeError(f"dense lora {proj} T={T} {case}: {failed}")
-        rows.append(dict(proj=proj, T=T, case=case, base_us=us["base"], two_us=us["two"], one_us=us["one"],
-                         two_ratio=us["two"] / us["base"], one_ratio=us["one"] / us["base"],
-                         err=check(sets, slice_sizes, slots, ranks),
-                         default="one" if T <= SINGLE_LAUNCH_MAX_TOKENS else "two"))
+        rows.append(dict(proj=proj, T=T, case=case, base_us=us["base"], lora_us=us["lora"],
+                         ratio=us["lora"] / us["base"], err=check(sets, slice_sizes, slots, ranks)))
         if sweep and case == "lora4_r16" and T in SWEEP_T:
-            variants = {"default": (PATHS["one"], {})}
-            variants.update({",".join(f"{k}={v}" for k, v in cfg.items()): (PATHS["one"], cfg) for cfg in SWEEP})
-            rows[-1]["sweep_one_us"], rows[-1]["sweep_failed"] = time_modes(sets, slice_sizes, slots, ranks, variants)
-        print(f"dense lora {proj} T={T} {case}: base {us['base']:.1f} us, +two {us['two'] - us['base']:.1f}, "
-              f"+one {us['one'] - us['base']:.1f}", flush=True)
+            variants = {"default": (_dense_lora, {})}
+            variants.update({",".join(f"{k}={v}" for k, v in cfg.items()): (_dense_lora, cfg) for cfg in SWEEP})
+            rows[-1]["sweep_us"], rows[-1]["sweep_failed"] = time_modes(sets, slice_sizes, slots, ranks, variants)
+        print(f"dense lora {proj} T={T} {case}: base {us['base']:.1f} us, +lora {us['lora'] - us['base']:.1f}",
+              flush=True)
     del sets
     return rows
 
@@ -145,22 +135,17 @@ def run(batches: list[int], sweep: bool, gen, rows: list[dict], save) -> None:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\ndense LoRA (bf16, {NUM_SLOTS}-slot rank-{MAX_RANK} pool): graph replays, medians of {ROUNDS} "
-          f"interleaved rounds; ratio = (base GEMM + LoRA) / base GEMM; one launch for T <= "
-          f"{SINGLE_LAUNCH_MAX_TOKENS} by default (*)")
-    print(f"{'proj':>4} {'T':>4} {'case':>15} {'base us':>8} {'+two us':>8} {'+one us':>8} "
-          f"{'two x':>6} {'one x':>6} {'err two':>8} {'err one':>8}")
+          f"interleaved rounds; ratio = (base GEMM + LoRA) / base GEMM")
+    print(f"{'proj':>4} {'T':>4} {'case':>15} {'base us':>8} {'+lora us':>8} {'ratio':>6} {'err':>8}")
     for r in rows:
-        mark = {"one": (" ", "*"), "two": ("*", " ")}[r["default"]]
-        print(f"{r['proj']:>4} {r['T']:>4} {r['case']:>15} {r['base_us']:>8.1f} "
-              f"{r['two_us'] - r['base_us']:>8.1f} {r['one_us'] - r['base_us']:>8.1f} "
-              f"{r['two_ratio']:>5.3f}{mark[0]} {r['one_ratio']:>5.3f}{mark[1]} "
-              f"{r['err']['two']:>8.1e} {r['err']['one']:>8.1e}")
+        print(f"{r['proj']:>4} {r['T']:>4} {r['case']:>15} {r['base_us']:>8.1f} {r['lora_us'] - r['base_us']:>8.1f} "
+              f"{r['ratio']:>6.3f} {r['err']:>8.1e}")
     for r in rows:
-        sw = r.get("sweep_one_us")
+        sw = r.get("sweep_us")
         if sw and "default" in sw:
             best = min(sw, key=sw.get)
-            print(f"  one-launch sweep {r['proj']} T={r['T']} lora4 (base+lora us): default {sw['default']:.1f}, "
+            print(f"  sweep {r['proj']} T={r['T']} lora4 (base+lora us): default {sw['default']:.1f}, "
                   f"best {best} {sw[best]:.1f} | " + " ".join(f"{k}:{v:.1f}" for k, v in sw.items()
                                                               if k != "default"))
         for name, err in r.get("sweep_failed", {}).items():
-            print(f"  one-launch sweep {r['proj']} T={r['T']} {name} failed: {err}")
+            print(f"  sweep {r['proj']} T={r['T']} {name} failed: {err}")

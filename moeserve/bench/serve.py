@@ -391,21 +391,22 @@ def _tail(path: str, n: int = 40) -> str:
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
 
 
-def split_server_argv(argv: list[str] | None) -> tuple[list[str], list[str]]:
-    """(the benchmark's own arguments, those after `--`, which belong to `moeserve serve`)."""
+def parse_with_server_argv(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """(the benchmark's parsed arguments, the arguments after `--`, which belong to `moeserve serve` and need
+    --launch-server)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        return argv, []
-    i = argv.index("--")
-    return argv[:i], argv[i + 1:]
+    server_argv = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, server_argv = argv[:i], argv[i + 1:]
+    args = parser.parse_args(argv)
+    if server_argv and not args.launch_server:
+        parser.error("arguments after `--` need --launch-server")
+    return args, server_argv
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv, server_argv = split_server_argv(argv)
-    args = build_parser().parse_args(argv)
-    if server_argv and not args.launch_server:
-        print("error: arguments after `--` need --launch-server", file=sys.stderr)
-        return 2
+    args, server_argv = parse_with_server_argv(build_parser(), argv)
     chat = args.endpoint.rstrip("/").endswith("/chat/completions")
     key = os.environ.get("OPENAI_API_KEY") or os.environ.get("MOESERVE_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}

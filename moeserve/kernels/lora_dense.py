@@ -3,18 +3,11 @@
     out[t, slice i] += (x[t] @ lora_a[s, i, :r].T) @ lora_b[s, rows_i, :r].T,  s = token_slots[t]
 
 Adapters live in a fixed slot pool: lora_a [L, S, R, in], lora_b [L, N_total, R] (scaling
-folded into B, columns >= the slot's rank are zero). Two paths, chosen by T (the padded batch
-size of a captured graph, so the choice is static within a graph):
-- one launch (decode, T <= single_launch_max_tokens): a program owns a tile of tokens and a
-  tile of output columns of one slice; per slot of its tile it computes the shrink x @ A.T over
-  the whole `in` dimension and expands it against its columns of B at once. The shrink is
-  recomputed by every column tile (A re-read from L2), which costs less than a second launch
-  and a scratch round trip at decode sizes.
-- two launches (prefill):
-  - shrink: x @ A.T into an fp32 scratch [k_splits, S, T, R]. The `in` dimension may be split
-    across programs (more parallelism at small T); expand sums the partials, so no atomics
-    and no zero-filled scratch are needed.
-  - expand: scratch @ B.T added in place into out.
+folded into B, columns >= the slot's rank are zero). Two launches:
+- shrink: x @ A.T into an fp32 scratch [k_splits, S, T, R]. The `in` dimension may be split
+  across programs (more parallelism at small T); expand sums the partials, so no atomics
+  and no zero-filled scratch are needed.
+- expand: scratch @ B.T added in place into out.
 Each program takes a tile of tokens and walks the distinct slots present in it, so no
 sorting and no host sync. With `lanes` > 1 the distinct slots of a tile are dealt round-robin
 to that many programs (each slot owns disjoint rows, so they never write the same element):
@@ -36,10 +29,6 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 RANK_BLOCK = 16  # rank columns per step (tl.dot needs K >= 16); loops run to roundup(rank, RANK_BLOCK)
 MAX_SLICES = 4
-# dense_lora's default: one launch up to this T, two launches above. 0: measured on the H200 (bench kernels --parts
-# dense_lora), the one-launch path was slower at every T (qkv T=1: +9.0 us vs +7.6; o T=1: +11.0 vs +7.8), its
-# per-program shrink over all of `in` is latency-bound; kept selectable for other shapes and GPUs.
-SINGLE_LAUNCH_MAX_TOKENS = 0
 _NO_SLOT = tl.constexpr(1 << 30)  # larger than any slot id
 
 
@@ -117,79 +106,6 @@ def _shrink_kernel(
 
 
 @triton.jit
-def _column_tile(nt, SIZE0: tl.constexpr, SIZE1: tl.constexpr, SIZE2: tl.constexpr, SIZE3: tl.constexpr,
-                 TILE1: tl.constexpr, TILE2: tl.constexpr, TILE3: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Slice, output columns and column mask of column tile `nt`.
-
-    Tiles are laid out slice by slice, none straddles two; TILEi is the first tile of slice i
-    (unused slices have size 0 and no tiles).
-    """
-    sl = (nt >= TILE1).to(tl.int32) + (nt >= TILE2).to(tl.int32) + (nt >= TILE3).to(tl.int32)
-    tile_base = tl.where(sl == 0, 0, tl.where(sl == 1, TILE1, tl.where(sl == 2, TILE2, TILE3)))
-    col_base = tl.where(sl == 0, 0, tl.where(sl == 1, SIZE0, tl.where(sl == 2, SIZE0 + SIZE1, SIZE0 + SIZE1 + SIZE2)))
-    size = tl.where(sl == 0, SIZE0, tl.where(sl == 1, SIZE1, tl.where(sl == 2, SIZE2, SIZE3)))
-    c = (nt - tile_base) * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the slice
-    return sl, col_base + c, c < size
-
-
-@triton.jit
-def _add_rows(out_ptr, acc, t, n, mine, n_mask, stride_ot, stride_on):
-    """out[t, n] += acc on the rows in `mine` only: every other row stays bitwise untouched."""
-    o_ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_ot + n[None, :] * stride_on
-    o_mask = (mine > 0)[:, None] & n_mask[None, :]
-    o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-    tl.store(o_ptrs, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
-def _one_launch_kernel(
-    x_ptr, a_ptr, b_ptr, slots_ptr, ranks_ptr, out_ptr,
-    T, IN, R_MAX,
-    stride_xt,
-    stride_al, stride_as, stride_ar,
-    stride_bl, stride_bn, stride_br,
-    stride_ot, stride_on,
-    SIZE0: tl.constexpr, SIZE1: tl.constexpr, SIZE2: tl.constexpr, SIZE3: tl.constexpr,
-    TILE1: tl.constexpr, TILE2: tl.constexpr, TILE3: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    LANES: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    sl, n, n_mask = _column_tile(tl.program_id(1), SIZE0, SIZE1, SIZE2, SIZE3, TILE1, TILE2, TILE3, BLOCK_N)
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    slots = _active_slots(slots_ptr, ranks_ptr, t, T)
-    x_rows = x_ptr + t.to(tl.int64)[:, None] * stride_xt
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    mine = tl.zeros([BLOCK_T], tl.int32)  # rows of the slots this lane handled
-    cur = _first_slot_of_lane(slots, tl.program_id(2))
-    while cur < _NO_SLOT:
-        rows = slots == cur
-        mine = tl.where(rows, 1, mine)
-        rank = tl.load(ranks_ptr + cur)
-        a_slot = a_ptr + cur.to(tl.int64) * stride_al + sl * stride_as
-        b_slot = b_ptr + cur.to(tl.int64) * stride_bl
-        for r0 in range(0, rank, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = r < R_MAX
-            # shrink: this rank block of x @ A.T, over all of `in`, for the slot's rows (others load zeros)
-            s = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
-            for k0 in range(0, IN, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = k < IN
-                xt = tl.load(x_rows + k[None, :], mask=rows[:, None] & k_mask[None, :], other=0.0).to(COMPUTE)
-                at = tl.load(a_slot + r[None, :] * stride_ar + k[:, None],
-                             mask=k_mask[:, None] & r_mask[None, :], other=0.0).to(COMPUTE)
-                s += tl.dot(xt, at, input_precision=DOT_PRECISION)
-            # expand: straight into this program's columns
-            b = tl.load(b_slot + n[None, :] * stride_bn + r[:, None] * stride_br,
-                        mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(COMPUTE)
-            acc += tl.dot(s.to(COMPUTE), b, input_precision=DOT_PRECISION)
-        for _ in tl.static_range(LANES):
-            cur = _next_slot(slots, cur)
-    _add_rows(out_ptr, acc, t, n, mine, n_mask, stride_ot, stride_on)
-
-
-@triton.jit
 def _expand_kernel(
     scratch_ptr, b_ptr, slots_ptr, ranks_ptr, out_ptr,
     T, R_MAX,
@@ -203,7 +119,16 @@ def _expand_kernel(
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    sl, n, n_mask = _column_tile(tl.program_id(1), SIZE0, SIZE1, SIZE2, SIZE3, TILE1, TILE2, TILE3, BLOCK_N)
+    nt = tl.program_id(1)  # column tile; tiles are laid out slice by slice, none straddles two
+    # TILEi: first column tile of slice i (unused slices have size 0 and no tiles).
+    sl = (nt >= TILE1).to(tl.int32) + (nt >= TILE2).to(tl.int32) + (nt >= TILE3).to(tl.int32)
+    tile_base = tl.where(sl == 0, 0, tl.where(sl == 1, TILE1, tl.where(sl == 2, TILE2, TILE3)))
+    col_base = tl.where(sl == 0, 0, tl.where(sl == 1, SIZE0, tl.where(sl == 2, SIZE0 + SIZE1, SIZE0 + SIZE1 + SIZE2)))
+    size = tl.where(sl == 0, SIZE0, tl.where(sl == 1, SIZE1, tl.where(sl == 2, SIZE2, SIZE3)))
+    c = (nt - tile_base) * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the slice
+    n_mask = c < size
+    n = col_base + c
+
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     slots = _active_slots(slots_ptr, ranks_ptr, t, T)
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
@@ -227,7 +152,11 @@ def _expand_kernel(
             acc += tl.dot(s.to(COMPUTE), b, input_precision=DOT_PRECISION)
         for _ in tl.static_range(LANES):
             cur = _next_slot(slots, cur)
-    _add_rows(out_ptr, acc, t, n, mine, n_mask, stride_ot, stride_on)
+
+    o_ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_ot + n[None, :] * stride_on
+    o_mask = (mine > 0)[:, None] & n_mask[None, :]
+    o = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    tl.store(o_ptrs, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,33 +164,23 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _device_sms(device: torch.device) -> int:
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def _default_k_splits(num_token_tiles: int, num_slices: int, in_features: int, block_k: int,
                       device: torch.device) -> int:
     """Split `in` across programs while tiles x slices alone would leave the GPU idle (decode)."""
     if device.type != "cuda":
         return 1
-    want = triton.cdiv(2 * _device_sms(device), num_token_tiles * num_slices)
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    want = triton.cdiv(2 * sms, num_token_tiles * num_slices)
     return max(1, min(want, triton.cdiv(in_features, block_k), 8))
 
 
-def dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes: tuple[int, ...], out, *,
-               single_launch_max_tokens: int = SINGLE_LAUNCH_MAX_TOKENS) -> None:
-    """Add the per-token multi-LoRA delta into out [T, N_total] in place (see module doc).
-
-    One launch while T <= single_launch_max_tokens, else shrink + expand. T is the padded batch
-    size of a captured graph, so the choice is static within a graph.
-    """
-    if x.shape[0] <= single_launch_max_tokens:
-        _dense_lora_one_launch(x, lora_a, lora_b, token_slots, slot_ranks, tuple(slice_sizes), out)
-    else:
-        _dense_lora_two_launch(x, lora_a, lora_b, token_slots, slot_ranks, tuple(slice_sizes), out)
+def dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes: tuple[int, ...], out) -> None:
+    """Add the per-token multi-LoRA delta into out [T, N_total] in place (see module doc)."""
+    _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, tuple(slice_sizes), out)
 
 
-def _check_shapes(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out) -> None:
+def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
+                block_t=None, block_k=None, block_n=None, k_splits=None, lanes=None, num_warps=4):
     T, in_features = x.shape
     num_slots, num_slices, max_rank, a_in = lora_a.shape
     n_total = out.shape[1]
@@ -269,72 +188,6 @@ def _check_shapes(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out) 
     assert sum(slice_sizes) == n_total and lora_b.shape == (num_slots, n_total, max_rank)
     assert out.shape[0] == T and token_slots.shape == (T,) and slot_ranks.shape == (num_slots,)
     assert x.stride(1) == 1 and lora_a.stride(3) == 1
-
-
-def _column_tiles(slice_sizes, block_n: int) -> tuple[tuple[int, ...], list[int]]:
-    """Slice sizes padded to MAX_SLICES, and the first column tile of each slice (+ the total)."""
-    sizes = tuple(slice_sizes) + (0,) * (MAX_SLICES - len(slice_sizes))
-    tile_starts = [0]
-    for size in sizes:
-        tile_starts.append(tile_starts[-1] + triton.cdiv(size, block_n))
-    return sizes, tile_starts
-
-
-def _default_lanes(T: int, num_slots: int, block_t: int) -> int:
-    # Decode-sized batches mix adapters within a tile; large (prefill) tiles are mostly uniform.
-    lanes = min(4, num_slots) if T <= 1024 else 1
-    return max(1, min(lanes, num_slots, block_t, T))  # a tile of T tokens holds at most T slots
-
-
-def _default_block_n(slice_sizes, programs_per_column_tile: int, device: torch.device) -> int:
-    """The widest column tile whose grid still covers every SM (the shrink is paid once per tile)."""
-    if device.type != "cuda":
-        return 16
-    for block_n in (128, 64, 32):
-        if _column_tiles(slice_sizes, block_n)[1][-1] * programs_per_column_tile >= _device_sms(device):
-            return block_n
-    return 16
-
-
-def _dense_lora_one_launch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
-                           block_t=None, block_n=None, block_k=None, lanes=None, num_warps=4, num_stages=3):
-    _check_shapes(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out)
-    T, in_features = x.shape
-    num_slots, num_slices, max_rank, _ = lora_a.shape
-    if T == 0 or max_rank == 0:
-        return
-    if block_t is None:
-        block_t = 16 if _INTERPRET else min(64, max(16, triton.next_power_of_2(T)))
-    if block_k is None:
-        block_k = 32 if _INTERPRET else (256 if block_t <= 32 else 128)
-    block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
-    num_token_tiles = triton.cdiv(T, block_t)
-    lanes = _default_lanes(T, num_slots, block_t) if lanes is None else max(1, min(lanes, num_slots, block_t))
-    if block_n is None:
-        block_n = 16 if _INTERPRET else _default_block_n(slice_sizes, num_token_tiles * lanes, x.device)
-    for name, size in (("block_t", block_t), ("block_n", block_n), ("block_k", block_k)):
-        assert size >= 16 and size & (size - 1) == 0, f"{name}={size}: tiles are powers of two >= 16 (tl.dot)"
-    sizes, tile_starts = _column_tiles(slice_sizes, block_n)
-    _one_launch_kernel[(num_token_tiles, tile_starts[num_slices], lanes)](
-        x, lora_a, lora_b, token_slots, slot_ranks, out,
-        T, in_features, max_rank,
-        x.stride(0),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        out.stride(0), out.stride(1),
-        SIZE0=sizes[0], SIZE1=sizes[1], SIZE2=sizes[2], SIZE3=sizes[3],
-        TILE1=tile_starts[1], TILE2=tile_starts[2], TILE3=tile_starts[3],
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_BLOCK, LANES=lanes,
-        COMPUTE=_compute_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
-
-
-def _dense_lora_two_launch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
-                           block_t=None, block_k=None, block_n=None, k_splits=None, lanes=None, num_warps=4):
-    _check_shapes(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out)
-    T, in_features = x.shape
-    num_slots, num_slices, max_rank, _ = lora_a.shape
     if T == 0 or max_rank == 0:
         return
     if block_t is None:
@@ -345,7 +198,10 @@ def _dense_lora_two_launch(x, lora_a, lora_b, token_slots, slot_ranks, slice_siz
         block_n = 16 if _INTERPRET else 128
     block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
     num_token_tiles = triton.cdiv(T, block_t)
-    lanes = _default_lanes(T, num_slots, block_t) if lanes is None else max(1, min(lanes, num_slots, block_t))
+    if lanes is None:
+        # Decode-sized batches mix adapters within a tile; large (prefill) tiles are mostly uniform.
+        lanes = min(4, num_slots) if T <= 1024 else 1
+    lanes = max(1, min(lanes, num_slots, block_t))
     if k_splits is None:
         k_splits = _default_k_splits(num_token_tiles, num_slices, in_features, block_k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(in_features, k_splits), block_k) * block_k
@@ -365,8 +221,12 @@ def _dense_lora_two_launch(x, lora_a, lora_b, token_slots, slot_ranks, slice_siz
         COMPUTE=compute, DOT_PRECISION=precision,
         num_warps=num_warps,
     )
-    sizes, tile_starts = _column_tiles(slice_sizes, block_n)
-    _expand_kernel[(num_token_tiles, tile_starts[num_slices], lanes)](
+    sizes = tuple(slice_sizes) + (0,) * (MAX_SLICES - num_slices)
+    tile_starts = [0]
+    for size in sizes:
+        tile_starts.append(tile_starts[-1] + triton.cdiv(size, block_n))
+    num_col_tiles = tile_starts[num_slices]
+    _expand_kernel[(num_token_tiles, num_col_tiles, lanes)](
         scratch, lora_b, token_slots, slot_ranks, out,
         T, max_rank,
         scratch.stride(0), scratch.stride(1), scratch.stride(2),
