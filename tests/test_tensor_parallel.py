@@ -307,6 +307,20 @@ def test_tp2_on_cpu_all_reduces_through_gloo_on_every_rank(tmp_path, tp_engine):
     assert_same(two.generate(ps, sp), ref)
 
 
+def test_bench_tp_decode_runs_each_backend_asked_and_reports_the_one_that_ran():
+    """`bench tp_decode --all-reduce symm_mem,nccl` on CPU: each multi-rank setting runs once per backend asked, one
+    rank none; every row says what ran (on CPU the symm_mem request falls back to gloo)."""
+    from moeserve.bench import tp_decode
+    from peft_fixtures import tiny_spec
+
+    spec = tiny_spec("qwen3_moe", max_position_embeddings=1024)  # the bench's 512-token context fits
+    rows = tp_decode.run(spec, ["tp1", "tp2"], [2], ["base"], steps=2, repeats=1, device="cpu",
+                         all_reduce=["symm_mem", "nccl"])
+    assert [(r["setting"], r["asked"], r["all_reduce"]) for r in rows] == [
+        ("tp1", "-", "-"), ("tp2", "symm_mem", "gloo"), ("tp2", "nccl", "gloo")]
+    assert all(r["tok_s"] > 0 for r in rows)
+
+
 # ---- two GPUs ------------------------------------------------------------------------------------------
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
