@@ -377,17 +377,19 @@ def test_gpu_tp2_bf16_triton_matches_tp1(tmp_path, tp_engine):
 
 @pytest.mark.gpu_multi
 @two_gpus
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
-def test_gpu_symm_mem_all_reduce_equals_nccl_eager_and_in_graphs(tmp_path, tp_engine, dtype, tol):
-    """TP=2 with the symmetric-memory all-reduce (chosen on both ranks) against --disable-custom-all-reduce (NCCL),
-    eager and with decode graphs that record its kernels, on traffic alternating base-only and adapter batches:
+@pytest.mark.parametrize("dtype,tol,expert_parallel", [("float32", 1e-4, False), ("bfloat16", 2e-2, False),
+                                                      ("bfloat16", 2e-2, True)], ids=["tp2-fp32", "tp2-bf16", "ep2-bf16"])
+def test_gpu_symm_mem_all_reduce_equals_nccl_eager_and_in_graphs(tmp_path, tp_engine, dtype, tol, expert_parallel):
+    """TP=2 (and EP=2) with the symmetric-memory all-reduce (chosen on both ranks) against --disable-custom-all-reduce
+    (NCCL), eager and with decode graphs that record its kernels, on traffic alternating base-only and adapter batches:
     the same greedy tokens, logprobs within the dtype's tolerance (two ranks' sums are one rounded add either
     way). The four engines start one after another in this process: symmetric memory is set up again each time."""
     family = "qwen3_moe"
     base = save_base_checkpoint(family, tmp_path / "base")
     path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
     kw = dict(model=str(base), device="cuda", dtype=dtype, block_size=16, max_num_seqs=8, max_lora_rank=8,
-              lora_modules={"ad": path}, tensor_parallel_size=2, cuda_graph_bs=[1, 2, 4, 8], num_kv_blocks=256)
+              lora_modules={"ad": path}, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              cuda_graph_bs=[1, 2, 4, 8], num_kv_blocks=256)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     waves = [[None, None, None], ["ad", None, "ad"], [None], ["ad"], [None, None, None, None, None]]
     outs = {}
@@ -409,7 +411,7 @@ def test_gpu_symm_mem_all_reduce_equals_nccl_eager_and_in_graphs(tmp_path, tp_en
 
 @pytest.mark.gpu_multi
 @two_gpus
-def test_gpu_symm_mem_engine_shuts_down_cleanly_within_a_bound(tmp_path, caplog):
+def test_gpu_symm_mem_engine_shuts_down_cleanly_within_a_bound(tmp_path, tp_engine, caplog):
     """After graphs that recorded symmetric-memory all-reduces, shutdown releases the graphs, then the buffer, then
     the process group on both ranks: it ends (a hang is what the order prevents) without falling back to an abort,
     and the worker exits by itself."""
@@ -417,8 +419,9 @@ def test_gpu_symm_mem_engine_shuts_down_cleanly_within_a_bound(tmp_path, caplog)
     import threading
 
     base = save_base_checkpoint("qwen3_moe", tmp_path / "base")
-    engine = Engine(EngineConfig(model=str(base), device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=4,
-                                 cuda_graph_bs=[1, 2, 4], num_kv_blocks=64, tensor_parallel_size=2, dist_timeout=60))
+    engine = tp_engine(EngineConfig(model=str(base), device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=4,
+                                    cuda_graph_bs=[1, 2, 4], num_kv_blocks=64, tensor_parallel_size=2,
+                                    dist_timeout=60))
     runner = engine.runner
     assert runner.tp.all_reduce_backend == "symm_mem"
     engine.generate(prompts(3, seed=2), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -491,4 +494,5 @@ def test_bench_collectives_checks_and_times_each_collective_on_two_ranks(tmp_pat
     for r in rows:
         for name in ("all_reduce", "all_gather", "reduce_scatter"):
             assert r["ops"][name]["eager_us"] > 0, r["ops"][name]
-        assert "needs CUDA" in r["ops"]["one_shot"]["skipped"]
+        for name in ("one_shot", "two_shot", "one_shot_copy", "two_shot_copy"):
+            assert "needs CUDA" in r["ops"][name]["skipped"]
