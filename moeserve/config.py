@@ -80,6 +80,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # routed experts split whole across the ranks instead of sliced
     dist_timeout: int = 600  # seconds a collective may wait for a rank before the engine stops naming it
+    # activation all-reduces through NCCL only; by default (CUDA, several ranks) they go through a symmetric-memory
+    # buffer where every rank can set one up (distributed/parallel_state.py), NCCL otherwise
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self):
         self._resolved = False

@@ -157,6 +157,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dist-timeout", type=int, default=_default("dist_timeout"),
                    help="seconds a collective waits for a rank before the engine stops with an error naming it "
                         "(default: %(default)s)")
+    g.add_argument("--disable-custom-all-reduce", action="store_true", default=_default("disable_custom_all_reduce"),
+                   help="all-reduce activations through NCCL only (default: on CUDA they go through a symmetric-memory "
+                        "buffer, torch's one-shot / two-shot kernels, where every rank can set one up; NCCL otherwise "
+                        "and for messages larger than the buffer)")
 
     g = parser.add_argument_group("CUDA graphs")
     g.add_argument("--enforce-eager", "--disable-cuda-graph", dest="enforce_eager", action="store_true",

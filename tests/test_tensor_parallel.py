@@ -1,8 +1,9 @@
 """Tensor and expert parallelism: TP=2 and EP=2 (two processes, gloo on CPU) equal TP=1 — the same engine with
 the feature off — for every family, with mixed adapter batches, hot loads and evictions; graph replay keys
 agree across ranks; a failed adapter load is rolled back on every rank; a killed or hung rank stops the engine
-with an error naming it. The `gpu_multi` tests repeat the graph checks with NCCL and CUDA graphs on two GPUs
-(skipped with fewer)."""
+with an error naming it; every rank agrees on the all-reduce backend and falls back together. The `gpu_multi`
+tests repeat the graph checks with NCCL and CUDA graphs on two GPUs (skipped with fewer), and compare the
+symmetric-memory all-reduce with NCCL's, eager and in graphs, and its shutdown."""
 import os
 import signal
 
@@ -229,6 +230,97 @@ def test_hung_worker_times_out_naming_the_rank(tmp_path, tp_engine):
             os.kill(worker.pid, signal.SIGKILL)
 
 
+# ---- the all-reduce backend -------------------------------------------------------------------------------
+
+BACKEND_SCENARIOS = [  # (CPU stand-in for symmetric memory, (step, rank) that fails), backend every rank must pick
+    ((False, None), "gloo"),  # the real check: symmetric memory needs CUDA
+    ((True, None), "symm_mem"),
+    ((True, ("allocate", 1)), "gloo"),
+    ((True, ("rendezvous", 0)), "gloo"),
+    ((True, ("check", 1)), "gloo"),  # rank 1's first reduction gives a wrong sum
+]
+
+
+def test_all_reduce_backend_is_agreed_by_every_rank_and_falls_back_together(tmp_path):
+    """Two gloo ranks ask for a symmetric buffer, one scenario after another in the same processes: a step that
+    fails on either rank sends both to the process group; where symmetric memory is chosen, tensors of its dtype
+    that fit its buffer take it (one-shot up to the threshold, two-shot above), the rest take gloo, every sum is
+    right; leaving frees the buffer, then the group."""
+    import json
+
+    from all_reduce_probe import choose_backends
+    from moeserve.distributed.parallel_state import rendezvous_store
+
+    store = rendezvous_store(0, 3, is_master=True)
+    torch.multiprocessing.spawn(choose_backends, args=(2, store.port, [s for s, _ in BACKEND_SCENARIOS],
+                                                       str(tmp_path)), nprocs=2, join=True)
+    for i, (_, backend) in enumerate(BACKEND_SCENARIOS):
+        for rank in range(2):
+            r = json.loads((tmp_path / f"rank{rank}-{i}.json").read_text())
+            assert r["backend"] == backend, (i, rank, r)
+            assert r["sums"] == {k: [3.0] for k in ("small", "large", "oversize", "fp64", "ragged")}, (i, rank, r)
+            assert all(r["freed"]) and r["group_left"], (i, rank, r)
+            # the start-up check runs both kernels once on the whole buffer, then the fitting tensors follow
+            want = [["one_shot", 64], ["two_shot", 64], ["one_shot", 16], ["two_shot", 64]]
+            assert r["calls"] == (want if backend == "symm_mem" else []), (i, rank, r)
+
+
+def test_symm_mem_buffer_follows_the_config_and_every_rank_asks_alike():
+    from moeserve.distributed.parallel_state import SYMM_MEM_MAX_BYTES
+    from moeserve.runtime.parallel import symm_mem_buffer
+
+    class Spec:  # the one field of a ModelSpec the buffer's size reads
+        hidden_size = 2048
+
+    def cfg(**kw):
+        return EngineConfig(device="cpu", dtype="bfloat16", tensor_parallel_size=2, **kw)
+
+    assert symm_mem_buffer(cfg(disable_custom_all_reduce=True), Spec) is None
+    assert symm_mem_buffer(EngineConfig(device="cpu", dtype="bfloat16"), Spec) is None  # one rank
+    # a prefill chunk of max_num_batched_tokens rows, or a decode batch of max_num_seqs, in the model dtype
+    assert symm_mem_buffer(cfg(max_num_batched_tokens=512, max_num_seqs=64), Spec) == (512 * 2048, torch.bfloat16)
+    assert symm_mem_buffer(cfg(max_num_batched_tokens=256, max_num_seqs=1024), Spec) == (1024 * 2048, torch.bfloat16)
+    # capped: larger messages go through NCCL
+    assert symm_mem_buffer(cfg(max_num_batched_tokens=1 << 16), Spec) == (SYMM_MEM_MAX_BYTES // 2, torch.bfloat16)
+
+
+def test_symm_mem_is_refused_by_name_where_it_cannot_run(monkeypatch):
+    from moeserve.distributed.parallel_state import symm_mem_unavailable
+
+    cuda = torch.device("cuda", 0)
+    assert "needs CUDA" in symm_mem_unavailable(torch.device("cpu"), 2, torch.bfloat16)
+    assert "one rank" in symm_mem_unavailable(cuda, 1, torch.bfloat16)
+    assert "torch.int8" in symm_mem_unavailable(cuda, 2, torch.int8)
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cu128")
+    assert "needs torch >= 2.11" in symm_mem_unavailable(cuda, 2, torch.bfloat16)
+
+
+def test_tp2_on_cpu_all_reduces_through_gloo_on_every_rank(tmp_path, tp_engine):
+    """The default config asks for symmetric memory; on CPU every rank falls back to gloo and TP=2 still equals
+    TP=1."""
+    base = save_base_checkpoint("qwen3_moe", tmp_path / "base")
+    ps, sp = prompts(2, seed=9), SamplingParams(max_tokens=2, **GREEDY)
+    ref = Engine(config(base)).generate(ps, sp)
+    two = tp_engine(config(base, tensor_parallel_size=2))
+    assert two.runner.tp.all_reduce_backend == "gloo"
+    assert two.runner.worker_all_reduce_backends() == {1: "gloo"}
+    assert_same(two.generate(ps, sp), ref)
+
+
+def test_bench_tp_decode_runs_each_backend_asked_and_reports_the_one_that_ran():
+    """`bench tp_decode --all-reduce symm_mem,nccl` on CPU: each multi-rank setting runs once per backend asked, one
+    rank none; every row says what ran (on CPU the symm_mem request falls back to gloo)."""
+    from moeserve.bench import tp_decode
+    from peft_fixtures import tiny_spec
+
+    spec = tiny_spec("qwen3_moe", max_position_embeddings=1024)  # the bench's 512-token context fits
+    rows = tp_decode.run(spec, ["tp1", "tp2"], [2], ["base"], steps=2, repeats=1, device="cpu",
+                         all_reduce=["symm_mem", "nccl"])
+    assert [(r["setting"], r["asked"], r["all_reduce"]) for r in rows] == [
+        ("tp1", "-", "-"), ("tp2", "symm_mem", "gloo"), ("tp2", "nccl", "gloo")]
+    assert all(r["tok_s"] > 0 for r in rows)
+
+
 # ---- two GPUs ------------------------------------------------------------------------------------------
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -281,6 +373,68 @@ def test_gpu_tp2_bf16_triton_matches_tp1(tmp_path, tp_engine):
     two = tp_engine(EngineConfig(**kw, tensor_parallel_size=2))
     outs = two.generate(ps, sp)
     assert [o.token_ids[0] for o in outs] == [o.token_ids[0] for o in ref]
+
+
+@pytest.mark.gpu_multi
+@two_gpus
+@pytest.mark.parametrize("dtype,tol,expert_parallel", [("float32", 1e-4, False), ("bfloat16", 2e-2, False),
+                                                      ("bfloat16", 2e-2, True)], ids=["tp2-fp32", "tp2-bf16", "ep2-bf16"])
+def test_gpu_symm_mem_all_reduce_equals_nccl_eager_and_in_graphs(tmp_path, tp_engine, dtype, tol, expert_parallel):
+    """TP=2 (and EP=2) with the symmetric-memory all-reduce (chosen on both ranks) against --disable-custom-all-reduce
+    (NCCL), eager and with decode graphs that record its kernels, on traffic alternating base-only and adapter batches:
+    the same greedy tokens, logprobs within the dtype's tolerance (two ranks' sums are one rounded add either
+    way). The four engines start one after another in this process: symmetric memory is set up again each time."""
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
+    kw = dict(model=str(base), device="cuda", dtype=dtype, block_size=16, max_num_seqs=8, max_lora_rank=8,
+              lora_modules={"ad": path}, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+              cuda_graph_bs=[1, 2, 4, 8], num_kv_blocks=256)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    waves = [[None, None, None], ["ad", None, "ad"], [None], ["ad"], [None, None, None, None, None]]
+    outs = {}
+    for backend in ("symm_mem", "nccl"):
+        for eager in (False, True):
+            engine = tp_engine(EngineConfig(**kw, enforce_eager=eager, disable_custom_all_reduce=backend == "nccl"))
+            assert engine.runner.tp.all_reduce_backend == backend
+            assert engine.runner.worker_all_reduce_backends() == {1: backend}
+            outs[backend, eager] = [engine.generate(prompts(len(w), seed=i), sp, lora=w) for i, w in enumerate(waves)]
+            if not eager:
+                assert sum(engine.runner.graph_runner.replay_counts().values()) > 0
+            engine.runner.shutdown()
+    for eager in (False, True):
+        for ours, ref in zip(outs["symm_mem", eager], outs["nccl", eager]):
+            for a, b in zip(ours, ref):
+                assert a.token_ids == b.token_ids, (eager, a.token_ids, b.token_ids)
+                assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) <= tol
+
+
+@pytest.mark.gpu_multi
+@two_gpus
+def test_gpu_symm_mem_engine_shuts_down_cleanly_within_a_bound(tmp_path, tp_engine, caplog):
+    """After graphs that recorded symmetric-memory all-reduces, shutdown releases the graphs, then the buffer, then
+    the process group on both ranks: it ends (a hang is what the order prevents) without falling back to an abort,
+    and the worker exits by itself."""
+    import logging
+    import threading
+
+    base = save_base_checkpoint("qwen3_moe", tmp_path / "base")
+    engine = tp_engine(EngineConfig(model=str(base), device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=4,
+                                    cuda_graph_bs=[1, 2, 4], num_kv_blocks=64, tensor_parallel_size=2,
+                                    dist_timeout=60))
+    runner = engine.runner
+    assert runner.tp.all_reduce_backend == "symm_mem"
+    engine.generate(prompts(3, seed=2), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert sum(runner.graph_runner.replay_counts().values()) > 0
+    worker = runner.workers[0].proc
+    with caplog.at_level(logging.WARNING, logger="moeserve"):
+        leaving = threading.Thread(target=runner.shutdown, daemon=True)
+        leaving.start()
+        leaving.join(180)  # the teardown's own watchdog aborts after dist_timeout (60 s): far inside this bound
+        assert not leaving.is_alive(), "TP=2 shutdown with symmetric memory did not return"
+    assert not [r for r in caplog.records if "teardown did not finish" in r.getMessage()]
+    assert worker.exitcode == 0
+    assert not torch.distributed.is_initialized()
 
 
 def test_bad_parallel_settings_are_refused_by_name(tmp_path):
@@ -340,4 +494,5 @@ def test_bench_collectives_checks_and_times_each_collective_on_two_ranks(tmp_pat
     for r in rows:
         for name in ("all_reduce", "all_gather", "reduce_scatter"):
             assert r["ops"][name]["eager_us"] > 0, r["ops"][name]
-        assert "needs CUDA" in r["ops"]["one_shot"]["skipped"]
+        for name in ("one_shot", "two_shot", "one_shot_copy", "two_shot_copy"):
+            assert "needs CUDA" in r["ops"][name]["skipped"]

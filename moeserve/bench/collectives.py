@@ -6,6 +6,9 @@ A TP decode layer all-reduces a [B, H] activation twice (attention and MLP outpu
 2 x layers x the all-reduce latency. Per B this times, in the activation dtype:
 - `all_reduce`: dist.all_reduce (NCCL on GPUs), eagerly (a host loop) and inside a CUDA graph (as the decode graphs replay it);
 - `one_shot` / `two_shot`: torch's symmetric-memory all-reduces (buffers rendezvoused once), eager and in a graph;
+- `one_shot_copy` / `two_shot_copy`: the same kernels as the engine calls them (ParallelState.all_reduce under the
+  symm_mem backend): from an ordinary tensor into a new one, the one-shot kernel copying the input in itself, the
+  two-shot one after a copy. Where they cross decides ONE_SHOT_MAX_BYTES (distributed/parallel_state.py);
 - `all_gather` / `reduce_scatter`: the two halves of expert parallelism's all-gather + reduce-scatter dispatch
   ([B, H] gathered from every rank, [world * B, H] reduced and scattered back).
 Each op's result is checked once before it is timed (rank r contributes r + 1 everywhere), so an op that computes
@@ -22,7 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moeserve.distributed.parallel_state import SymmMemAllReduce
+
 GRAPH_OPS = 16  # ops captured back to back in one graph (a layer stack's worth), timed per op
+SYMM_OPS = ("one_shot", "two_shot", "one_shot_copy", "two_shot_copy")
 
 
 def _timed(fn, iters: int, device: torch.device) -> float:
@@ -92,7 +98,7 @@ def _ops(B: int, H: int, dtype, device, rank: int, world: int):
                            lambda: bool((scattered == total).all())),
     }
     if device.type != "cuda":
-        return ops, {"one_shot": "symmetric memory needs CUDA", "two_shot": "symmetric memory needs CUDA"}
+        return ops, {name: "symmetric memory needs CUDA" for name in SYMM_OPS}
     skipped = {}
     error = None
     try:
@@ -109,13 +115,26 @@ def _ops(B: int, H: int, dtype, device, rank: int, world: int):
         ops["two_shot"] = (lambda: buf.fill_(rank + 1),
                            lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name),
                            lambda: bool((buf == total).all()))
+        engine = SymmMemAllReduce.allocate(B * H, dtype, device, group).rendezvous()
+        for op_name, reduce in (("one_shot_copy", engine.one_shot), ("two_shot_copy", engine.two_shot)):
+            ops[op_name] = _returning_op(reduce, x, rank, total)
     except Exception as e:  # noqa: BLE001 - reported in the table
         error = f"{type(e).__name__}: {e}"[:200]
     if not _all_ranks_ok(error is None, device):  # every rank times the same ops
-        ops.pop("one_shot", None)
-        ops.pop("two_shot", None)
-        skipped.update({k: error or "set-up failed on another rank" for k in ("one_shot", "two_shot")})
+        for k in SYMM_OPS:
+            ops.pop(k, None)
+        skipped.update({k: error or "set-up failed on another rank" for k in SYMM_OPS})
     return ops, skipped
+
+
+def _returning_op(reduce, x: torch.Tensor, rank: int, total: float):
+    """(fill, op, check) for an all-reduce that returns its sum in a new tensor."""
+    result = {}
+
+    def op():
+        result["sum"] = reduce(x)
+
+    return lambda: x.fill_(rank + 1), op, lambda: bool((result["sum"] == total).all())
 
 
 def run_rank(rank: int, world: int, port: int, args, out_path: str | None) -> None:
@@ -158,7 +177,7 @@ def _rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
 
 
 def print_table(rows: list[dict], world: int) -> None:
-    names = ["all_reduce", "one_shot", "two_shot", "all_gather", "reduce_scatter"]
+    names = ["all_reduce", *SYMM_OPS, "all_gather", "reduce_scatter"]
     print(f"\ncollectives over {world} ranks, us per op (eager / in a CUDA graph); [B, H] message")
     print(f"{'B':>5} {'bytes':>9} " + " ".join(f"{n:>17}" for n in names))
     for r in rows:

@@ -10,7 +10,12 @@ each with its own engine (its workers stopped before the next starts).
 Modes: base (LoRA off), idle-dual (LoRA on, no request uses an adapter: the no-LoRA graph), active (4
 random rank-16 adapters on attention and every expert, every row with one).
 
-    python -m moeserve.bench.tp_decode --preset qwen3-30b-a3b --settings tp1,tp2,ep2 --batches 1,64,256,512
+`--all-reduce symm_mem,nccl` runs every multi-rank setting once per all-reduce backend asked for (symm_mem: the
+default, symmetric memory where every rank can set it up; nccl: --disable-custom-all-reduce); each row reports the
+backend that actually ran (a symm_mem request that fell back says nccl).
+
+    python -m moeserve.bench.tp_decode --preset qwen3-30b-a3b --settings tp1,tp2,ep2 --batches 1,64,256,512 \
+        --all-reduce symm_mem,nccl
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from moeserve.runtime.sequence import Sequence
 from moeserve.sampling_params import SamplingParams
 
 MODES = ("base", "idle-dual", "active")
+ALL_REDUCE = ("symm_mem", "nccl")
 NUM_ADAPTERS, RANK = 4, 16
 
 
@@ -74,7 +80,7 @@ class Setting:
     """One engine (tp ranks, expert-parallel or not, LoRA on or off) and its timed decode."""
 
     def __init__(self, model_dir: str, spec: ModelSpec, tp: int, ep: bool, lora: bool, batches: list[int],
-                 steps: int, device: str):
+                 steps: int, device: str, all_reduce: str = "symm_mem"):
         self.spec, self.steps = spec, steps
         self.max_len = PROMPT + steps + 16
         self.blocks_per_seq = -(-self.max_len // 16)
@@ -83,7 +89,10 @@ class Setting:
         self.core = EngineCore(EngineConfig(
             model=model_dir, load_format="dummy", device=device, tensor_parallel_size=tp, enable_expert_parallel=ep,
             max_model_len=self.max_len, max_num_seqs=max(batches), block_size=16, cuda_graph_bs=batches,
-            num_kv_blocks=max(batches) * self.blocks_per_seq + 2, **kw))
+            num_kv_blocks=max(batches) * self.blocks_per_seq + 2, disable_custom_all_reduce=all_reduce == "nccl",
+            **kw))
+        parallel = getattr(self.core.runner, "tp", None)
+        self.all_reduce = parallel.all_reduce_backend if parallel is not None else "-"  # what ran, on every rank
         if lora:  # straight into the slots, on every rank (the manager's bookkeeping is not needed here)
             for slot in range(NUM_ADAPTERS):
                 self.core.lora_manager.pool.load(slot, random_adapter(spec, f"a{slot}", slot + 1))
@@ -127,31 +136,32 @@ def slots_for(mode: str, B: int) -> list[int]:
 
 
 def run(spec: ModelSpec, settings: list[str], batches: list[int], modes: list[str], steps: int, repeats: int,
-        device: str) -> list[dict]:
+        device: str, all_reduce: list[str] = ALL_REDUCE[:1]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(hf_config(spec)))
         for name in settings:
             tp, ep = int(name[2:]), name.startswith("ep")
-            for lora in (False, True):
-                wanted = [m for m in modes if (m != "base") == lora]
-                if not wanted:
-                    continue
-                setting = Setting(model_dir, spec, tp, ep, lora, batches, steps, device)
-                try:
-                    for mode in wanted:
-                        for B in batches:
-                            t = setting.time_decode(B, slots_for(mode, B), repeats)
-                            rows.append(dict(setting=name, mode=mode, batch=B, tok_s=B * steps / t,
-                                             step_ms=t / steps * 1e3))
-                            print(f"  {name:5s} {mode:10s} B={B:4d} {B * steps / t:10.1f} tok/s "
-                                  f"{t / steps * 1e3:8.2f} ms/step", flush=True)
-                finally:
-                    setting.close()
-                    del setting  # the next setting needs this one's KV cache and weights freed first
-                    gc.collect()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
+            for asked in (all_reduce if tp > 1 else ["-"]):
+                for lora in (False, True):
+                    wanted = [m for m in modes if (m != "base") == lora]
+                    if not wanted:
+                        continue
+                    setting = Setting(model_dir, spec, tp, ep, lora, batches, steps, device, asked)
+                    try:
+                        for mode in wanted:
+                            for B in batches:
+                                t = setting.time_decode(B, slots_for(mode, B), repeats)
+                                rows.append(dict(setting=name, all_reduce=setting.all_reduce, asked=asked, mode=mode,
+                                                 batch=B, tok_s=B * steps / t, step_ms=t / steps * 1e3))
+                                print(f"  {name:5s} {setting.all_reduce:8s} {mode:10s} B={B:4d} "
+                                      f"{B * steps / t:10.1f} tok/s {t / steps * 1e3:8.2f} ms/step", flush=True)
+                    finally:
+                        setting.close()
+                        del setting  # the next setting needs this one's KV cache and weights freed first
+                        gc.collect()
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
     return rows
 
 
@@ -163,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--settings", default="tp1,tp2,ep2", help="tpN (tensor-parallel) / epN (expert-parallel)")
     ap.add_argument("--batches", default="1,8,64,256,512")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--all-reduce", default=ALL_REDUCE[0],
+                    help="all-reduce backends to run each multi-rank setting with, comma-separated: "
+                         f"{', '.join(ALL_REDUCE)} (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cuda")
@@ -171,14 +184,21 @@ def main(argv=None) -> int:
     spec = preset_spec(args.preset, args.layers)
     settings = [s for s in args.settings.split(",") if s]
     batches = [int(b) for b in args.batches.split(",")]
+    all_reduce = [b for b in args.all_reduce.split(",") if b]
+    bad = [b for b in all_reduce if b not in ALL_REDUCE]
+    if bad or not all_reduce:
+        ap.error(f"--all-reduce: unknown backend(s) {bad}; choose from {', '.join(ALL_REDUCE)}")
     rows = run(spec, settings, batches, [m for m in args.modes.split(",") if m], args.steps, args.repeats,
-               args.device)
-    base = {(r["mode"], r["batch"]): r["tok_s"] for r in rows if r["setting"] == settings[0]}
-    print(f"\n{'setting':8s} {'mode':10s} {'B':>5s} {'tok/s':>10s} {'ms/step':>8s}  vs {settings[0]}")
+               args.device, all_reduce)
+    first = rows[0] if rows else {}
+    base = {(r["mode"], r["batch"]): r["tok_s"] for r in rows
+            if (r["setting"], r["asked"]) == (first.get("setting"), first.get("asked"))}
+    print(f"\n{'setting':8s} {'all-red.':8s} {'mode':10s} {'B':>5s} {'tok/s':>10s} {'ms/step':>8s}  vs {settings[0]}")
     for r in rows:
         ref = base.get((r["mode"], r["batch"]))
         ratio = f"{r['tok_s'] / ref:.2f}" if ref else "-"
-        print(f"{r['setting']:8s} {r['mode']:10s} {r['batch']:5d} {r['tok_s']:10.1f} {r['step_ms']:8.2f}  {ratio}")
+        print(f"{r['setting']:8s} {r['all_reduce']:8s} {r['mode']:10s} {r['batch']:5d} {r['tok_s']:10.1f} "
+              f"{r['step_ms']:8.2f}  {ratio}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tp_decode.json").write_text(json.dumps(dict(preset=args.preset, spec=dataclasses.asdict(spec),

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.distributed.parallel_state import (ParallelState, RankFailure, abort_parallel_state,
-                                                 destroy_parallel_state, init_parallel_state, rendezvous_store)
+from moeserve.distributed.parallel_state import (SYMM_MEM_MAX_BYTES, ParallelState, RankFailure,
+                                                 abort_parallel_state, destroy_parallel_state, init_parallel_state,
+                                                 rendezvous_store)
 from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapter
 from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.models.loader import load_model
@@ -42,6 +43,19 @@ logger = logging.getLogger("moeserve")
 
 
 # ---- what every rank runs -------------------------------------------------------------------------------
+
+def symm_mem_buffer(config: EngineConfig, spec: ModelSpec) -> tuple[int, torch.dtype] | None:
+    """The symmetric all-reduce buffer every rank asks for, (elements, dtype), or None under
+    --disable-custom-all-reduce. It holds the largest forward's activations (a prefill chunk or a decode
+    batch, [rows, hidden]) up to SYMM_MEM_MAX_BYTES; larger ones go through NCCL. Computed from the config
+    alone, so every rank asks for the same."""
+    if config.disable_custom_all_reduce or config.tensor_parallel_size < 2:
+        return None
+    dtype = config.torch_dtype
+    row_bytes = spec.hidden_size * dtype.itemsize
+    rows = min(max(config.max_num_batched_tokens, config.max_num_seqs), max(1, SYMM_MEM_MAX_BYTES // row_bytes))
+    return rows * spec.hidden_size, dtype
+
 
 @dataclass
 class StepPlan:
@@ -137,7 +151,7 @@ class ParallelModelRunner(ModelRunner):
         try:
             with _children_allowed():
                 self._start_workers(ctx, n, store.port, config, spec, model_dir)
-            self.tp = self._join_group(store, device)
+            self.tp = self._join_group(store, device, symm_mem_buffer(config, spec))
             model = load_model(model_dir, spec, device, config.torch_dtype, config.attention_backend,
                                config.moe_backend, config.moe_backend, progress=progress,
                                load_format=config.load_format, seed=config.seed, tp=self.tp)
@@ -147,7 +161,9 @@ class ParallelModelRunner(ModelRunner):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (%s)%s", n, "nccl" if device.type == "cuda" else "gloo",
+        how = " (--disable-custom-all-reduce)" if config.disable_custom_all_reduce else ""
+        logger.info("tensor parallel: %d ranks (%s), all-reduce: %s%s%s", n,
+                    "nccl" if device.type == "cuda" else "gloo", self.tp.all_reduce_backend, how,
                     ", routed experts expert-parallel" if ep else "")
 
     def _start_workers(self, ctx, n: int, store_port: int, config: EngineConfig, spec: ModelSpec, model_dir) -> None:
@@ -161,15 +177,17 @@ class ParallelModelRunner(ModelRunner):
             child.close()
             self.workers.append(_Worker(rank, proc, parent))
 
-    def _join_group(self, store, device: torch.device) -> ParallelState:
-        """Join the process group, watching the workers meanwhile: one that dies while starting is named at
-        once instead of after the rendezvous timeout."""
+    def _join_group(self, store, device: torch.device, symm_mem: tuple[int, torch.dtype] | None) -> ParallelState:
+        """Join the process group (and set up the symmetric all-reduce buffer with the other ranks), watching the
+        workers meanwhile: one that dies while starting is named at once instead of after the rendezvous timeout."""
         result: dict = {}
 
         def join():
             try:
+                if device.type == "cuda":  # a new thread starts on device 0
+                    torch.cuda.set_device(device)
                 result["tp"] = init_parallel_state(0, self.world_size, store, device, self.timeout_s,
-                                                   self.sharding.expert_parallel)
+                                                   self.sharding.expert_parallel, symm_mem)
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 result["error"] = e
 
@@ -289,6 +307,11 @@ class ParallelModelRunner(ModelRunner):
         self._send(("replay_counts",))
         return self._replies("reporting its replay counts")
 
+    def worker_all_reduce_backends(self) -> dict[int, str]:
+        """Each worker's all-reduce backend (every rank must run the same one)."""
+        self._send(("all_reduce_backend",))
+        return self._replies("reporting its all-reduce backend")
+
     def worker_lora_slots(self) -> dict[int, list[tuple[int, bool]]]:
         """Each worker's LoRA slots as (rank, holds any nonzero weight) (tests check loads and rollbacks)."""
         self._send(("lora_slots",))
@@ -328,8 +351,9 @@ class ParallelModelRunner(ModelRunner):
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (a later engine in this process can start anew).
-        Healthy: rank 0 leaves the group while the workers leave theirs (NCCL's teardown is collective, so rank 0
-        waiting for the workers to exit first would deadlock with workers waiting in their teardown for rank 0).
+        Healthy: every rank releases its graphs, then its symmetric buffer, then leaves the group; rank 0 does so
+        while the workers do (NCCL's teardown is collective, so rank 0 waiting for the workers to exit first would
+        deadlock with workers waiting in their teardown for rank 0).
         After a failure a rank is gone: the group is aborted at once, without waiting on the stream (it may hold a
         collective that waits for the dead rank) or on a collective teardown that cannot complete."""
         healthy = self.failure is None
@@ -356,9 +380,9 @@ class ParallelModelRunner(ModelRunner):
             self.workers = []
 
     def _leave_group(self) -> None:
-        """destroy_process_group, watched: it ends when every rank has left; a worker that exits with an error or
-        dies meanwhile, or the timeout, turns it into an abort."""
-        t = threading.Thread(target=destroy_parallel_state, name="moeserve-tp-leave", daemon=True)
+        """Free the symmetric buffer and destroy the process group, watched: it ends when every rank has left; a
+        worker that exits with an error or dies meanwhile, or the timeout, turns it into an abort."""
+        t = threading.Thread(target=destroy_parallel_state, args=(self.tp,), name="moeserve-tp-leave", daemon=True)
         t.start()
         deadline = time.monotonic() + self.timeout_s
         while t.is_alive():

@@ -22,6 +22,7 @@ class Worker:
     def __init__(self, rank: int, world_size: int, store_port: int, config, spec, model_dir: str | None):
         from moeserve.distributed.parallel_state import init_parallel_state, rendezvous_store
         from moeserve.distributed.sharding import TensorSharding, rank_spec
+        from moeserve.runtime.parallel import symm_mem_buffer
 
         if config.device.startswith("cuda"):
             device = torch.device("cuda", rank)
@@ -33,7 +34,8 @@ class Worker:
         self.config, self.spec, self.model_dir, self.device = config, spec, model_dir, device
         store = rendezvous_store(store_port, world_size, is_master=False)
         ep = config.enable_expert_parallel
-        self.tp = init_parallel_state(rank, world_size, store, device, config.dist_timeout, ep)
+        self.tp = init_parallel_state(rank, world_size, store, device, config.dist_timeout, ep,
+                                      symm_mem_buffer(config, spec))
         self.sharding = TensorSharding(spec, rank, world_size, ep)
         self.rank_spec = rank_spec(spec, world_size, ep)
         self.runner = None
@@ -157,12 +159,14 @@ def worker_main(rank: int, world_size: int, store_port: int, config, spec, model
             reply(worker.replay_counts())
         elif kind == "lora_slots":
             reply(worker.lora_slots())
+        elif kind == "all_reduce_backend":
+            reply(worker.tp.all_reduce_backend)
         elif kind == "shutdown":
             from moeserve.distributed.parallel_state import destroy_parallel_state
             from moeserve.runtime.parallel import release_graphs
 
             release_graphs(worker.runner)  # before the teardown, which waits for graphs holding collectives
-            destroy_parallel_state()
+            destroy_parallel_state(worker.tp)  # the symmetric buffer, then the process group (as rank 0 does)
             return
         else:
             raise ValueError(f"unknown message {kind!r} from rank 0")
