@@ -246,7 +246,7 @@ def test_fused_moe_lora_ignores_columns_beyond_rank():
 # shrinks split K over several programs.
 SMALL_TILE = GemmTile(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
 SMALL_PLAN = MoEPlan(False, SMALL_TILE, SMALL_TILE, lora_shrink_block_k=16, lora_gate_up_splits=3,
-                     lora_down_splits=2)
+                     lora_down_splits=2, lora_shrink_lanes=2)
 MIXED_RANKS = [8, 16, 64, 0, 0, 0]  # pool of max rank 64; slot 3 evicted, 4 and 5 never loaded
 MIXED_SLOTS = [0, -1, 1, 2, 3, 1, 0, 2]  # cycled over the tokens: -1 and 3 have no adapter
 
@@ -351,8 +351,8 @@ def test_sorted_lora_after_hot_load_and_eviction(kernel):
     assert torch.equal(_bits(second[no_adapter]), _bits(base[no_adapter]))
 
 
-@pytest.mark.parametrize("from_gate_up", [False, True], ids=["x", "gate_up"])
-def test_lora_block_shrink_matches_twin(from_gate_up):
+@pytest.mark.parametrize("from_gate_up,lanes", [(False, 1), (True, 3)], ids=["x", "gate_up"])
+def test_lora_block_shrink_matches_twin(from_gate_up, lanes):
     """The shrink over the base expert blocks, summed over its K splits, against its torch twin;
     every entry the twin does not name (rows without adapter, padding, columns >= rank) is left
     unwritten."""
@@ -369,7 +369,7 @@ def test_lora_block_shrink_matches_twin(from_gate_up):
     k = a.shape[3]
     out = torch.full((splits, aligned.sorted_ids.numel(), 64), float("nan"), device=DEV)
     moe_lora.lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
-                               block_k=16, splits=splits, out=out)
+                               block_k=16, splits=splits, lanes=lanes, out=out)
     twin = moe_lora.lora_block_shrink_ref(src, a_clean, aligned, lora, top_k,
                                           from_gate_up=from_gate_up)
     assert len(twin) > 10 and k > 16 * (splits - 1)

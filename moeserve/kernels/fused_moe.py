@@ -32,7 +32,7 @@ import triton.language as tl
 from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
-    _block_slots,
+    block_slots,
     lora_block_expand,
     lora_block_shrink,
     lora_rank_block,
@@ -75,6 +75,7 @@ class MoEPlan:
     lora_shrink_block_k: int = 128  # fused: reduction columns per shrink step
     lora_gate_up_splits: int = 4  # fused: programs sharing one block's shrink over H
     lora_down_splits: int = 2  # fused: programs sharing one block's shrink over I
+    lora_shrink_lanes: int = 4  # fused: programs sharing the distinct slots of one block
     lora_shrink_warps: int = 4  # fused
     lora_block_m: int = 16  # separate: rows per (slot, expert) block
     lora_gate_up_block_n: int = 64  # separate: I columns per expand step
@@ -153,8 +154,8 @@ def _moe_gate_up_kernel(
         b_ptrs += BLOCK_K
     if HAS_LORA:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots = _block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-        acc = lora_block_expand(acc, slots, rows, shrunk_ptr, lora_b_ptr, ranks_ptr, expert, offs_n,
+        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+        acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n,
                                 N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                                 K_SPLITS, RANK_STEP)
     out_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
@@ -205,8 +206,8 @@ def _moe_down_kernel(
         b_ptrs += BLOCK_K
     if HAS_LORA:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots = _block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-        acc = lora_block_expand(acc, slots, rows, shrunk_ptr, lora_b_ptr, ranks_ptr, expert, offs_n,
+        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+        acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n,
                                 N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                                 K_SPLITS, RANK_STEP)
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
@@ -439,7 +440,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         a, b = (lora.down_a, lora.down_b) if from_gate_up else (lora.gate_up_a, lora.gate_up_b)
         shrunk = lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
                                    block_k=plan.lora_shrink_block_k, splits=splits,
-                                   num_warps=plan.lora_shrink_warps)
+                                   lanes=plan.lora_shrink_lanes, num_warps=plan.lora_shrink_warps)
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
                 (*shrunk.stride()[:2], *b.stride()[:3]), shrunk.shape[0])
 

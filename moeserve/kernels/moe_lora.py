@@ -268,11 +268,13 @@ _NO_SLOT = tl.constexpr(1 << 30)  # larger than any slot id
 
 
 @triton.jit
-def _block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k):
-    """Adapter slot of each row of a block; -1 for padding, no adapter or a rank-0 slot."""
+def block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k):
+    """(adapter slot, its rank) of each row of a block; (-1, 0) for padding, rows without an
+    adapter and rank-0 slots."""
     slots = tl.load(slots_ptr + pairs // top_k, mask=pair_ok, other=-1).to(tl.int32)
     ranks = tl.load(ranks_ptr + slots, mask=slots >= 0, other=0)
-    return tl.where(ranks > 0, slots, -1)
+    ranks = tl.where(slots >= 0, ranks, 0)
+    return tl.where(ranks > 0, slots, -1), ranks
 
 
 @triton.jit
@@ -283,30 +285,52 @@ def _next_slot(slots, cur):
 
 
 @triton.jit
-def lora_block_expand(acc, slots, rows, scratch_ptr, b_ptr, ranks_ptr, expert, offs_n, N,
+def _expand_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
+                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                       K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+    """Operands of one (slot, rank step) of the expand: the shrink rows of the slot (partials
+    summed, other rows 0) and B[slot, expert][offs_n, r0:r0 + RANK_STEP]. Nothing is read for
+    cur == _NO_SLOT."""
+    mine = slots == cur
+    rank = tl.max(tl.where(mine, row_ranks, 0), 0)
+    r = r0 + tl.arange(0, RANK_STEP)
+    r_ok = r < rank
+    s_ptrs = scratch_ptr + rows.to(tl.int64)[:, None] * stride_sr + r[None, :]
+    s_mask = mine[:, None] & r_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    for ks in tl.static_range(1, K_SPLITS):
+        s += tl.load(s_ptrs + ks * stride_sk, mask=s_mask, other=0.0)
+    b_base = (b_ptr + tl.where(cur < _NO_SLOT, cur, 0).to(tl.int64) * stride_bl
+              + expert.to(tl.int64) * stride_be)
+    b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + r[:, None],
+                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    return mine, rank, s, b
+
+
+@triton.jit
+def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                       K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
     """GEMM epilogue: acc[rows of slot s] += shrink[rows] @ B[s, expert][offs_n, :rank]^T for every
     slot s of the block, the shrink being the sum of K_SPLITS fp32 partials at scratch rows `rows`.
-    Rows without an adapter come back bitwise unchanged."""
+    Walks (slot, rank step) items, loading the next item's operands before the current dot so one
+    memory round trip is in flight while the previous item computes. Rows without an adapter
+    come back bitwise unchanged."""
     n_ok = offs_n < N
     cur = _next_slot(slots, -1)
+    r0 = cur * 0
+    mine, rank, s, b = _expand_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
+                                          expert, offs_n, n_ok, stride_sk, stride_sr, stride_bl,
+                                          stride_be, stride_bn, K_SPLITS, RANK_STEP)
     while cur < _NO_SLOT:
-        mine = slots == cur
-        rank = tl.load(ranks_ptr + cur)
-        b_base = b_ptr + cur.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
-        for r0 in range(0, rank, RANK_STEP):
-            r = r0 + tl.arange(0, RANK_STEP)
-            r_ok = r < rank
-            s_ptrs = scratch_ptr + rows.to(tl.int64)[:, None] * stride_sr + r[None, :]
-            s_mask = mine[:, None] & r_ok[None, :]
-            s = tl.load(s_ptrs, mask=s_mask, other=0.0)
-            for ks in tl.static_range(1, K_SPLITS):
-                s += tl.load(s_ptrs + ks * stride_sk, mask=s_mask, other=0.0)
-            b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + r[:, None],
-                        mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
-        cur = _next_slot(slots, cur)
+        more = r0 + RANK_STEP < rank
+        nxt = tl.where(more, cur, _next_slot(slots, cur))
+        nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
+        nxt_mine, nxt_rank, nxt_s, nxt_b = _expand_step_loads(
+            nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
+            stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
+        cur, r0, mine, rank, s, b = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
     return acc
 
 
@@ -316,20 +340,23 @@ def _lora_block_shrink_kernel(
     num_pairs, top_k, K, K_PER_SPLIT,
     stride_src, stride_al, stride_ae, stride_ar, stride_sk, stride_sr,
     FROM_GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    RANK_STEP: tl.constexpr,
+    RANK_STEP: tl.constexpr, LANES: tl.constexpr,
 ):
     """scratch[split, row, :rank] = v[row, split cols] @ A[slot, expert][:rank, split cols]^T for
     the rows of each adapter slot of one expert block. v = x[token], or silu(g) * u of the bf16
-    gu row the down GEMM reads. Only rows with an adapter, rank columns < rank, are written."""
+    gu row the down GEMM reads. The distinct slots of a block are dealt round-robin to LANES
+    programs (they own disjoint rows). Only rows with an adapter, rank columns < rank, are
+    written."""
     blk = tl.program_id(0)
     split = tl.program_id(1)
+    lane = tl.program_id(2)
     expert = tl.load(block_groups_ptr + blk)
     if expert < 0:
         return
     rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ids_ptr + rows)
     pair_ok = pairs < num_pairs
-    slots = _block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+    slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
     if FROM_GATE_UP:
         src_rows = src_ptr + pairs.to(tl.int64)[:, None] * stride_src
     else:
@@ -340,9 +367,11 @@ def _lora_block_shrink_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     out_ptrs = scratch_ptr + split * stride_sk + rows.to(tl.int64)[:, None] * stride_sr
     cur = _next_slot(slots, -1)
+    for _skip in range(lane):
+        cur = _next_slot(slots, cur)
     while cur < _NO_SLOT:
         mine = slots == cur
-        rank = tl.load(ranks_ptr + cur)
+        rank = tl.max(tl.where(mine, row_ranks, 0), 0)
         a_base = a_ptr + cur.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
         for r0 in range(0, rank, RANK_STEP):
             r = r0 + tl.arange(0, RANK_STEP)
@@ -362,16 +391,18 @@ def _lora_block_shrink_kernel(
                              mask=r_ok[None, :] & k_ok[:, None], other=0.0)
                 acc = tl.dot(v, at, acc)
             tl.store(out_ptrs + r[None, :], acc, mask=mine[:, None] & r_ok[None, :])
-        cur = _next_slot(slots, cur)
+        for _lane in tl.static_range(LANES):
+            cur = _next_slot(slots, cur)
 
 
 def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks, lora,
                       top_k: int, *, from_gate_up: bool, block_k: int = 128, splits: int = 4,
-                      num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+                      lanes: int = 1, num_warps: int = 4,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Shrink grouped by the base expert blocks -> fp32 partials [splits, aligned rows, R]
     (row = position in `aligned.sorted_ids`), to be summed over splits by `lora_block_expand`.
-    `src` is x [T, H] or, with `from_gate_up`, gu [pairs, 2I]. Grid: (blocks, splits), both
-    from static shapes; `out` (tests) lets a caller see which entries were written."""
+    `src` is x [T, H] or, with `from_gate_up`, gu [pairs, 2I]. Grid: (blocks, splits, lanes),
+    all from static shapes and config; `out` (tests) lets a caller see which entries were written."""
     num_blocks = aligned.block_groups.numel()
     num_rows = aligned.sorted_ids.numel()
     block_m = num_rows // num_blocks
@@ -384,12 +415,13 @@ def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks
         out = torch.empty(splits, num_rows, a.shape[2], dtype=torch.float32, device=src.device)
     if out.shape != (splits, num_rows, a.shape[2]) or out.stride(2) != 1:
         raise ValueError(f"shrink buffer {tuple(out.shape)} is not ({splits}, {num_rows}, {a.shape[2]})")
-    _lora_block_shrink_kernel[(num_blocks, splits)](
+    lanes = max(1, min(lanes, block_m, lora.slot_ranks.numel()))
+    _lora_block_shrink_kernel[(num_blocks, splits, lanes)](
         src, a, out, lora.token_slots, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
         num_pairs, top_k, k, k_per_split,
         src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(1),
         FROM_GATE_UP=from_gate_up, BLOCK_M=block_m, BLOCK_K=block_k, RANK_STEP=RANK_STEP,
-        num_warps=num_warps)
+        LANES=lanes, num_warps=num_warps)
     return out
 
 
