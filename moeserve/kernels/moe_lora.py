@@ -411,6 +411,8 @@ def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     k_per_split = triton.cdiv(triton.cdiv(k, max(1, splits)), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
+    if a.stride(3) != 1 or src.stride(1) != 1:
+        raise ValueError("lora_block_shrink needs LoRA A and its input contiguous along K")
     if out is None:
         out = torch.empty(splits, num_rows, a.shape[2], dtype=torch.float32, device=src.device)
     if out.shape != (splits, num_rows, a.shape[2]) or out.stride(2) != 1:
