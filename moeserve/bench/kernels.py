@@ -190,17 +190,25 @@ def lora_touched_bytes(lora: MoELoRAArgs, topk_ids) -> float:
     return float(lora.slot_ranks.long()[keys // NUM_EXPERTS].sum()) * per_rank
 
 
-def lora_errors(weights, inputs, lora: MoELoRAArgs, plan: MoEPlan, tokens: int = 64) -> dict:
-    """Max |out - ref| / max |ref| against the fp32 per-pair reference, and the relative error of
-    the LoRA delta (LoRA-on minus LoRA-off, both sides), on the first `tokens` tokens of set 0."""
+def lora_reference(weights, inputs, lora: MoELoRAArgs, tokens: int = 64):
+    """fp32 per-pair reference with and without the adapters, first `tokens` tokens of set 0
+    (rows are independent; the reference is a Python loop over pairs)."""
     (w13, w2), (x, tw, ti) = weights[0], inputs[0]
     n = min(tokens, x.shape[0])
     sub = MoELoRAArgs(lora.token_slots[:n], lora.slot_ranks, lora.gate_up_a, lora.gate_up_b,
                       lora.down_a, lora.down_b)
+    ref = fused_moe_ref(x[:n], w13, w2, tw[:n], ti[:n], sub).float()
+    return ref, fused_moe_ref(x[:n], w13, w2, tw[:n], ti[:n]).float()
+
+
+def lora_errors(weights, inputs, lora: MoELoRAArgs, plan: MoEPlan, reference) -> dict:
+    """Max |out - ref| / max |ref|, and the relative error of the LoRA delta (LoRA-on minus
+    LoRA-off on both sides), on the rows of `reference` (lora_reference)."""
+    (w13, w2), (x, tw, ti) = weights[0], inputs[0]
+    ref, ref_base = reference
+    n = ref.shape[0]
     out = fused_moe(x, w13, w2, tw, ti, lora, plan=plan)[:n].float()
     base = fused_moe(x, w13, w2, tw, ti, plan=plan)[:n].float()
-    ref = fused_moe_ref(x[:n], w13, w2, tw[:n], ti[:n], sub).float()
-    ref_base = fused_moe_ref(x[:n], w13, w2, tw[:n], ti[:n]).float()
     delta, ref_delta = out - base, ref - ref_base
     return {"max_err": ((out - ref).abs().max() / ref.abs().max()).item(),
             "delta_rel_err": ((delta - ref_delta).norm() / ref_delta.norm()).item()}
@@ -220,10 +228,11 @@ def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 
         lora_bytes = lora_touched_bytes(loras[0], inputs[0][2])
         row = {"base_us": statistics.median(times["moe"]), "lora_mb": lora_bytes / 1e6,
                "lora_floor_us": lora_bytes / bw["read_gbps"] / 1e3, "kernels": {}}
+        reference = lora_reference(weights, inputs, loras[0])
         for name, plan in plans.items():
             us = statistics.median(times[name])
             row["kernels"][name] = {"us": us, "ratio": us / row["base_us"],
-                                    **lora_errors(weights, inputs, loras[0], plan)}
+                                    **lora_errors(weights, inputs, loras[0], plan, reference)}
         # the default kernel's numbers, as before
         default = "decode" if "decode" in plans else default_plan(batch, TOP_K).lora_kernel
         row.update(us=row["kernels"][default]["us"], ratio=row["kernels"][default]["ratio"])
