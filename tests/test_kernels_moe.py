@@ -17,11 +17,15 @@ import pytest  # noqa: E402
 
 from moeserve.kernels import moe_lora  # noqa: E402
 from moeserve.kernels.fused_moe import (  # noqa: E402
+    GemmTile,
     MoELoRAArgs,
+    MoEPlan,
     default_plan,
     fused_moe,
     fused_moe_ref,
 )
+from moeserve.layers.batch import LoRABatch  # noqa: E402
+from moeserve.layers.moe import ExpertLoRABuffers, moe_experts_torch  # noqa: E402
 from moeserve.kernels.moe_align import align_max_blocks, moe_align, moe_align_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -236,6 +240,156 @@ def test_fused_moe_lora_ignores_columns_beyond_rank():
 
 
 # --------------------------------------------------------------------------------------------
+# sorted path, LoRA on the base expert blocks ("fused") and on (slot, expert) blocks ("separate")
+
+# Small tiles so that a batch spans several expert blocks, several N tiles and K steps, and the
+# shrinks split K over several programs.
+SMALL_TILE = GemmTile(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=1)
+SMALL_PLAN = MoEPlan(False, SMALL_TILE, SMALL_TILE, lora_shrink_block_k=16, lora_gate_up_splits=3,
+                     lora_down_splits=2, lora_shrink_lanes=2)
+MIXED_RANKS = [8, 16, 64, 0, 0, 0]  # pool of max rank 64; slot 3 evicted, 4 and 5 never loaded
+MIXED_SLOTS = [0, -1, 1, 2, 3, 1, 0, 2]  # cycled over the tokens: -1 and 3 have no adapter
+
+
+def _mixed_lora_problem(num_tokens, hidden, inter, seed):
+    """3 experts for 2T pairs: experts span two blocks of 16 and blocks hold several slots.
+    Returns the problem, a clean pool (zeros beyond each rank, as the slot pool keeps it) and a
+    dirty one: NaN beyond each rank and in every slot no token may read."""
+    num_experts, top_k = 3, 2
+    gen, x, w13, w2, weights, ids = _moe_problem(num_tokens, top_k, num_experts, hidden, inter, seed)
+    ranks, clean = _lora_pool(len(MIXED_RANKS), num_experts, hidden, inter, 64, MIXED_RANKS, gen,
+                              std=0.15)
+    dirty = [w.clone() for w in clean]
+    for which, w in enumerate(dirty):
+        for s, r in enumerate(MIXED_RANKS):
+            _rank_cols(w, which, s, r).fill_(float("nan"))
+    slots = torch.tensor([MIXED_SLOTS[t % len(MIXED_SLOTS)] for t in range(num_tokens)],
+                         dtype=torch.int32, device=DEV)
+    return (x, w13, w2, weights, ids), ranks, slots, clean, dirty
+
+
+def _rank_cols(w, which, slot, start):
+    """Rank columns >= start of one slot of pool weight `which` (index in (gate_up_a, gate_up_b,
+    down_a, down_b)): dim 2 of A [L, E, R, in], dim 3 of B [L, E, out, R]."""
+    return w[slot, :, start:] if which % 2 == 0 else w[slot, ..., start:]
+
+
+def _assert_blocks_mix_slots(ids, slots, ranks, block_m):
+    """The case is meaningful: some expert spans several blocks, some block several adapters."""
+    aligned = moe_align_ref(ids, int(ids.max()) + 1, block_m)
+    groups = aligned.block_groups.tolist()
+    assert max(groups.count(g) for g in set(groups) if g >= 0) > 1
+    per_block = []
+    for b, g in enumerate(groups):
+        rows = [p for p in aligned.sorted_ids[b * block_m:(b + 1) * block_m].tolist() if p < ids.numel()]
+        per_block.append({slots[p // ids.shape[1]].item() for p in rows} - {-1, 3})
+    assert max(len(s) for s in per_block) >= 3
+
+
+def _torch_reference(problem, ranks, slots, pool):
+    """moeserve.layers.moe.moe_experts_torch (the torch backend), fp32."""
+    x, w13, w2, weights, ids = problem
+    active = tuple(s for s in sorted(set(slots.tolist())) if s >= 0 and ranks[s] > 0)
+    return moe_experts_torch(x, w13, w2, weights, ids, LoRABatch(slots, ranks, active),
+                             ExpertLoRABuffers(*pool))
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "separate"])
+@pytest.mark.parametrize("shape", [(24, 64, 32), (28, 48, 40)], ids=["H64I32", "H48I40"])
+def test_sorted_lora_mixed_ranks_matches_references(shape, kernel):
+    """Ranks 8/16/64 in a rank-64 pool, tokens without adapter, an evicted slot; NaN wherever
+    the kernels must not read. Against fp32 fused_moe_ref and the torch MoE backend."""
+    num_tokens, hidden, inter = shape
+    problem, ranks, slots, clean, dirty = _mixed_lora_problem(num_tokens, hidden, inter, seed=7)
+    x, w13, w2, weights, ids = problem
+    _assert_blocks_mix_slots(ids, slots, ranks, SMALL_TILE.block_m)
+    plan = replace(SMALL_PLAN, lora_kernel=kernel)
+    out = fused_moe(*problem, MoELoRAArgs(slots, ranks, *dirty), plan=plan)
+    ref = fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+    assert _rel(out, _torch_reference(problem, ranks, slots, clean)) < 1e-5
+    base = fused_moe(*problem, plan=plan)
+    ref_base = fused_moe_ref(*problem)
+    assert _size_ratio(ref - ref_base, ref_base) > 0.3, "the test adapters must matter"
+    assert _rel(out - base, ref - ref_base) < 1e-4
+    no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
+    assert torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
+
+
+@pytest.mark.parametrize("kernel", ["fused", "separate"])
+def test_sorted_lora_after_hot_load_and_eviction(kernel):
+    """Slot buffers change in place between two calls (same tensors, as in a captured graph):
+    slot 4 is loaded (rank 16) and slot 1 evicted (rank 0, left NaN); tokens move to slot 4."""
+    problem, ranks, slots, clean, dirty = _mixed_lora_problem(24, 64, 32, seed=8)
+    plan = replace(SMALL_PLAN, lora_kernel=kernel)
+    lora = MoELoRAArgs(slots, ranks, *dirty)
+    first = fused_moe(*problem, lora, plan=plan)
+    assert _rel(first, fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))) < 1e-5
+
+    gen = torch.Generator(DEV).manual_seed(9)
+    for which, (w_dirty, w_clean) in enumerate(zip(dirty, clean)):
+        new = torch.randn(w_dirty[4:5].shape, generator=gen, device=DEV) * 0.15
+        _rank_cols(new, which, 0, 16).zero_()
+        w_dirty[4:5].copy_(new)
+        w_clean[4:5].copy_(new)
+        w_dirty[1].fill_(float("nan"))
+        w_clean[1].zero_()  # the pool zeroes an unloaded slot; the kernels must not even read it
+    ranks[4], ranks[1] = 16, 0
+    slots[::3] = 4
+    second = fused_moe(*problem, lora, plan=plan)
+    ref = fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))
+    assert torch.isfinite(second).all()
+    assert _rel(second, ref) < 1e-5
+    base = fused_moe(*problem, plan=plan)
+    no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
+    assert any(slots[t] == 1 for t in no_adapter), "tokens still pointing at the evicted slot"
+    assert torch.equal(_bits(second[no_adapter]), _bits(base[no_adapter]))
+
+
+@pytest.mark.parametrize("from_gate_up,lanes", [(False, 1), (True, 3)], ids=["x", "gate_up"])
+def test_lora_block_shrink_matches_twin(from_gate_up, lanes):
+    """The shrink over the base expert blocks, summed over its K splits, against its torch twin;
+    every entry the twin does not name (rows without adapter, padding, columns >= rank) is left
+    unwritten."""
+    problem, ranks, slots, clean, dirty = _mixed_lora_problem(20, 48, 40, seed=10)
+    x, _, _, _, ids = problem
+    top_k = ids.shape[1]
+    aligned = moe_align(ids, 3, 16)
+    lora = MoELoRAArgs(slots, ranks, *dirty)
+    if from_gate_up:
+        src = torch.randn(ids.numel(), 2 * 40, device=DEV)
+        a, a_clean, splits = dirty[2], clean[2], 2
+    else:
+        src, a, a_clean, splits = x, dirty[0], clean[0], 3
+    k = a.shape[3]
+    out = torch.full((splits, aligned.sorted_ids.numel(), 64), float("nan"), device=DEV)
+    moe_lora.lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
+                               block_k=16, splits=splits, lanes=lanes, out=out)
+    twin = moe_lora.lora_block_shrink_ref(src, a_clean, aligned, lora, top_k,
+                                          from_gate_up=from_gate_up)
+    assert len(twin) > 10 and k > 16 * (splits - 1)
+    written = torch.zeros_like(out, dtype=torch.bool)
+    for row, want in twin.items():
+        r = want.numel()
+        got = out[:, row, :r]
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.sum(0), want, rtol=1e-5, atol=1e-5)
+        written[:, row, :r] = True
+    assert out[~written].isnan().all()
+
+
+def test_sorted_lora_kernel_name_is_checked():
+    problem = _moe_problem(2, 2, 4, 32, 32, seed=1)[1:]
+    with pytest.raises(ValueError, match="lora_kernel"):
+        fused_moe(*problem, plan=replace(SMALL_PLAN, lora_kernel="experts"))
+
+
+# --------------------------------------------------------------------------------------------
 # GPU: bf16 at Qwen3-30B-A3B decode shapes
 
 QWEN3_MOE = dict(hidden=2048, inter=768, num_experts=128, top_k=8)
@@ -282,6 +436,48 @@ def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("kernel", ["fused", "separate"])
+@pytest.mark.parametrize("num_tokens", [16, 64, 256, 512, 1024])
+def test_gpu_sorted_lora_bf16_mixed_ranks(num_tokens, kernel):
+    """Sorted path at Qwen3-30B-A3B shapes: 7 adapters of ranks 8/16/64 in a rank-64 pool, an
+    evicted slot and tokens without adapter; NaN wherever the kernels must not read."""
+    q = QWEN3_MOE
+    gen, x, w13, w2, weights, ids = _moe_problem(
+        num_tokens, q["top_k"], q["num_experts"], q["hidden"], q["inter"], 20 + num_tokens,
+        dtype=torch.bfloat16, std=0.02, device="cuda")
+    slot_ranks = [16, 8, 64, 16, 0, 16, 16, 8]
+    ranks, clean = _lora_pool(8, q["num_experts"], q["hidden"], q["inter"], 64, slot_ranks, gen,
+                              std=0.07, dtype=torch.bfloat16, device="cuda")
+    dirty = [w.clone() for w in clean]
+    for which, w in enumerate(dirty):
+        for slot, r in enumerate(slot_ranks):
+            _rank_cols(w, which, slot, r).fill_(float("nan"))
+    slots = (torch.arange(num_tokens, device="cuda") % 9 - 1).to(torch.int32)  # -1, 0, ..., 7
+    plan = replace(default_plan(num_tokens, q["top_k"], decode=False), lora_kernel=kernel)
+    out = fused_moe(x, w13, w2, weights, ids, MoELoRAArgs(slots, ranks, *dirty), plan=plan)
+    lora = MoELoRAArgs(slots, ranks, *clean)
+    n = min(num_tokens, 128)  # the per-pair reference is slow: rows are independent
+    ref = fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n],
+                        MoELoRAArgs(slots[:n], ranks, *clean))
+    assert torch.isfinite(out).all()
+    assert _rel(out[:n], ref) < 1e-2
+    base = fused_moe(x, w13, w2, weights, ids, plan=plan)
+    ref_base = fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n])
+    assert _size_ratio(ref - ref_base, ref_base) > 0.3
+    assert _rel(out[:n] - base[:n], ref - ref_base) < 2e-2
+    no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or slot_ranks[s] == 0]
+    assert torch.equal(_bits16(out[no_adapter]), _bits16(base[no_adapter]))
+    if kernel == "fused":  # both kernels compute the same math
+        other = fused_moe(x, w13, w2, weights, ids, lora, plan=replace(plan, lora_kernel="separate"))
+        assert _rel(out, other) < 1e-2
+
+
+def _bits16(t):
+    return t.contiguous().view(torch.int16)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("num_tokens", [512, 2048])
 def test_gpu_align_matches_reference_at_scale(num_tokens):
     gen = torch.Generator("cuda").manual_seed(num_tokens)
@@ -298,7 +494,7 @@ def test_gpu_align_matches_reference_at_scale(num_tokens):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("num_tokens", [4, 64])
+@pytest.mark.parametrize("num_tokens", [4, 64, 256])
 def test_gpu_fused_moe_cuda_graph_replay(num_tokens):
     """Capture once, replay with new inputs, routing and adapter slots."""
     x, w13, w2, weights, ids, lora = _qwen3_problem(num_tokens, 99, with_lora=True)

@@ -1,7 +1,8 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
-                                     [--sweep] [--profile] [--parts moe,router,dense_lora,norm_rotary]
+                                     [--sweep] [--lora-sweep] [--profile]
+                                     [--parts moe,router,dense_lora,norm_rotary]
 
 Measures, in one process on one GPU:
 - read bandwidth: a large device-to-device copy (read + write counted) and a large
@@ -10,10 +11,18 @@ Measures, in one process on one GPU:
   inputs, each 1.2 GB, so L2 never holds a set), expected touched expert bytes
   E*(1-(1-K/E)^T)*3*H*I*2, achieved GB/s and fraction of read bandwidth;
 - MoE-LoRA with 1, 4 and 8 active rank-16 adapters (every token has one) and one rank-8
-  adapter in the max-rank-64 pool, each as (fused MoE + LoRA) / (fused MoE alone);
+  adapter in the max-rank-64 pool, each as (fused MoE + LoRA) / (fused MoE alone), the modes
+  interleaved (MoE, LoRA kernels, MoE, ...; medians); on the sorted path both LoRA kernels
+  (`MoEPlan.lora_kernel` "fused": expands in the base GEMM epilogues, shrinks on the base
+  expert blocks; "separate": a (slot, expert) alignment and two LoRA kernels), with the
+  adapter bytes the routing touches, their time at read bandwidth, and the error against the
+  fp32 per-pair reference (first 64 tokens): max |out - ref| / max |ref| and the relative
+  error of the LoRA delta itself;
 - the alignment kernel against its torch reference.
-`--sweep` also times block-size candidates and both paths per batch; `--profile` prints
-per-kernel GPU time at a few batch sizes. Prints one table last, writes kernels_bench.json.
+`--sweep` also times block-size candidates and both paths per batch, and the LoRA tiles
+(`--lora-sweep` runs only the latter: shrink K step, splits, lanes, warps, base tiles, for
+the fused kernel; expand widths for the separate one); `--profile` prints per-kernel GPU time
+at a few batch sizes. Prints the tables last, writes kernels_bench.json.
 
 `--parts router` times the MoE routing (router GEMM, softmax, top-k, renorm, cast) at T = 1, 8, 64,
 256, 512: the torch code, the linear layer + `fused_topk`, and `fused_gemm_topk` at a few tiles,
@@ -36,7 +45,15 @@ import torch
 
 from moeserve.bench import dense_lora
 from moeserve.bench.common import bandwidths, graph_time_us
-from moeserve.kernels.fused_moe import GemmTile, MoELoRAArgs, MoEPlan, default_plan, fused_moe
+from moeserve.kernels.fused_moe import (
+    LORA_KERNELS,
+    GemmTile,
+    MoELoRAArgs,
+    MoEPlan,
+    default_plan,
+    fused_moe,
+    fused_moe_ref,
+)
 from moeserve.kernels.moe_align import moe_align, moe_align_ref
 from moeserve.kernels.router import (
     GEMM_TOPK_MAX_TOKENS,
@@ -155,17 +172,110 @@ def sweep(batch: int, weights, inputs) -> list[dict]:
     return rows
 
 
+def _lora_plans(batch: int) -> dict[str, MoEPlan]:
+    """LoRA kernels to compare at this batch: the default plan, and on the sorted path each
+    sorted-path LoRA kernel."""
+    plan = default_plan(batch, TOP_K)
+    if plan.decode:
+        return {"decode": plan}
+    return {k: replace(plan, lora_kernel=k) for k in LORA_KERNELS}
+
+
+def lora_touched_bytes(lora: MoELoRAArgs, topk_ids) -> float:
+    """Adapter bytes the routing touches: each (slot, expert) weight set, rank columns only."""
+    slots = lora.token_slots.long()[:, None].expand_as(topk_ids)
+    ranks = lora.slot_ranks.long()[slots.clamp(min=0)]
+    keys = (slots * NUM_EXPERTS + topk_ids.long())[(slots >= 0) & (ranks > 0)].unique()
+    per_rank = (HIDDEN + 2 * INTER + INTER + HIDDEN) * 2
+    return float(lora.slot_ranks.long()[keys // NUM_EXPERTS].sum()) * per_rank
+
+
+def lora_reference(weights, inputs, lora: MoELoRAArgs, tokens: int = 64):
+    """fp32 per-pair reference with and without the adapters, first `tokens` tokens of set 0
+    (rows are independent; the reference is a Python loop over pairs)."""
+    (w13, w2), (x, tw, ti) = weights[0], inputs[0]
+    n = min(tokens, x.shape[0])
+    sub = MoELoRAArgs(lora.token_slots[:n], lora.slot_ranks, lora.gate_up_a, lora.gate_up_b,
+                      lora.down_a, lora.down_b)
+    ref = fused_moe_ref(x[:n], w13, w2, tw[:n], ti[:n], sub).float()
+    return ref, fused_moe_ref(x[:n], w13, w2, tw[:n], ti[:n]).float()
+
+
+def lora_errors(weights, inputs, lora: MoELoRAArgs, plan: MoEPlan, reference) -> dict:
+    """Max |out - ref| / max |ref|, and the relative error of the LoRA delta (LoRA-on minus
+    LoRA-off on both sides), on the rows of `reference` (lora_reference)."""
+    (w13, w2), (x, tw, ti) = weights[0], inputs[0]
+    ref, ref_base = reference
+    n = ref.shape[0]
+    out = fused_moe(x, w13, w2, tw, ti, lora, plan=plan)[:n].float()
+    base = fused_moe(x, w13, w2, tw, ti, plan=plan)[:n].float()
+    delta, ref_delta = out - base, ref - ref_base
+    return {"max_err": ((out - ref).abs().max() / ref.abs().max()).item(),
+            "delta_rel_err": ((delta - ref_delta).norm() / ref_delta.norm()).item()}
+
+
+def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 2) -> dict:
+    """Per LoRA case: MoE alone and MoE + each LoRA kernel, interleaved `rounds` times (medians)."""
+    plans = _lora_plans(batch)
+    out = {}
+    for case in LORA_CASES:
+        loras = [lora_args(pools[i], batch, case) for i in range(NUM_SETS)]
+        times = {"moe": [], **{k: [] for k in plans}}
+        for _ in range(rounds):
+            times["moe"].append(time_moe(weights, inputs))
+            for name, plan in plans.items():
+                times[name].append(time_moe(weights, inputs, loras, plan=plan))
+        lora_bytes = lora_touched_bytes(loras[0], inputs[0][2])
+        row = {"base_us": statistics.median(times["moe"]), "lora_mb": lora_bytes / 1e6,
+               "lora_floor_us": lora_bytes / bw["read_gbps"] / 1e3, "kernels": {}}
+        reference = lora_reference(weights, inputs, loras[0])
+        for name, plan in plans.items():
+            us = statistics.median(times[name])
+            row["kernels"][name] = {"us": us, "ratio": us / row["base_us"],
+                                    **lora_errors(weights, inputs, loras[0], plan, reference)}
+        # the default kernel's numbers, as before
+        default = "decode" if "decode" in plans else default_plan(batch, TOP_K).lora_kernel
+        row.update(us=row["kernels"][default]["us"], ratio=row["kernels"][default]["ratio"])
+        out[case] = row
+    return out
+
+
+def _fused_lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
+    """Around the default fused plan: one knob at a time, then a few combinations."""
+    gu, dn = plan.gate_up, plan.down
+    v = {"default": plan}
+    for bk in (64, 256):
+        v[f"shrink_k{bk}"] = replace(plan, lora_shrink_block_k=bk)
+    for gs, ds in ((2, 1), (8, 3), (8, 6), (16, 6)):
+        v[f"splits{gs}/{ds}"] = replace(plan, lora_gate_up_splits=gs, lora_down_splits=ds)
+    for lanes in (1, 2, 8):
+        v[f"lanes{lanes}"] = replace(plan, lora_shrink_lanes=lanes)
+    for warps in (2, 8):
+        v[f"shrink_w{warps}"] = replace(plan, lora_shrink_warps=warps)
+    v["lanes8_splits8/6_k64"] = replace(plan, lora_shrink_lanes=8, lora_gate_up_splits=8,
+                                        lora_down_splits=6, lora_shrink_block_k=64)
+    v["base_n64"] = replace(plan, gate_up=replace(gu, block_n=64, num_stages=4),
+                            down=replace(dn, block_n=64, num_stages=4))
+    if gu.block_m == 16 and dn.block_n == 128:
+        v["down_n256w8"] = replace(plan, down=replace(dn, block_n=256, block_k=64, num_warps=8))
+    if gu.block_m > 16:
+        v["m32"] = replace(plan, gate_up=GemmTile(32, 128, 64, 4, 4), down=GemmTile(32, 128, 64, 4, 4))
+    return v
+
+
 def sweep_lora(batch: int, weights, inputs, pools) -> list[dict]:
-    """4 rank-16 adapters: both paths, LoRA tile widths, taller LoRA blocks; (MoE + LoRA) / MoE."""
+    """4 rank-16 adapters, (MoE + LoRA) / MoE with the same base plan: the fused kernel's tiles
+    (shrink K step, K splits, slot lanes, warps, base GEMM tiles), then the separate kernels'."""
     loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
+    if batch * TOP_K <= 64:
+        return []  # decode path: no sorted-path LoRA kernels
     sorted_plan = default_plan(batch, TOP_K, decode=False)
-    plans = {"sorted": sorted_plan,
-             "sorted_gu128": replace(sorted_plan, lora_gate_up_block_n=128),
-             "sorted_d256": replace(sorted_plan, lora_down_block_n=256)}
-    if batch * TOP_K <= 256:
-        plans["decode"] = default_plan(batch, TOP_K, decode=True)
-    if batch * TOP_K >= 1024:
-        plans["sorted_lbm32"] = replace(sorted_plan, lora_block_m=32)
+    plans = {"fused:" + k: p for k, p in _fused_lora_variants(
+        replace(sorted_plan, lora_kernel="fused")).items()}
+    separate = replace(sorted_plan, lora_kernel="separate")
+    plans.update({"separate:default": separate,
+                  "separate:gu128": replace(separate, lora_gate_up_block_n=128),
+                  "separate:d256": replace(separate, lora_down_block_n=256)})
     rows = []
     for name, plan in plans.items():
         base, lora = [], []
@@ -208,11 +318,7 @@ def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -
            "gbps": gbps, "frac_read_bw": gbps / bw["read_gbps"],
            "unique_experts": statistics.mean(
                ti.unique().numel() for _, _, ti in inputs)}
-    for case in LORA_CASES:
-        loras = [lora_args(pools[i], batch, case) for i in range(NUM_SETS)]
-        base_us = time_moe(weights, inputs)  # side by side with the LoRA timing
-        lora_us = time_moe(weights, inputs, loras)
-        row[case] = {"us": lora_us, "base_us": base_us, "ratio": lora_us / base_us}
+    row.update(time_lora_cases(batch, weights, inputs, pools, bw))
     block_m = plan.gate_up.block_m
     row["align_us"] = graph_time_us(
         [lambda ti=ti: moe_align(ti, NUM_EXPERTS, block_m) for _, _, ti in inputs])
@@ -228,6 +334,7 @@ def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -
         best = min(rows, key=lambda r: r["us"])
         print(f"  sweep best: {_tile_label(best)} {best['us']:.1f} us  | "
               + " ".join(f"{_tile_label(r)}={r['us']:.0f}" for r in rows), flush=True)
+    if args.sweep or args.lora_sweep:
         lora_rows = sweep_lora(batch, weights, inputs, pools)
         report["sweep_lora"][batch] = lora_rows
         print("  lora4 sweep: " + "  ".join(
@@ -303,6 +410,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--out", default="bench_out/")
     ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
+    ap.add_argument("--lora-sweep", action="store_true",
+                    help="time MoE-LoRA tile candidates (fused and separate kernels), 4 rank-16 adapters")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
     known = {"moe", "router", "dense_lora", "norm_rotary"}
     ap.add_argument("--parts", default="moe,router,dense_lora,norm_rotary",
@@ -366,8 +475,30 @@ def main(argv=None):
               f"{r['gbps']:>6.0f} {100 * r['frac_read_bw']:>5.0f} "
               + " ".join(f"{r[c]['ratio']:>14.3f}" for c in LORA_CASES)
               + f" {r['align_us']:>8.1f} {r['align_ref_us']:>6.1f}")
+    print_lora_table(report["batches"])
     save()
     return 0
+
+
+def print_lora_table(rows: list[dict]) -> None:
+    """MoE-LoRA per batch and case: us and (MoE + LoRA) / MoE for each LoRA kernel, the adapter
+    bytes touched and their time at read bandwidth, errors against the fp32 reference."""
+    kernels = list(dict.fromkeys(k for r in rows for c in LORA_CASES for k in r[c]["kernels"]))
+    print("\nMoE-LoRA (every token has an adapter; #12 target: lora4_r16 <= 1.15 x MoE at T 64-512): "
+          "us (x MoE alone), adapter MB touched and their us at read bandwidth, "
+          "err = max|out-ref|/max|ref|, d = rel. error of the LoRA delta")
+    print(f"{'T':>4} {'case':>15} {'moe us':>7} {'MB':>6} {'floor':>6} "
+          + " ".join(f"{k:>34}" for k in kernels))
+    for r in rows:
+        for c in LORA_CASES:
+            row = r[c]
+            cells = []
+            for k in kernels:
+                v = row["kernels"].get(k)
+                cells.append(f"{v['us']:>7.1f} (x{v['ratio']:.3f}) err {v['max_err']:.1e} "
+                             f"d {v['delta_rel_err']:.0e}" if v else f"{'-':>34}")
+            print(f"{r['batch']:>4} {c:>15} {row['base_us']:>7.1f} {row['lora_mb']:>6.1f} "
+                  f"{row['lora_floor_us']:>6.1f} " + " ".join(f"{x:>34}" for x in cells))
 
 
 def run_norm_rotary(out_dir: Path) -> None:

@@ -11,8 +11,11 @@ size always records the same kernels):
   the GEMV epilogues.
 - sorted (many pairs): pairs are aligned into blocks of one expert (moe_align), then two
   grouped GEMMs: gate_up -> [pairs, 2I], and down with SiLU*up fused into its A-operand
-  load, routing weight applied in the epilogue. LoRA deltas run as (slot, expert)-grouped
-  kernels (moe_lora), so each touched adapter-expert weight is read about once.
+  load, routing weight applied in the epilogue. LoRA (plan.lora_kernel "fused"): shrinks
+  grouped by the same expert blocks run before each GEMM, and the expands are added in the
+  GEMM epilogues (before the routing weight), so each touched adapter-expert weight is read
+  about once per block and gu / y are written once; "separate" keeps the older
+  (slot, expert)-aligned LoRA kernels (moe_lora).
 
 Both paths end with a top-k sum over fp32 per-pair outputs (no atomics). `lora=None`
 launches no LoRA work at all. No host syncs anywhere: every buffer and grid is sized from
@@ -28,6 +31,10 @@ import triton.language as tl
 
 from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import (
+    RANK_STEP,
+    block_slots,
+    lora_block_expand,
+    lora_block_shrink,
     lora_rank_block,
     lora_shrink_pairs,
     lora_sorted_down,
@@ -54,14 +61,25 @@ class GemmTile:
     num_stages: int = 3
 
 
+LORA_KERNELS = ("fused", "separate")
+
+
 @dataclass(frozen=True)
 class MoEPlan:
     decode: bool
     gate_up: GemmTile
     down: GemmTile
-    lora_block_m: int = 16  # sorted path: rows per (slot, expert) block
-    lora_gate_up_block_n: int = 64  # sorted LoRA: I columns per expand step
-    lora_down_block_n: int = 128  # sorted LoRA: H columns per down-expand step
+    # sorted-path LoRA: "fused" = shrinks grouped by the base expert blocks, expands in the base
+    # GEMM epilogues; "separate" = a second (slot, expert) alignment and two LoRA kernels
+    lora_kernel: str = "fused"
+    lora_shrink_block_k: int = 128  # fused: reduction columns per shrink step
+    lora_gate_up_splits: int = 4  # fused: programs sharing one block's shrink over H
+    lora_down_splits: int = 2  # fused: programs sharing one block's shrink over I
+    lora_shrink_lanes: int = 4  # fused: programs sharing the distinct slots of one block
+    lora_shrink_warps: int = 4  # fused
+    lora_block_m: int = 16  # separate: rows per (slot, expert) block
+    lora_gate_up_block_n: int = 64  # separate: I columns per expand step
+    lora_down_block_n: int = 128  # separate: H columns per down-expand step
 
 
 # Pairs at or below this run the alignment-free GEMV path (H200, Qwen3-30B-A3B shapes:
@@ -98,11 +116,15 @@ def _silu_mul(gate, up):
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, gu_ptr, sorted_ids_ptr, block_groups_ptr,
+    slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
     num_pairs, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_gu,
+    stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
 ):
-    """gu[pair] = W13_e @ x[token] for the BLOCK_M pairs of one aligned block, one N tile."""
+    """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
+    aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -130,6 +152,12 @@ def _moe_gate_up_kernel(
         acc = tl.dot(a, b.to(a.dtype), acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if HAS_LORA:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+        acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n,
+                                N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                                K_SPLITS, RANK_STEP)
     out_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
     tl.store(out_ptrs, acc.to(gu_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & (offs_n < N)[None, :])
@@ -138,11 +166,15 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     gu_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, block_groups_ptr,
-    num_pairs, N, K,
+    slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
+    num_pairs, top_k, N, K,
     stride_gu, stride_we, stride_wn, stride_y,
+    stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
 ):
-    """y[pair] = w[pair] * W2_e @ silu(g) * u, the activation applied as the A tile is loaded."""
+    """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
+    as the A tile is loaded; the routing weight scales base and delta together."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -172,6 +204,12 @@ def _moe_down_kernel(
         acc = tl.dot(a, b, acc)
         gate_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if HAS_LORA:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+        acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n,
+                                N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                                K_SPLITS, RANK_STEP)
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     acc = acc * weights[:, None]
     out_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
@@ -388,33 +426,52 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
     num_pairs = num_tokens * top_k
     dev = x.device
     t = plan.gate_up
+    if plan.down.block_m != t.block_m:
+        raise ValueError("gate_up and down share one alignment: block_m must match")
     aligned = moe_align(topk_ids, num_experts, t.block_m)
     num_blocks = aligned.block_groups.numel()
+    fused_lora = lora is not None and plan.lora_kernel == "fused"
+    separate_lora = lora is not None and plan.lora_kernel == "separate"
+
+    def epilogue_lora(from_gate_up, src, splits):
+        """Launch args of a GEMM's LoRA epilogue; runs the shrink of that GEMM's input first."""
+        if not fused_lora:
+            return (topk_ids, topk_ids, x, x), (0,) * 5, 1  # unused placeholders
+        a, b = (lora.down_a, lora.down_b) if from_gate_up else (lora.gate_up_a, lora.gate_up_b)
+        if b.stride(3) != 1:
+            raise ValueError("LoRA B buffers must be contiguous along the rank")
+        shrunk = lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
+                                   block_k=plan.lora_shrink_block_k, splits=splits,
+                                   lanes=plan.lora_shrink_lanes, num_warps=plan.lora_shrink_warps)
+        return ((lora.token_slots, lora.slot_ranks, b, shrunk),
+                (*shrunk.stride()[:2], *b.stride()[:3]), shrunk.shape[0])
 
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
+    ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
-        x, w13, gu, aligned.sorted_ids, aligned.block_groups,
+        x, w13, gu, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, two_i, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0),
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        EVEN_K=hidden % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+        EVEN_K=hidden % t.block_k == 0, HAS_LORA=fused_lora, K_SPLITS=k_splits,
+        RANK_STEP=RANK_STEP, num_warps=t.num_warps, num_stages=t.num_stages)
 
-    if lora is not None:
+    if separate_lora:
         lora_aligned, shrunk_d = lora_sorted_gate_up(x, gu, topk_ids, lora, plan.lora_block_m,
                                                      plan.lora_gate_up_block_n)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
-    if t.block_m != plan.gate_up.block_m:
-        raise ValueError("gate_up and down share one alignment: block_m must match")
+    ptrs, strides, k_splits = epilogue_lora(True, gu, plan.lora_down_splits)
     _moe_down_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
-        gu, w2, y, topk_weights, aligned.sorted_ids, aligned.block_groups,
-        num_pairs, hidden, inter,
-        gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        gu, w2, y, topk_weights, aligned.sorted_ids, aligned.block_groups, *ptrs,
+        num_pairs, top_k, hidden, inter,
+        gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        EVEN_K=inter % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+        EVEN_K=inter % t.block_k == 0, HAS_LORA=fused_lora, K_SPLITS=k_splits,
+        RANK_STEP=RANK_STEP, num_warps=t.num_warps, num_stages=t.num_stages)
 
-    if lora is not None:
+    if separate_lora:
         lora_sorted_down(y, shrunk_d, lora_aligned, topk_weights, lora, plan.lora_block_m,
                          plan.lora_down_block_n)
     return _topk_sum(y, topk_ids, num_experts, x.dtype)
@@ -441,6 +498,8 @@ def fused_moe(
         return torch.empty_like(x)
     if plan is None:
         plan = default_plan(num_tokens, topk_ids.shape[1], decode)
+    if plan.lora_kernel not in LORA_KERNELS:
+        raise ValueError(f"MoEPlan.lora_kernel {plan.lora_kernel!r}: choose one of {LORA_KERNELS}")
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()

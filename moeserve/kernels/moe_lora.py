@@ -5,24 +5,30 @@
 
 Ranks differ per slot inside a pool of max rank R: every kernel reads the slot's rank and
 masks rank columns beyond it, so a rank-8 adapter in a rank-64 pool reads 8 columns of
-each weight (the rank tile is R rounded up to a power of two, >= 16 for tl.dot).
+each weight (the decode and "separate" kernels hold a rank tile of R rounded up to a power
+of two, >= 16 for tl.dot; the "fused" ones step 16 rank columns at a time up to the rank).
 
 - decode path: `lora_shrink_pairs` runs one program per ((token, k) pair, K split), each
   writing fp32 partial sums [pairs, splits, R] (short programs: a whole-row shrink per
   program was latency-bound, 12 us per launch at T=1 on H200); the matching expands, which
   add the partials up, are fused into the fused_moe GEMV epilogues.
-- sorted path: pairs are aligned into (slot, expert) blocks, so each block shares one
-  adapter-expert weight set and each touched set is read about once per step.
-  `lora_sorted_gate_up` does shrink, expand into gate_up, SiLU*up and the down shrink in
-  one program per block; `lora_sorted_down` adds the weighted down expand. (Splitting these
-  over N tiles with partial sums measured slower on H200: more dependent round trips per
-  program than it saved.)
+- sorted path, "fused" (default): the LoRA rides on the base alignment (expert blocks of
+  block_m pairs). `lora_block_shrink` walks the distinct adapter slots of each expert block
+  (no second alignment, no sorting) and writes the block's shrink as fp32 partials split
+  along K; the expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`),
+  so gu and y are written once. Rank loops run in steps of 16 up to the slot's rank.
+- sorted path, "separate" (kept for comparison): pairs are aligned a second time into
+  (slot, expert) blocks. `lora_sorted_gate_up` does shrink, expand into gate_up (in place),
+  SiLU*up and the down shrink in one program per block; `lora_sorted_down` adds the
+  weighted down expand into y in place.
 
-Pairs without an adapter (slot -1, rank 0) fall in no block or exit at once; their rows of
-the shrink buffers are never written and never read.
+Pairs without an adapter (slot -1, rank 0) are skipped inside the kernels: their rows of
+the shrink buffers are never written and never read, and their outputs are bitwise the
+no-LoRA kernels'.
 """
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -252,3 +258,196 @@ def lora_sorted_down(y: torch.Tensor, shrunk_d: torch.Tensor, aligned: AlignedBl
         y.stride(0), shrunk_d.stride(0), db.stride(0), db.stride(1), db.stride(2),
         BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(hidden)),
         BLOCK_R=lora_rank_block(lora), num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# sorted path, fused: shrinks grouped by the base expert blocks, expands in the GEMM epilogues
+
+RANK_STEP = 16  # rank columns per step of the fused kernels (tl.dot needs >= 16)
+_NO_SLOT = tl.constexpr(1 << 30)  # larger than any slot id
+
+
+@triton.jit
+def block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k):
+    """(adapter slot, its rank) of each row of a block; (-1, 0) for padding, rows without an
+    adapter and rank-0 slots."""
+    slots = tl.load(slots_ptr + pairs // top_k, mask=pair_ok, other=-1).to(tl.int32)
+    ranks = tl.load(ranks_ptr + slots, mask=slots >= 0, other=0)
+    ranks = tl.where(slots >= 0, ranks, 0)
+    return tl.where(ranks > 0, slots, -1), ranks
+
+
+@triton.jit
+def _next_slot(slots, cur):
+    """Smallest slot of the block above `cur` (_NO_SLOT when none is left): walks the distinct
+    slots of a block in order without sorting."""
+    return tl.min(tl.where(slots > cur, slots, _NO_SLOT), 0)
+
+
+@triton.jit
+def _expand_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
+                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                       K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+    """Operands of one (slot, rank step) of the expand: the shrink rows of the slot (partials
+    summed, other rows 0) and B[slot, expert][offs_n, r0:r0 + RANK_STEP]. Nothing is read for
+    cur == _NO_SLOT."""
+    mine = slots == cur
+    rank = tl.max(tl.where(mine, row_ranks, 0), 0)
+    r = r0 + tl.arange(0, RANK_STEP)
+    r_ok = r < rank
+    s_ptrs = scratch_ptr + rows.to(tl.int64)[:, None] * stride_sr + r[None, :]
+    s_mask = mine[:, None] & r_ok[None, :]
+    s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    for ks in tl.static_range(1, K_SPLITS):
+        s += tl.load(s_ptrs + ks * stride_sk, mask=s_mask, other=0.0)
+    b_base = (b_ptr + tl.where(cur < _NO_SLOT, cur, 0).to(tl.int64) * stride_bl
+              + expert.to(tl.int64) * stride_be)
+    b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + r[:, None],
+                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    return mine, rank, s, b
+
+
+@triton.jit
+def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
+                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+    """GEMM epilogue: acc[rows of slot s] += shrink[rows] @ B[s, expert][offs_n, :rank]^T for every
+    slot s of the block, the shrink being the sum of K_SPLITS fp32 partials at scratch rows `rows`.
+    Walks (slot, rank step) items, loading the next item's operands before the current dot so one
+    memory round trip is in flight while the previous item computes. Rows without an adapter
+    come back bitwise unchanged."""
+    n_ok = offs_n < N
+    cur = _next_slot(slots, -1)
+    r0 = cur * 0
+    mine, rank, s, b = _expand_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
+                                          expert, offs_n, n_ok, stride_sk, stride_sr, stride_bl,
+                                          stride_be, stride_bn, K_SPLITS, RANK_STEP)
+    while cur < _NO_SLOT:
+        more = r0 + RANK_STEP < rank
+        nxt = tl.where(more, cur, _next_slot(slots, cur))
+        nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
+        nxt_mine, nxt_rank, nxt_s, nxt_b = _expand_step_loads(
+            nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
+            stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
+        cur, r0, mine, rank, s, b = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
+    return acc
+
+
+@triton.jit
+def _lora_block_shrink_kernel(
+    src_ptr, a_ptr, scratch_ptr, slots_ptr, ranks_ptr, sorted_ids_ptr, block_groups_ptr,
+    num_pairs, top_k, K, K_PER_SPLIT,
+    stride_src, stride_al, stride_ae, stride_ar, stride_sk, stride_sr,
+    FROM_GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    RANK_STEP: tl.constexpr, LANES: tl.constexpr,
+):
+    """scratch[split, row, :rank] = v[row, split cols] @ A[slot, expert][:rank, split cols]^T for
+    the rows of each adapter slot of one expert block. v = x[token], or silu(g) * u of the bf16
+    gu row the down GEMM reads. The distinct slots of a block are dealt round-robin to LANES
+    programs (they own disjoint rows). Only rows with an adapter, rank columns < rank, are
+    written."""
+    blk = tl.program_id(0)
+    split = tl.program_id(1)
+    lane = tl.program_id(2)
+    expert = tl.load(block_groups_ptr + blk)
+    if expert < 0:
+        return
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + rows)
+    pair_ok = pairs < num_pairs
+    slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+    if FROM_GATE_UP:
+        src_rows = src_ptr + pairs.to(tl.int64)[:, None] * stride_src
+    else:
+        src_rows = src_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_src
+    dtype = a_ptr.dtype.element_ty
+    k_lo = split * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    offs_k = tl.arange(0, BLOCK_K)
+    out_ptrs = scratch_ptr + split * stride_sk + rows.to(tl.int64)[:, None] * stride_sr
+    cur = _next_slot(slots, -1)
+    for _skip in range(lane):
+        cur = _next_slot(slots, cur)
+    while cur < _NO_SLOT:
+        mine = slots == cur
+        rank = tl.max(tl.where(mine, row_ranks, 0), 0)
+        a_base = a_ptr + cur.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+        for r0 in range(0, rank, RANK_STEP):
+            r = r0 + tl.arange(0, RANK_STEP)
+            r_ok = r < rank
+            acc = tl.zeros((BLOCK_M, RANK_STEP), dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                k = k0 + offs_k
+                k_ok = k < k_hi
+                v_mask = mine[:, None] & k_ok[None, :]
+                if FROM_GATE_UP:
+                    gate = tl.load(src_rows + k[None, :], mask=v_mask, other=0.0)
+                    up = tl.load(src_rows + K + k[None, :], mask=v_mask, other=0.0)
+                    v = _silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype)
+                else:
+                    v = tl.load(src_rows + k[None, :], mask=v_mask, other=0.0).to(dtype)
+                at = tl.load(a_base + r[None, :] * stride_ar + k[:, None],
+                             mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = tl.dot(v, at, acc)
+            tl.store(out_ptrs + r[None, :], acc, mask=mine[:, None] & r_ok[None, :])
+        for _lane in tl.static_range(LANES):
+            cur = _next_slot(slots, cur)
+
+
+def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks, lora,
+                      top_k: int, *, from_gate_up: bool, block_k: int = 128, splits: int = 4,
+                      lanes: int = 1, num_warps: int = 4,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Shrink grouped by the base expert blocks -> fp32 partials [splits, aligned rows, R]
+    (row = position in `aligned.sorted_ids`), to be summed over splits by `lora_block_expand`.
+    `src` is x [T, H] or, with `from_gate_up`, gu [pairs, 2I]. Grid: (blocks, splits, lanes),
+    all from static shapes and config; `out` (tests) lets a caller see which entries were written."""
+    num_blocks = aligned.block_groups.numel()
+    num_rows = aligned.sorted_ids.numel()
+    block_m = num_rows // num_blocks
+    k = a.shape[3]
+    num_pairs = lora.token_slots.numel() * top_k
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, max(1, splits)), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    if a.stride(3) != 1 or src.stride(1) != 1:
+        raise ValueError("lora_block_shrink needs LoRA A and its input contiguous along K")
+    if out is None:
+        out = torch.empty(splits, num_rows, a.shape[2], dtype=torch.float32, device=src.device)
+    if out.shape != (splits, num_rows, a.shape[2]) or out.stride(2) != 1:
+        raise ValueError(f"shrink buffer {tuple(out.shape)} is not ({splits}, {num_rows}, {a.shape[2]})")
+    lanes = max(1, min(lanes, block_m, lora.slot_ranks.numel()))
+    _lora_block_shrink_kernel[(num_blocks, splits, lanes)](
+        src, a, out, lora.token_slots, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
+        num_pairs, top_k, k, k_per_split,
+        src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(1),
+        FROM_GATE_UP=from_gate_up, BLOCK_M=block_m, BLOCK_K=block_k, RANK_STEP=RANK_STEP,
+        LANES=lanes, num_warps=num_warps)
+    return out
+
+
+def lora_block_shrink_ref(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks, lora,
+                          top_k: int, *, from_gate_up: bool) -> dict[int, torch.Tensor]:
+    """Plain-torch twin of `lora_block_shrink`, summed over splits: {aligned row: fp32 shrink
+    [rank]} for every row with an adapter (the rows the kernel writes)."""
+    num_pairs = lora.token_slots.numel() * top_k
+    k = a.shape[3]
+    sorted_ids = aligned.sorted_ids.tolist()
+    block_m = len(sorted_ids) // aligned.block_groups.numel()
+    groups = aligned.block_groups.tolist()
+    slots, ranks = lora.token_slots.tolist(), lora.slot_ranks.tolist()
+    out = {}
+    for row, pair in enumerate(sorted_ids):
+        if pair >= num_pairs or groups[row // block_m] < 0:
+            continue
+        slot = slots[pair // top_k]
+        if slot < 0 or ranks[slot] == 0:
+            continue
+        if from_gate_up:
+            g, u = src[pair, :k].float(), src[pair, k:].float()
+            v = (F.silu(g) * u).to(src.dtype).float()
+        else:
+            v = src[pair // top_k].float()
+        out[row] = a[slot, groups[row // block_m], :ranks[slot]].float() @ v
+    return out
