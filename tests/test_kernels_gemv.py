@@ -21,9 +21,11 @@ from moeserve.layers.linear import LoRALinear, dense_lora_torch  # noqa: E402
 
 gpu = pytest.mark.gpu
 
-# the three modes at tiny tiles: CUDA-core sum, tensor-core dot (rows padded to 16), and a K split + reduce
+# the modes at tiny tiles: CUDA-core sum (one reduction at the end, or one per K step), tensor-core dot (rows
+# padded to 16), each with a K split + reduce launch
 CONFIGS = {
     "sum": GemvConfig(block_n=16, block_k=32),
+    "sum_step_reduce": GemvConfig(block_n=4, block_k=16, late_reduce=False),
     "dot": GemvConfig(block_n=16, block_k=16, use_dot=True),
     "sum_split3": GemvConfig(block_n=8, block_k=16, split_k=3),
     "dot_split2": GemvConfig(block_n=16, block_k=16, use_dot=True, split_k=2),
@@ -87,13 +89,19 @@ def test_gemv_default_config_runs():
 
 
 def test_default_config_table():
-    """H200 shapes: enough programs for 132 SMs; dot mode from T = 3; a K split only where N is narrow."""
-    qkv1, o1, head1 = default_config(5120, 2048, 1), default_config(2048, 4096, 1), default_config(151936, 2048, 1)
-    assert not qkv1.use_dot and default_config(5120, 2048, 8).use_dot
-    for N, K, T in [(5120, 2048, 1), (2048, 4096, 1), (5120, 2048, 8), (2048, 4096, 8), (6144, 2048, 4)]:
-        cfg = default_config(N, K, T)
-        assert math.ceil(N / cfg.block_n) * cfg.split_k >= 2 * 132, (N, K, T, cfg)
-    assert head1.split_k == 1 and head1.block_n >= qkv1.block_n and o1.block_k <= 4096
+    """H200 shapes (132 SMs): at T <= 2 "sum" mode with ~4 programs per SM unless the tile is already the
+    narrowest, and running sums that fit in 64 registers a thread; "dot" mode from T = 3; no K split."""
+    shapes = [(5120, 2048), (2048, 4096), (151936, 2048), (6144, 2048), (11264, 2048), (2048, 5632)]
+    for N, K in shapes:
+        for T in range(1, GEMV_MAX_TOKENS + 1):
+            cfg = default_config(N, K, T)
+            assert cfg.split_k == 1 and cfg.use_dot == (T > 2), (N, K, T, cfg)
+            if cfg.use_dot:
+                assert cfg.block_n >= 16 and cfg.block_k >= 16
+            else:
+                assert math.ceil(N / cfg.block_n) >= 4 * 132 or cfg.block_n == 4, (N, K, T, cfg)
+                assert T * cfg.block_n * cfg.block_k / (32 * cfg.num_warps) <= 64, (N, K, T, cfg)
+    assert default_config(151936, 2048, 1).block_n > default_config(2048, 4096, 1).block_n
 
 
 def test_gemv_rejects_bad_inputs():

@@ -5,7 +5,9 @@ At T <= 8 a projection is a matrix-vector product: the time is the weight read, 
 ~40-60 % of the H200's read bandwidth there (small grids, split-K plus a reduce launch). Here each program
 owns BLOCK_N output columns for all T rows and walks K (or its share of K with SPLIT_K > 1), so every weight
 byte is read once, in 16-byte loads along the contiguous K axis:
-- "sum" mode (T = 1, 2): broadcast multiply and a reduction over K per step, in fp32 on the CUDA cores;
+- "sum" mode (T = 1, 2): broadcast multiply-add in fp32 on the CUDA cores; with `late_reduce` each thread
+  keeps its products' running sums over the whole K walk and one reduction ends it (as a hand-written
+  GEMV keeps per-thread partials and reduces the warp once), else a reduction over K per step;
 - "dot" mode (larger T): tl.dot with the T rows padded to 16, on the tensor cores (fp32 accumulation).
 Out-of-range rows and columns are clamped to the last valid one on load (their results are never stored),
 so an even K needs no load masks at all. No atomics: with SPLIT_K > 1 each split writes fp32 partials and
@@ -38,13 +40,16 @@ DOT_ROWS = 16  # tl.dot needs M >= 16: the T rows are padded to this in "dot" mo
 
 class GemvConfig(NamedTuple):
     """One launch configuration. use_dot: tensor-core "dot" mode (else "sum"); split_k: K cut into this many
-    parts, each a program, with a deterministic reduce launch after (1 = one launch)."""
+    parts, each a program, with a deterministic reduce launch after (1 = one launch); late_reduce ("sum" mode):
+    a [T, block_n, block_k] fp32 running sum reduced once after the K walk (T*block_n*block_k/threads
+    registers), else one reduction per K step."""
     block_n: int
     block_k: int
     num_warps: int = 4
     split_k: int = 1
     use_dot: bool = False
     num_stages: int = 2
+    late_reduce: bool = True
 
 
 class GemvLoRA(NamedTuple):
@@ -63,25 +68,30 @@ def _num_sms(device_index: int) -> int:
 
 
 def default_config(N: int, K: int, T: int, device: torch.device | None = None) -> GemvConfig:
-    """H200-minded defaults. The weight read must keep every SM busy: ~4+ programs per SM (132 SMs) with
-    8-16 KiB of weight in flight each, so small N gets narrow column tiles (or a K split), huge N (lm_head)
-    wide ones. T <= 2 runs on the CUDA cores ("sum"), larger T on the tensor cores ("dot")."""
+    """H200-minded defaults (bench kernels --parts gemv --sweep measures the alternatives).
+
+    The weight read is the whole cost, and with no software pipelining in "sum" mode the bytes in flight
+    per SM are (resident programs) x (one tile): so about 4 programs per SM (132 SMs) of an 8 KiB tile each,
+    narrow column tiles and wide K tiles for small N (o_proj: 2048 columns in 512 programs of 4), wider
+    column tiles where N allows (lm_head). No K split by default: its reduce launch costs about what cuBLAS's
+    split-K reduce costs, which is what this kernel avoids. T <= 2 runs on the CUDA cores ("sum", late
+    reduction: 32-64 registers of running sums); larger T on the tensor cores ("dot", rows padded to 16,
+    cp.async pipelined over 3 stages)."""
     sms = 132
     if device is not None and device.type == "cuda":
         sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    block_k = min(512, max(16, triton.next_power_of_2(K)))
+    k_cap = max(16, triton.next_power_of_2(K))
     if T <= 2:
-        block_n = 32 if N >= 64 * sms else 8
-        cfg = GemvConfig(block_n=block_n, block_k=block_k, num_warps=4)
-    else:
-        block_n = 64 if N >= 64 * sms else 16
-        cfg = GemvConfig(block_n=block_n, block_k=min(block_k, 256), num_warps=4, use_dot=True, num_stages=3)
-    programs = triton.cdiv(N, cfg.block_n)
-    split_k = 1
-    # a narrow N leaves SMs idle: split K while each split still walks >= 2 tiles
-    while programs * split_k < 2 * sms and K // (2 * split_k) >= 2 * cfg.block_k and split_k < 4:
-        split_k *= 2
-    return cfg._replace(split_k=split_k)
+        block_n = 16
+        while block_n > 4 and triton.cdiv(N, block_n) < 4 * sms:
+            block_n //= 2
+        block_k = min(k_cap, 4096 // block_n)  # 4096 running sums per program: 32 (T=1) or 64 registers
+        return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4)
+    block_n = 64
+    while block_n > 16 and triton.cdiv(N, block_n) < 2 * sms:
+        block_n //= 2
+    block_k = min(k_cap, 256 if triton.cdiv(N, block_n) >= 2 * sms else 512)  # o_proj: 128 programs, deeper K
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, use_dot=True, num_stages=3)
 
 
 @triton.jit
@@ -124,7 +134,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
                  stride_xt, stride_wn, stride_ot,
                  stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                 SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, LORA_K_SPLITS: tl.constexpr,
                  COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -137,6 +147,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
     k_lo = ks * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    if LATE_REDUCE:
+        acc3 = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -148,8 +160,12 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
             xt = tl.load(x_rows + k[None, :], mask=k_mask[None, :], other=0.0)
         if USE_DOT:
             acc = tl.dot(xt.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, input_precision=DOT_PRECISION)
+        elif LATE_REDUCE:
+            acc3 += xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
             acc += tl.sum(xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    if LATE_REDUCE:
+        acc = tl.sum(acc3, 2)
     if SPLIT_K == 1:
         _epilogue(acc, t, n, T, N, bias_ptr, out_ptr, stride_ot,
                   scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
@@ -231,7 +247,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         T, N, K, k_per_split, *lora_args[4:8],
         x.stride(0), weight.stride(0), out.stride(0), *lora_args[8:],
         BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=RANK_BLOCK,
-        SPLIT_K=split_k, USE_DOT=cfg.use_dot, EVEN_K=even_k, COMPUTE=compute, DOT_PRECISION=precision,
+        SPLIT_K=split_k, USE_DOT=cfg.use_dot, LATE_REDUCE=cfg.late_reduce and not cfg.use_dot, EVEN_K=even_k,
+        COMPUTE=compute, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
     if split_k > 1:
