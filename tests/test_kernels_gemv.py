@@ -112,6 +112,8 @@ def test_gemv_rejects_bad_inputs():
         gemv(x, torch.randn(8, 12))
     with pytest.raises(ValueError, match="contiguous along K"):
         gemv(torch.randn(16, 2).t(), w)
+    with pytest.raises(ValueError, match="share a float dtype"):
+        gemv(x, w.double())
     with pytest.raises(ValueError, match="bias"):
         gemv(x, w, torch.randn(7))
     with pytest.raises(ValueError, match="powers of two"):

@@ -80,6 +80,11 @@ def default_config(N: int, K: int, T: int, device: torch.device | None = None) -
     sms = 132
     if device is not None and device.type == "cuda":
         sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _default_config(N, K, T, sms)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_config(N: int, K: int, T: int, sms: int) -> GemvConfig:
     k_cap = max(16, triton.next_power_of_2(K))
     if T <= 2:
         block_n = 16
@@ -213,6 +218,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     N = weight.shape[0]
     if weight.shape[1] != K:
         raise ValueError(f"gemv: x has {K} features but weight is {tuple(weight.shape)}")
+    if x.dtype not in _TL_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"gemv: x and weight must share a float dtype (fp32/fp16/bf16), got {x.dtype} and "
+                         f"{weight.dtype}")
     if not 1 <= T <= GEMV_MAX_TOKENS:
         raise ValueError(f"gemv: {T} rows; it serves 1..{GEMV_MAX_TOKENS} (use F.linear above)")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -234,8 +242,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if lora is not None:
         lora_k_splits = lora.scratch.shape[0]
     compute = tl.float32 if (_INTERPRET or x.dtype == torch.float32) else _TL_DTYPES[x.dtype]
-    if weight.dtype != x.dtype:
-        raise ValueError(f"gemv: x is {x.dtype} but weight is {weight.dtype}")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     flags = dict(HAS_BIAS=bias is not None, HAS_LORA=lora is not None, LORA_K_SPLITS=lora_k_splits)
     bias_arg = bias if bias is not None else out
