@@ -305,3 +305,40 @@ def test_gpu_layer_gemv_in_cuda_graph():
         graph.replay()
         want = ref(x, LoRABatch(slots, ranks.cuda()))
         assert rel_err(y, want) < 1e-2, pattern
+
+
+# ------------------------------------------------------------------ wiring: config, model
+
+def test_linear_backend_follows_attention_backend_and_is_checked():
+    from moeserve import EngineConfig
+
+    assert EngineConfig(device="cpu").resolve().linear_backend == "torch"
+    assert EngineConfig(device="cpu", attention_backend="triton").resolve().linear_backend == "triton"
+    cfg = EngineConfig(device="cpu", attention_backend="triton", linear_backend="torch").resolve()
+    assert cfg.linear_backend == "torch"
+    with pytest.raises(ValueError, match=r"linear_backend \(--linear-backend\) must be one of"):
+        EngineConfig(device="cpu", linear_backend="cublas").resolve()
+
+
+def test_model_takes_the_gemv_where_it_should():
+    """q/k/v/o, the shared expert and dense MLPs, and lm_head take the gemv; the router and the shared-expert
+    gate keep their own paths; the logits at T <= 8 equal F.linear's."""
+    from moeserve.models.loader import random_model
+    from moeserve.models.spec import ModelSpec
+
+    spec = ModelSpec(family="qwen2_moe", num_layers=2, sparse_layers=(True, False), vocab_size=96, hidden_size=64,
+                     num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=32,
+                     intermediate_size=48, shared_expert_intermediate_size=40, qkv_bias=True,
+                     norm_topk_prob=False, max_position_embeddings=64)
+    model = random_model(spec, "cpu", torch.float32, linear_backend="triton")
+    on = {name for name, m in model.named_modules() if isinstance(m, LoRALinear) and m.gemv_max_tokens}
+    off = {name for name, m in model.named_modules() if isinstance(m, LoRALinear) and not m.gemv_max_tokens}
+    assert on == {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.shared_expert.gate_up_proj",
+                  "layers.0.mlp.shared_expert.down_proj", "layers.1.self_attn.qkv_proj", "layers.1.self_attn.o_proj",
+                  "layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj"}
+    assert off == {"layers.0.mlp.router", "layers.0.mlp.shared_expert_gate"}
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    w = model.embed_tokens if model.lm_head is None else model.lm_head
+    torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, w), rtol=1e-5, atol=1e-5)
+    assert all(not m.gemv_max_tokens for m in random_model(spec, "cpu", torch.float32).modules()
+               if isinstance(m, LoRALinear))
