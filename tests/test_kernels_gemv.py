@@ -248,8 +248,8 @@ def test_gpu_gemv_bf16(shape, T):
     w = (torch.randn(N, K, generator=gen, device="cuda") * 0.02).bfloat16()
     bias = torch.randn(N, generator=gen, device="cuda").bfloat16() if has_bias else None
     want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-    configs = {"default": None, "sum": GemvConfig(32, 256), "dot": GemvConfig(32, 128, use_dot=True, num_stages=3),
-               "split2": GemvConfig(16, 256, split_k=2)}
+    configs = {"default": None, "sum": GemvConfig(8, 256), "sum_step": GemvConfig(8, 512, late_reduce=False),
+               "dot": GemvConfig(32, 128, use_dot=True, num_stages=3), "split2": GemvConfig(4, 512, split_k=2)}
     for name, cfg in configs.items():
         got = gemv(x, w, bias, config=cfg)
         assert got.dtype == torch.bfloat16

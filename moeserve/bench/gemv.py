@@ -21,6 +21,7 @@ import statistics
 import traceback
 
 import torch
+import triton
 
 from moeserve.bench.common import graph_time_us
 from moeserve.kernels.gemv import GemvConfig, GemvLoRA, default_config, gemv
@@ -129,8 +130,11 @@ def sweep(sets, T: int, N: int, K: int) -> tuple[dict, dict]:
         modes = {_name(c): (lambda s, c=c: gemv(s["x"], s["w"], s["b"], out=s["out"], config=c)) for c in cfgs}
         return time_modes(sets, modes)
 
+    rows = triton.next_power_of_2(T)
+    # "sum" tiles whose [T, block_n, block_k] fp32 running sums would need > 128 registers a thread only spill
     stage1 = [GemvConfig(bn, bk, 4, 1, dot, 3 if dot else 2)
-              for dot in (False, True) for bn in SWEEP_N[dot] for bk in SWEEP_K[dot] if bk <= max(K, 64)]
+              for dot in (False, True) for bn in SWEEP_N[dot] for bk in SWEEP_K[dot]
+              if bk <= max(K, 64) and (dot or rows * bn * bk <= 128 * 128)]
     us, failed = run(stage1)
     if not us:
         return us, failed
