@@ -51,6 +51,9 @@ class EngineConfig:
     # backends
     moe_backend: str = "auto"
     attention_backend: str = "auto"
+    # dense projections (q/k/v/o, dense MLP, shared expert, lm_head): "triton" runs batches of <= 8 rows through
+    # the Triton GEMV (LoRA expand fused in), cuBLAS above; "torch": cuBLAS always. auto = attention_backend's
+    linear_backend: str = "auto"
 
     # LoRA
     enable_lora: bool = False
@@ -102,11 +105,13 @@ class EngineConfig:
             self.dtype = "bfloat16" if on_cuda else "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"{flag('dtype')} must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("moe_backend", "attention_backend"):
+        for name in ("moe_backend", "attention_backend", "linear_backend"):
             v = getattr(self, name)
             if v not in BACKENDS:
                 raise ValueError(f"{flag(name)} must be one of {', '.join(BACKENDS)}, got {v!r}")
-            if v == "auto":
+            if v == "auto" and name == "linear_backend":  # follows attention, as the fused norms do
+                self.linear_backend = self.attention_backend
+            elif v == "auto":
                 setattr(self, name, "triton" if on_cuda else "torch")
         if not on_cuda:
             self.enforce_eager = True  # CUDA graphs need CUDA

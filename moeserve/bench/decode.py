@@ -57,8 +57,9 @@ def preset_spec(name: str, num_layers: int | None = None) -> ModelSpec:
     return ModelSpec(max_position_embeddings=4096, **p)
 
 
-def random_model(spec: ModelSpec, device, dtype, seed: int = 0, backend: str = "triton") -> MoEForCausalLM:
-    return loader.random_model(spec, device, dtype, seed, backend, backend, backend)
+def random_model(spec: ModelSpec, device, dtype, seed: int = 0, backend: str = "triton",
+                 linear_backend: str = "triton") -> MoEForCausalLM:
+    return loader.random_model(spec, device, dtype, seed, backend, backend, backend, linear_backend=linear_backend)
 
 
 def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> float:
@@ -79,14 +80,15 @@ def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> fl
 
 class DecodeBench:
     def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
-                 backend: str = "triton", graph_factory=CudaGraph):
+                 backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None):
         self.spec, self.steps, self.device = spec, steps, torch.device(device)
         self.dtype, self.graph_factory = dtype, graph_factory
         self.max_len = PROMPT + steps + 16
         self.cfg = EngineConfig(model="random", device=device, dtype=str(dtype).split(".")[-1],
                                 max_model_len=self.max_len, max_num_seqs=max_bs, block_size=16,
-                                moe_backend=backend, attention_backend=backend).resolve()
-        self.model = random_model(spec, self.device, dtype, backend=backend)
+                                moe_backend=backend, attention_backend=backend,
+                                linear_backend=linear_backend or backend).resolve()
+        self.model = random_model(spec, self.device, dtype, backend=backend, linear_backend=self.cfg.linear_backend)
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
         blocks = max_bs * -(-self.max_len // 16) + 2
         self.runner.allocate_kv_cache(blocks)
@@ -180,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--linear-backend", default="triton", choices=("torch", "triton"),
+                    help="dense projections: triton = the Triton GEMV at <= 8 rows (default), torch = cuBLAS")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--profile", action="store_true",
                     help="also print each batch size's per-layer kernel budget (time, bytes, share of the floor, "
@@ -190,7 +194,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     spec = preset_spec(args.preset, args.layers)
-    bench = DecodeBench(spec, max(batches), args.steps)
+    bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results: dict[str, dict[int, float]] = {m: {} for m in modes}

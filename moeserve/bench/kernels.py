@@ -2,7 +2,7 @@
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
                                      [--sweep] [--lora-sweep] [--profile]
-                                     [--parts moe,router,dense_lora,norm_rotary]
+                                     [--parts moe,router,dense_lora,norm_rotary,gemv]
 
 Measures, in one process on one GPU:
 - read bandwidth: a large device-to-device copy (read + write counted) and a large
@@ -31,6 +31,9 @@ Part `dense_lora` (moeserve.bench.dense_lora) times the dense multi-LoRA paths f
 Part `norm_rotary` (bench/norm_kernels.py): the fused RMSNorm, residual add + RMSNorm and q/k norm +
 rotary + KV write kernels against the torch code they replace at T = 1, 8, 64, 256, 512; its own table
 and norm_rotary_bench.json.
+Part `gemv` (bench/gemv.py): the Triton GEMV against cuBLAS for the dense projections of the presets at
+T = 1, 2, 4, 8, with and without the fused LoRA expand (`--sweep`: a config sweep, best per shape);
+its own table and gemv_bench.json. Not in the default parts: `--parts gemv [--sweep]`.
 """
 
 import argparse
@@ -413,10 +416,11 @@ def main(argv=None):
     ap.add_argument("--lora-sweep", action="store_true",
                     help="time MoE-LoRA tile candidates (fused and separate kernels), 4 rank-16 adapters")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
-    known = {"moe", "router", "dense_lora", "norm_rotary"}
+    known = {"moe", "router", "dense_lora", "norm_rotary", "gemv"}
     ap.add_argument("--parts", default="moe,router,dense_lora,norm_rotary",
                     help="comma list: moe (fused MoE and MoE-LoRA), router (routing), dense_lora (one- vs two-launch "
-                         "dense LoRA), norm_rotary (fused norms, attention prologue)")
+                         "dense LoRA), norm_rotary (fused norms, attention prologue), gemv (Triton GEMV vs cuBLAS "
+                         "at T <= 8, with the LoRA expand fused)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if not parts <= known:
@@ -435,11 +439,15 @@ def main(argv=None):
     if "router" in parts:
         router = bench_router(gen)
         (out_dir / "router_bench.json").write_text(json.dumps({"device": device, **router}, indent=1))
-    if not parts & {"moe", "dense_lora"}:
+    if not parts & {"moe", "dense_lora", "gemv"}:
         return 0
     bw = read_bandwidth()
     print(f"{device}: copy {bw['copy_gbps']:.0f} GB/s (read+write), "
           f"read-only sum {bw['read_gbps']:.0f} GB/s", flush=True)
+    if "gemv" in parts:
+        run_gemv(out_dir, args.sweep, gen, device, bw)
+    if not parts & {"moe", "dense_lora"}:
+        return 0
     report = {"device": device, "shape": dict(hidden=HIDDEN, inter=INTER, experts=NUM_EXPERTS,
                                               top_k=TOP_K),
               "bandwidth": bw, "batches": [], "sweep": {}, "sweep_lora": {},
@@ -499,6 +507,19 @@ def print_lora_table(rows: list[dict]) -> None:
                              f"d {v['delta_rel_err']:.0e}" if v else f"{'-':>34}")
             print(f"{r['batch']:>4} {c:>15} {row['base_us']:>7.1f} {row['lora_mb']:>6.1f} "
                   f"{row['lora_floor_us']:>6.1f} " + " ".join(f"{x:>34}" for x in cells))
+
+
+def run_gemv(out_dir: Path, sweep: bool, gen, device: str, bw: dict) -> None:
+    from moeserve.bench import gemv
+
+    rows: list[dict] = []
+
+    def save():
+        (out_dir / "gemv_bench.json").write_text(json.dumps({"device": device, "bandwidth": bw, "rows": rows},
+                                                            indent=1))
+
+    gemv.run(sweep, gen, rows, save, bw["read_gbps"])
+    gemv.print_table(rows, bw["read_gbps"])
 
 
 def run_norm_rotary(out_dir: Path) -> None:

@@ -7,7 +7,9 @@ folded into B, columns >= the slot's rank are zero). Two launches:
 - shrink: x @ A.T into an fp32 scratch [k_splits, S, T, R]. The `in` dimension may be split
   across programs (more parallelism at small T); expand sums the partials, so no atomics
   and no zero-filled scratch are needed.
-- expand: scratch @ B.T added in place into out.
+- expand: scratch @ B.T added in place into out. At decode sizes (T <= kernels/gemv.GEMV_MAX_TOKENS) the
+  layers run `dense_lora_shrink` alone and the expand as the epilogue of the base projection's gemv
+  (kernels/gemv.py), one launch fewer per projection.
 Each program takes a tile of tokens and walks the distinct slots present in it, so no
 sorting and no host sync. With `lanes` > 1 the distinct slots of a tile are dealt round-robin
 to that many programs (each slot owns disjoint rows, so they never write the same element):
@@ -181,36 +183,50 @@ def dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes: tuple[in
 
 def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
                 block_t=None, block_k=None, block_n=None, k_splits=None, lanes=None, num_warps=4):
-    T, in_features = x.shape
-    num_slots, num_slices, max_rank, a_in = lora_a.shape
     n_total = out.shape[1]
-    assert a_in == in_features and len(slice_sizes) == num_slices <= MAX_SLICES
-    assert sum(slice_sizes) == n_total and lora_b.shape == (num_slots, n_total, max_rank)
-    assert out.shape[0] == T and token_slots.shape == (T,) and slot_ranks.shape == (num_slots,)
-    assert x.stride(1) == 1 and lora_a.stride(3) == 1
-    if T == 0 or max_rank == 0:
+    num_slots, num_slices, max_rank, _ = lora_a.shape
+    assert len(slice_sizes) == num_slices and sum(slice_sizes) == n_total
+    assert lora_b.shape == (num_slots, n_total, max_rank) and out.shape[0] == x.shape[0]
+    if x.shape[0] == 0 or max_rank == 0:
         return
+    block_t, lanes = _token_tiling(x.shape[0], num_slots, block_t, lanes)
+    scratch = dense_lora_shrink(x, lora_a, token_slots, slot_ranks, block_t=block_t, block_k=block_k,
+                                k_splits=k_splits, lanes=lanes, num_warps=num_warps)
+    _expand(scratch, lora_b, token_slots, slot_ranks, tuple(slice_sizes), out, block_t=block_t, block_n=block_n,
+            lanes=lanes, num_warps=num_warps)
+
+
+def _token_tiling(T: int, num_slots: int, block_t, lanes) -> tuple[int, int]:
     if block_t is None:
         block_t = 16 if (_INTERPRET or T < 1024) else 64
-    if block_k is None:
-        block_k = 32 if _INTERPRET else 256
-    if block_n is None:
-        block_n = 16 if _INTERPRET else 128
-    block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
-    num_token_tiles = triton.cdiv(T, block_t)
     if lanes is None:
         # Decode-sized batches mix adapters within a tile; large (prefill) tiles are mostly uniform.
         lanes = min(4, num_slots) if T <= 1024 else 1
-    lanes = max(1, min(lanes, num_slots, block_t))
+    return block_t, max(1, min(lanes, num_slots, block_t))
+
+
+def dense_lora_shrink(x, lora_a, token_slots, slot_ranks, *, block_t=None, block_k=None, k_splits=None,
+                      lanes=None, num_warps=4) -> torch.Tensor:
+    """x @ A[slot].T per row into a new fp32 scratch [k_splits, slices, T, R], entries written only for rows
+    whose slot has rank > 0 and rank columns below that rank rounded up to RANK_BLOCK (all an expand reads);
+    the k_splits partial sums over `in` are the expand's to add."""
+    T, in_features = x.shape
+    num_slots, num_slices, max_rank, a_in = lora_a.shape
+    assert a_in == in_features and 1 <= num_slices <= MAX_SLICES
+    assert token_slots.shape == (T,) and slot_ranks.shape == (num_slots,)
+    assert x.stride(1) == 1 and lora_a.stride(3) == 1
+    block_t, lanes = _token_tiling(T, num_slots, block_t, lanes)
+    if block_k is None:
+        block_k = 32 if _INTERPRET else 256
+    block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
+    num_token_tiles = triton.cdiv(T, block_t)
     if k_splits is None:
         k_splits = _default_k_splits(num_token_tiles, num_slices, in_features, block_k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(in_features, k_splits), block_k) * block_k
     k_splits = triton.cdiv(in_features, k_per_split)
-
-    compute = _compute_dtype(x.dtype)
-    precision = _dot_precision(x.dtype)
-    # Entries are written only for (token, rank block) pairs that expand reads.
     scratch = torch.empty((k_splits, num_slices, T, max_rank), dtype=torch.float32, device=x.device)
+    if T == 0 or max_rank == 0:
+        return scratch
     _shrink_kernel[(num_token_tiles, num_slices * lanes, k_splits)](
         x, lora_a, token_slots, slot_ranks, scratch,
         T, in_features, max_rank, k_per_split,
@@ -218,15 +234,23 @@ def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         scratch.stride(0), scratch.stride(1), scratch.stride(2),
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_R=RANK_BLOCK, LANES=lanes,
-        COMPUTE=compute, DOT_PRECISION=precision,
+        COMPUTE=_compute_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=num_warps,
     )
+    return scratch
+
+
+def _expand(scratch, lora_b, token_slots, slot_ranks, slice_sizes, out, *, block_t, block_n, lanes, num_warps):
+    """out += scratch @ B[slot].T per row (rows without an adapter untouched); the two-launch path's second."""
+    k_splits, num_slices, T, max_rank = scratch.shape
+    if block_n is None:
+        block_n = 16 if _INTERPRET else 128
     sizes = tuple(slice_sizes) + (0,) * (MAX_SLICES - num_slices)
     tile_starts = [0]
     for size in sizes:
         tile_starts.append(tile_starts[-1] + triton.cdiv(size, block_n))
     num_col_tiles = tile_starts[num_slices]
-    _expand_kernel[(num_token_tiles, num_col_tiles, lanes)](
+    _expand_kernel[(triton.cdiv(T, block_t), num_col_tiles, lanes)](
         scratch, lora_b, token_slots, slot_ranks, out,
         T, max_rank,
         scratch.stride(0), scratch.stride(1), scratch.stride(2),
@@ -236,7 +260,7 @@ def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
         TILE1=tile_starts[1], TILE2=tile_starts[2], TILE3=tile_starts[3],
         K_SPLITS=k_splits,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=RANK_BLOCK, LANES=lanes,
-        COMPUTE=compute, DOT_PRECISION=precision,
+        COMPUTE=_compute_dtype(lora_b.dtype), DOT_PRECISION=_dot_precision(lora_b.dtype),
         num_warps=num_warps,
     )
 

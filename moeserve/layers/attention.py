@@ -73,16 +73,18 @@ def make_attention_backend(name: str):
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, backend, lora_backend: str, rotary: RotaryEmbedding,
-                 fused_prologue: bool = False):
+                 fused_prologue: bool = False, gemv: bool = False):
         """`rotary`: the model's one cos/sin table, shared by every layer (one per layer would cost
         max_position x head_dim x 2 per layer: ~1 GiB at Qwen3-30B-A3B's 48 layers x 40k positions).
-        `fused_prologue`: q/k norm + rotary + KV write as one Triton kernel (else the torch code below)."""
+        `fused_prologue`: q/k norm + rotary + KV write as one Triton kernel (else the torch code below).
+        `gemv`: qkv_proj and o_proj run the Triton GEMV at decode sizes (layers/linear.py)."""
         super().__init__()
         self.spec = spec
         self.nh, self.nkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = self.d ** -0.5
-        self.qkv_proj = LoRALinear(spec.hidden_size, (spec.q_size, spec.kv_size, spec.kv_size), spec.qkv_bias, lora_backend)
-        self.o_proj = LoRALinear(spec.q_size, (spec.hidden_size,), spec.o_bias, lora_backend)
+        self.qkv_proj = LoRALinear(spec.hidden_size, (spec.q_size, spec.kv_size, spec.kv_size), spec.qkv_bias,
+                                   lora_backend, gemv=gemv)
+        self.o_proj = LoRALinear(spec.q_size, (spec.hidden_size,), spec.o_bias, lora_backend, gemv=gemv)
         if spec.qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(self.d, spec.rms_norm_eps), RMSNorm(self.d, spec.rms_norm_eps)
         elif spec.qk_norm == "full":

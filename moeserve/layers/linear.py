@@ -34,9 +34,14 @@ def dense_lora_torch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, ou
 
 
 class LoRALinear(nn.Module):
-    """y = x W^T (+ b) (+ per-token LoRA delta when the batch carries LoRA and this layer has slots)."""
+    """y = x W^T (+ b) (+ per-token LoRA delta when the batch carries LoRA and this layer has slots).
 
-    def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, lora_backend: str = "torch"):
+    `gemv`: batches of at most GEMV_MAX_TOKENS rows run the Triton GEMV (kernels/gemv.py) instead of cuBLAS,
+    with the triton LoRA backend's expand fused into it. The choice depends on the row count and this flag
+    only, never on LoRA, so the LoRA and no-LoRA variants (eager or graph) share one base path."""
+
+    def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, lora_backend: str = "torch",
+                 gemv: bool = False):
         super().__init__()
         self.in_features = in_features
         self.slice_sizes = tuple(slice_sizes)
@@ -47,20 +52,42 @@ class LoRALinear(nn.Module):
         self.lora_b: torch.Tensor | None = None  # [L, N, R]
         self.use_triton = lora_backend == "triton"
         if self.use_triton:
-            from moeserve.kernels.lora_dense import dense_lora
+            from moeserve.kernels import lora_dense
 
-            self.triton_lora = dense_lora
+            self.lora_kernels = lora_dense
+        self.gemv_max_tokens = 0
+        if gemv:
+            from moeserve.kernels import gemv as gemv_kernels
+
+            self.gemv_kernels = gemv_kernels
+            self.gemv_max_tokens = gemv_kernels.GEMV_MAX_TOKENS
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        with_lora = lora is not None and self.lora_a is not None
+        if 0 < x.shape[0] <= self.gemv_max_tokens:
+            return self._gemv_forward(x, lora if with_lora else None)
         y = F.linear(x, self.weight, self.bias)
-        if lora is not None and self.lora_a is not None:
+        if with_lora:
             self.add_lora(x, lora, y)
         return y
+
+    def _gemv_forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        if lora is None:
+            return self.gemv_kernels.gemv(x, self.weight, self.bias)
+        if not self.use_triton:
+            y = self.gemv_kernels.gemv(x, self.weight, self.bias)
+            self.add_lora(x, lora, y)
+            return y
+        # shrink alone, then the expand inside the base projection's epilogue
+        scratch = self.lora_kernels.dense_lora_shrink(x, self.lora_a, lora.token_slots, lora.slot_ranks)
+        expand = self.gemv_kernels.GemvLoRA(scratch, self.lora_b, lora.token_slots, lora.slot_ranks,
+                                            self.slice_sizes)
+        return self.gemv_kernels.gemv(x, self.weight, self.bias, lora=expand)
 
     def add_lora(self, x: torch.Tensor, lora: LoRABatch, out: torch.Tensor) -> None:
         """out += each row's adapter delta (rows without an adapter untouched); needs the slot pool's buffers."""
         args = (x, self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes, out)
         if self.use_triton:
-            self.triton_lora(*args)
+            self.lora_kernels.dense_lora(*args)
         else:
             dense_lora_torch(*args, slots=lora.active_slots)

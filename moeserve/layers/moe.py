@@ -67,11 +67,11 @@ def moe_experts_torch(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None
 class DenseMLP(nn.Module):
     """SiLU-gated MLP (dense layers and the qwen2 shared expert)."""
 
-    def __init__(self, hidden: int, inter: int, lora_backend: str):
+    def __init__(self, hidden: int, inter: int, lora_backend: str, gemv: bool = False):
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = LoRALinear(hidden, (inter, inter), False, lora_backend)
-        self.down_proj = LoRALinear(inter, (hidden,), False, lora_backend)
+        self.gate_up_proj = LoRALinear(hidden, (inter, inter), False, lora_backend, gemv=gemv)
+        self.down_proj = LoRALinear(inter, (hidden,), False, lora_backend, gemv=gemv)
 
     def forward(self, x, lora: LoRABatch | None):
         gu = self.gate_up_proj(x, lora)
@@ -80,10 +80,11 @@ class DenseMLP(nn.Module):
 
 class MoEBlock(nn.Module):
     """`gemm_topk_max_tokens` (triton backend): batches of at most this many tokens run the router GEMM
-    inside the routing kernel; larger ones run the linear layer, then the routing kernel."""
+    inside the routing kernel; larger ones run the linear layer, then the routing kernel. `gemv`: the shared
+    expert runs the Triton GEMV at decode sizes (the router and the shared-expert gate keep their own paths)."""
 
     def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str,
-                 gemm_topk_max_tokens: int | None = None):
+                 gemm_topk_max_tokens: int | None = None, gemv: bool = False):
         super().__init__()
         self.spec = spec
         E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
@@ -93,7 +94,7 @@ class MoEBlock(nn.Module):
         self.lora_bufs: ExpertLoRABuffers | None = None  # set by the slot pool
         self.shared_expert = None
         if spec.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, lora_backend)
+            self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, lora_backend, gemv=gemv)
             self.shared_expert_gate = LoRALinear(H, (1,), False, lora_backend)
         self.backend = moe_backend
         if moe_backend == "triton":

@@ -19,10 +19,12 @@ from moeserve.layers.batch import ForwardBatch
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, attn_backend, moe_backend: str, lora_backend: str,
-                 rotary: RotaryEmbedding, tp: ParallelState | None = None, norm_backend: str = "torch"):
+                 rotary: RotaryEmbedding, tp: ParallelState | None = None, norm_backend: str = "torch",
+                 gemv: bool = False):
         """`spec`: the shapes this rank holds; `tp`: the parallel state under tensor parallelism (None: one rank,
         no collectives at all); `norm_backend` "triton": the norms (fused with the residual add) and the
-        attention prologue (q/k norm + rotary + KV write) run as one Triton kernel each."""
+        attention prologue (q/k norm + rotary + KV write) run as one Triton kernel each; `gemv`: the dense
+        projections run the Triton GEMV at decode sizes (layers/linear.py)."""
         super().__init__()
         self.tp = tp
         self.layer_idx = layer_idx
@@ -31,14 +33,14 @@ class DecoderLayer(nn.Module):
         # OLMoE's full-width q/k norms under TP need an all-reduce inside the norm: those keep the torch path
         sharded_qk_norm = tp is not None and spec.qk_norm == "full"
         self.self_attn = Attention(spec, attn_backend, lora_backend, rotary,
-                                   fused_prologue=norm_backend == "triton" and not sharded_qk_norm)
+                                   fused_prologue=norm_backend == "triton" and not sharded_qk_norm, gemv=gemv)
         self.is_sparse = spec.sparse_layers[layer_idx]
         if self.is_sparse and tp is not None and tp.expert_parallel:
-            self.mlp = ExpertParallelMoEBlock(spec, moe_backend, lora_backend, tp)
+            self.mlp = ExpertParallelMoEBlock(spec, moe_backend, lora_backend, tp, gemv=gemv)
         elif self.is_sparse:
-            self.mlp = MoEBlock(spec, moe_backend, lora_backend)
+            self.mlp = MoEBlock(spec, moe_backend, lora_backend, gemv=gemv)
         else:
-            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, lora_backend)
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, lora_backend, gemv=gemv)
         if sharded_qk_norm:  # olmoe's q/k norms span all heads, now split across ranks
             attn = self.self_attn
             attn.q_norm = ShardedRMSNorm(spec.q_size, spec.rms_norm_eps, tp)
@@ -64,9 +66,10 @@ class DecoderLayer(nn.Module):
 
 class MoEForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, attention_backend: str = "torch", moe_backend: str = "torch",
-                 lora_backend: str = "torch", tp: ParallelState | None = None):
+                 lora_backend: str = "torch", tp: ParallelState | None = None, linear_backend: str = "torch"):
         """`tp`: build this rank's shard of a tensor-parallel model (moeserve/distributed/sharding.py); `spec`
-        stays the whole model's, `rank_spec` holds the shapes of this rank's layers."""
+        stays the whole model's, `rank_spec` holds the shapes of this rank's layers. `linear_backend` "triton":
+        the dense projections and lm_head run the Triton GEMV at decode sizes (kernels/gemv.py)."""
         super().__init__()
         self.spec = spec
         self.tp = tp if tp is not None and tp.world_size > 1 else None
@@ -76,11 +79,17 @@ class MoEForCausalLM(nn.Module):
             self.rank_spec, vocab_rows = rank_spec(spec, tp.world_size, tp.expert_parallel), sharding.vocab_per_rank
             self.vocab_start = sharding.vocab_rows()[0]
         attn = make_attention_backend(attention_backend)
+        self.gemv = None
+        if linear_backend == "triton":
+            from moeserve.kernels import gemv as gemv_kernels
+
+            self.gemv = gemv_kernels
         norm_backend = "triton" if attention_backend == "triton" else "torch"  # the norms follow attention
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta)
         self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.rank_spec, i, attn, moe_backend, lora_backend, self.rotary, self.tp, norm_backend)
+            DecoderLayer(self.rank_spec, i, attn, moe_backend, lora_backend, self.rotary, self.tp, norm_backend,
+                         gemv=self.gemv is not None)
             for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend)
@@ -106,4 +115,6 @@ class MoEForCausalLM(nn.Module):
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.tp is not None:  # every rank takes part; every rank gets the full logits
             return vocab_parallel_logits(hidden, w, self.spec.vocab_size, self.tp)
+        if self.gemv is not None and 0 < hidden.shape[0] <= self.gemv.GEMV_MAX_TOKENS:
+            return self.gemv.gemv(hidden, w).float()  # rounded to the activation dtype as F.linear's
         return F.linear(hidden, w).float()
