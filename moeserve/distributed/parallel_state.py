@@ -32,6 +32,13 @@ ONE_SHOT_MAX_BYTES = 512 << 10
 SYMM_MEM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# Whether this process has rendezvoused a symmetric buffer. torch (2.11) keeps per-group symmetric-memory state that
+# outlives the process group: a second engine in the same process (the default group's name comes back) hung in
+# its rendezvous on two H200s, both ranks waiting. So symmetric memory serves the first tensor-parallel engine of a
+# process; a later one all-reduces through NCCL (a server runs one engine per process; tests start several).
+_symm_mem_rendezvoused = False
+
+
 class RankFailure(RuntimeError):
     """A tensor-parallel rank died or stopped answering: the engine cannot go on and says which rank."""
 
@@ -60,8 +67,13 @@ class SymmMemAllReduce:
     @classmethod
     def allocate(cls, numel: int, dtype: torch.dtype, device: torch.device, group: "dist.ProcessGroup"
                  ) -> "SymmMemAllReduce":
-        """This rank's buffer (no collective)."""
+        """This rank's buffer (no collective). Refused in a process that rendezvoused one before (see
+        _symm_mem_rendezvoused): the start-up agreement then sends every rank to NCCL together."""
         import torch.distributed._symmetric_memory as symm_mem
+
+        if _symm_mem_rendezvoused:
+            raise RuntimeError("this process set up symmetric memory for an earlier engine; torch keeps per-group "
+                               "state a second rendezvous hangs on")
 
         return cls(symm_mem.empty(numel, dtype=dtype, device=device), group.group_name, group.size())
 
@@ -69,6 +81,8 @@ class SymmMemAllReduce:
         """Map every rank's buffer into this one's address space (collective)."""
         import torch.distributed._symmetric_memory as symm_mem
 
+        global _symm_mem_rendezvoused
+        _symm_mem_rendezvoused = True  # set before: a rendezvous that fails half-way leaves the state behind too
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
         return self
 
@@ -179,8 +193,7 @@ def symm_mem_unavailable(device: torch.device, world_size: int, dtype: torch.dty
         return "one rank has nothing to reduce"
     if dtype not in SYMM_MEM_DTYPES:
         return f"no symmetric-memory all-reduce for {dtype}"
-    # before 2.11 a rendezvous needs enable_symm_mem_for_group, whose per-name store outlives the process group:
-    # a later engine in the same process (the group name comes back) would rendezvous through a dead store
+    # before 2.11 a rendezvous needs enable_symm_mem_for_group, whose per-name store outlives the process group
     if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11):
         return f"the symmetric-memory all-reduce needs torch >= 2.11 (this is {torch.__version__})"
     try:
