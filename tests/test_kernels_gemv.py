@@ -90,7 +90,8 @@ def test_gemv_default_config_runs():
 
 def test_default_config_table():
     """H200 shapes (132 SMs): at T <= 2 "sum" mode with ~4 programs per SM unless the tile is already the
-    narrowest, and running sums that fit in 64 registers a thread; "dot" mode from T = 3; no K split."""
+    narrowest, and running sums that fit in 64 registers a thread; "dot" mode from T = 3; no K split. The
+    layers send one row, or two where K > N, here (gemv.serves), cuBLAS the rest."""
     shapes = [(5120, 2048), (2048, 4096), (151936, 2048), (6144, 2048), (11264, 2048), (2048, 5632)]
     for N, K in shapes:
         for T in range(1, GEMV_MAX_TOKENS + 1):
@@ -101,7 +102,10 @@ def test_default_config_table():
             else:
                 assert math.ceil(N / cfg.block_n) >= 4 * 132 or cfg.block_n == 4, (N, K, T, cfg)
                 assert T * cfg.block_n * cfg.block_k / (32 * cfg.num_warps) <= 64, (N, K, T, cfg)
-    assert default_config(151936, 2048, 1).block_n > default_config(2048, 4096, 1).block_n
+    from moeserve.kernels.gemv import serves
+
+    assert serves(1, 5120, 2048) and serves(2, 2048, 4096)
+    assert not serves(2, 5120, 2048) and not serves(3, 2048, 4096) and not serves(9, 2048, 4096)
 
 
 def test_gemv_rejects_bad_inputs():
@@ -201,11 +205,11 @@ def make_layer(lora_backend, gemv_on, bias=True, seed=0):
 
 
 @pytest.mark.parametrize("lora_backend", ["triton", "torch"])
-@pytest.mark.parametrize("T", [2, 8, 9])
+@pytest.mark.parametrize("T", [1, 2, 9])
 def test_layer_gemv_path_equals_torch_path(lora_backend, T):
     """LoRALinear with the gemv switch against the plain layer (F.linear + dense_lora_torch), with and without
-    LoRA; T = 9 is above the threshold and takes F.linear; the no-LoRA rows of a LoRA batch are bitwise the
-    no-LoRA batch's."""
+    LoRA; T = 1 takes the gemv, T = 2 (in < out here) and T = 9 F.linear (gemv.serves); the no-LoRA rows of a
+    LoRA batch are bitwise the no-LoRA batch's."""
     on, ref = make_layer(lora_backend, True), make_layer("torch", False)
     gen = torch.Generator().manual_seed(T)
     x = torch.randn(T, IN, generator=gen)
@@ -331,8 +335,8 @@ def test_model_takes_the_gemv_where_it_should():
                      intermediate_size=48, shared_expert_intermediate_size=40, qkv_bias=True,
                      norm_topk_prob=False, max_position_embeddings=64)
     model = random_model(spec, "cpu", torch.float32, linear_backend="triton")
-    on = {name for name, m in model.named_modules() if isinstance(m, LoRALinear) and m.gemv_max_tokens}
-    off = {name for name, m in model.named_modules() if isinstance(m, LoRALinear) and not m.gemv_max_tokens}
+    on = {name for name, m in model.named_modules() if isinstance(m, LoRALinear) and m.gemv_kernels}
+    off = {name for name, m in model.named_modules() if isinstance(m, LoRALinear) and not m.gemv_kernels}
     assert on == {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.shared_expert.gate_up_proj",
                   "layers.0.mlp.shared_expert.down_proj", "layers.1.self_attn.qkv_proj", "layers.1.self_attn.o_proj",
                   "layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj"}
@@ -340,5 +344,5 @@ def test_model_takes_the_gemv_where_it_should():
     hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     w = model.embed_tokens if model.lm_head is None else model.lm_head
     torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, w), rtol=1e-5, atol=1e-5)
-    assert all(not m.gemv_max_tokens for m in random_model(spec, "cpu", torch.float32).modules()
+    assert all(m.gemv_kernels is None for m in random_model(spec, "cpu", torch.float32).modules()
                if isinstance(m, LoRALinear))

@@ -71,9 +71,8 @@ def default_config(N: int, K: int, T: int, device: torch.device | None = None) -
     """H200-minded defaults (bench kernels --parts gemv --sweep measures the alternatives).
 
     The weight read is the whole cost, and with no software pipelining in "sum" mode the bytes in flight
-    per SM are (resident programs) x (one tile): so about 4 programs per SM (132 SMs) of an 8 KiB tile each,
-    narrow column tiles and wide K tiles for small N (o_proj: 2048 columns in 512 programs of 4), wider
-    column tiles where N allows (lm_head). No K split by default: its reduce launch costs about what cuBLAS's
+    per SM are (resident programs) x (one tile): 4 columns per program and 512-1024-wide K tiles (the H200
+    sweep's best at one row for every preset shape, o_proj 2048 columns in 512 programs). No K split by default: its reduce launch costs about what cuBLAS's
     split-K reduce costs, which is what this kernel avoids. T <= 2 runs on the CUDA cores ("sum", late
     reduction: 32-64 registers of running sums); larger T on the tensor cores ("dot", rows padded to 16,
     cp.async pipelined over 3 stages)."""
@@ -83,15 +82,23 @@ def default_config(N: int, K: int, T: int, device: torch.device | None = None) -
     return _default_config(N, K, T, sms)
 
 
+def serves(T: int, N: int, K: int) -> bool:
+    """Whether the layers route a T-row projection of an [N, K] weight here rather than to cuBLAS. Measured on
+    the H200 (`bench kernels --parts gemv`, 2026-11-30): the GEMV wins at one row (o_proj 7.6 vs 10.0 us, qkv
+    8.4 vs 8.6, lm_head 151.6 vs 152.9; with 4 adapters 12.4 vs 17.5 and 12.7 vs 15.7 us, the expand fused) and
+    at two rows where K > N (o_proj 7.9 vs 9.9 us); from two rows of qkv (11.3 vs 8.6) and from three rows of
+    any shape cuBLAS wins, so the kernel is not used there."""
+    return T == 1 or (T == 2 and K > N)
+
+
 @functools.lru_cache(maxsize=None)
 def _default_config(N: int, K: int, T: int, sms: int) -> GemvConfig:
     k_cap = max(16, triton.next_power_of_2(K))
     if T <= 2:
-        block_n = 16
-        while block_n > 4 and triton.cdiv(N, block_n) < 4 * sms:
-            block_n //= 2
-        block_k = min(k_cap, 4096 // block_n)  # 4096 running sums per program: 32 (T=1) or 64 registers
-        return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4)
+        # the H200 sweep's best at one row: 4 columns per program and a wide K tile (1024 where K or the
+        # program count is large: o_proj, lm_head), within 0.3 us of the best of 3 x 3 x 3 configs elsewhere
+        block_k = 1024 if (K >= 4096 or N >= 16384) else 512
+        return GemvConfig(block_n=4, block_k=min(k_cap, block_k), num_warps=4)
     block_n = 64
     while block_n > 16 and triton.cdiv(N, block_n) < 2 * sms:
         block_n //= 2

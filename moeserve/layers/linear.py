@@ -36,9 +36,10 @@ def dense_lora_torch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, ou
 class LoRALinear(nn.Module):
     """y = x W^T (+ b) (+ per-token LoRA delta when the batch carries LoRA and this layer has slots).
 
-    `gemv`: batches of at most GEMV_MAX_TOKENS rows run the Triton GEMV (kernels/gemv.py) instead of cuBLAS,
-    with the triton LoRA backend's expand fused into it. The choice depends on the row count and this flag
-    only, never on LoRA, so the LoRA and no-LoRA variants (eager or graph) share one base path."""
+    `gemv`: batches the Triton GEMV serves (kernels/gemv.serves: one row, or two where in > out) run it instead
+    of cuBLAS, with the triton LoRA backend's expand fused into it. The choice depends on the row count, the
+    shape and this flag only, never on LoRA, so the LoRA and no-LoRA variants (eager or graph) share one base
+    path."""
 
     def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, lora_backend: str = "torch",
                  gemv: bool = False):
@@ -55,16 +56,16 @@ class LoRALinear(nn.Module):
             from moeserve.kernels import lora_dense
 
             self.lora_kernels = lora_dense
-        self.gemv_max_tokens = 0
+        self.gemv_kernels = None
         if gemv:
             from moeserve.kernels import gemv as gemv_kernels
 
             self.gemv_kernels = gemv_kernels
-            self.gemv_max_tokens = gemv_kernels.GEMV_MAX_TOKENS
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         with_lora = lora is not None and self.lora_a is not None
-        if 0 < x.shape[0] <= self.gemv_max_tokens:
+        if self.gemv_kernels is not None and self.gemv_kernels.serves(x.shape[0], self.out_features,
+                                                                      self.in_features):
             return self._gemv_forward(x, lora if with_lora else None)
         y = F.linear(x, self.weight, self.bias)
         if with_lora:

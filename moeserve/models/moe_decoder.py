@@ -115,6 +115,6 @@ class MoEForCausalLM(nn.Module):
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         if self.tp is not None:  # every rank takes part; every rank gets the full logits
             return vocab_parallel_logits(hidden, w, self.spec.vocab_size, self.tp)
-        if self.gemv is not None and 0 < hidden.shape[0] <= self.gemv.GEMV_MAX_TOKENS:
+        if self.gemv is not None and self.gemv.serves(hidden.shape[0], w.shape[0], w.shape[1]):
             return self.gemv.gemv(hidden, w).float()  # rounded to the activation dtype as F.linear's
         return F.linear(hidden, w).float()
