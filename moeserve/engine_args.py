@@ -123,8 +123,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="attention kernels; auto = triton on CUDA, torch on CPU")
     g.add_argument("--linear-backend", default=_default("linear_backend"), choices=BACKENDS,
                    help="dense projections (q/k/v/o, dense MLP, shared expert, lm_head): triton = a Triton GEMV "
-                        "at decode sizes (<= 8 rows, the dense LoRA expand fused in), cuBLAS above; torch = cuBLAS "
-                        "always; auto = the attention backend's choice")
+                        "where it beats cuBLAS (one row, or two when in > out; the dense LoRA expand fused in), cuBLAS "
+                        "elsewhere; torch = cuBLAS always; auto = the attention backend's choice")
 
     g = parser.add_argument_group("LoRA")
     g.add_argument("--enable-lora", action="store_true", default=_default("enable_lora"),
