@@ -12,17 +12,14 @@ Measures, in one process on one GPU:
   E*(1-(1-K/E)^T)*3*H*I*2, achieved GB/s and fraction of read bandwidth;
 - MoE-LoRA with 1, 4 and 8 active rank-16 adapters (every token has one) and one rank-8
   adapter in the max-rank-64 pool, each as (fused MoE + LoRA) / (fused MoE alone), the modes
-  interleaved (MoE, LoRA kernels, MoE, ...; medians); on the sorted path both LoRA kernels
-  (`MoEPlan.lora_kernel` "fused": expands in the base GEMM epilogues, shrinks on the base
-  expert blocks; "separate": a (slot, expert) alignment and two LoRA kernels), with the
-  adapter bytes the routing touches, their time at read bandwidth, and the error against the
-  fp32 per-pair reference (first 64 tokens): max |out - ref| / max |ref| and the relative
-  error of the LoRA delta itself;
+  interleaved (MoE, MoE + LoRA, MoE, ...; medians), with the adapter bytes the routing
+  touches, their time at read bandwidth, and the error against the fp32 per-pair reference
+  (first 64 tokens): max |out - ref| / max |ref| and the relative error of the LoRA delta itself;
 - the alignment kernel against its torch reference.
-`--sweep` also times block-size candidates and both paths per batch, and the LoRA tiles
-(`--lora-sweep` runs only the latter: shrink K step, splits, lanes, warps, base tiles, for
-the fused kernel; expand widths for the separate one); `--profile` prints per-kernel GPU time
-at a few batch sizes. Prints the tables last, writes kernels_bench.json.
+`--sweep` also times block-size candidates and both paths per batch, and the sorted-path LoRA
+tiles (`--lora-sweep` runs only the latter: shrink K step, splits, lanes, warps, base tiles);
+`--profile` prints per-kernel GPU time at a few batch sizes. Prints the tables last, writes
+kernels_bench.json.
 
 `--parts router` times the MoE routing (router GEMM, softmax, top-k, renorm, cast) at T = 1, 8, 64,
 256, 512: the torch code, the linear layer + `fused_topk`, and `fused_gemm_topk` at a few tiles,
@@ -49,7 +46,6 @@ import torch
 from moeserve.bench import dense_lora
 from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.kernels.fused_moe import (
-    LORA_KERNELS,
     GemmTile,
     MoELoRAArgs,
     MoEPlan,
@@ -175,15 +171,6 @@ def sweep(batch: int, weights, inputs) -> list[dict]:
     return rows
 
 
-def _lora_plans(batch: int) -> dict[str, MoEPlan]:
-    """LoRA kernels to compare at this batch: the default plan, and on the sorted path each
-    sorted-path LoRA kernel."""
-    plan = default_plan(batch, TOP_K)
-    if plan.decode:
-        return {"decode": plan}
-    return {k: replace(plan, lora_kernel=k) for k in LORA_KERNELS}
-
-
 def lora_touched_bytes(lora: MoELoRAArgs, topk_ids) -> float:
     """Adapter bytes the routing touches: each (slot, expert) weight set, rank columns only."""
     slots = lora.token_slots.long()[:, None].expand_as(topk_ids)
@@ -218,33 +205,26 @@ def lora_errors(weights, inputs, lora: MoELoRAArgs, plan: MoEPlan, reference) ->
 
 
 def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 2) -> dict:
-    """Per LoRA case: MoE alone and MoE + each LoRA kernel, interleaved `rounds` times (medians)."""
-    plans = _lora_plans(batch)
+    """Per LoRA case: MoE alone and MoE + LoRA (default plan), interleaved `rounds` times (medians)."""
+    plan = default_plan(batch, TOP_K)
     out = {}
     for case in LORA_CASES:
         loras = [lora_args(pools[i], batch, case) for i in range(NUM_SETS)]
-        times = {"moe": [], **{k: [] for k in plans}}
+        base_times, lora_times = [], []
         for _ in range(rounds):
-            times["moe"].append(time_moe(weights, inputs))
-            for name, plan in plans.items():
-                times[name].append(time_moe(weights, inputs, loras, plan=plan))
+            base_times.append(time_moe(weights, inputs, plan=plan))
+            lora_times.append(time_moe(weights, inputs, loras, plan=plan))
         lora_bytes = lora_touched_bytes(loras[0], inputs[0][2])
-        row = {"base_us": statistics.median(times["moe"]), "lora_mb": lora_bytes / 1e6,
-               "lora_floor_us": lora_bytes / bw["read_gbps"] / 1e3, "kernels": {}}
-        reference = lora_reference(weights, inputs, loras[0])
-        for name, plan in plans.items():
-            us = statistics.median(times[name])
-            row["kernels"][name] = {"us": us, "ratio": us / row["base_us"],
-                                    **lora_errors(weights, inputs, loras[0], plan, reference)}
-        # the default kernel's numbers, as before
-        default = "decode" if "decode" in plans else default_plan(batch, TOP_K).lora_kernel
-        row.update(us=row["kernels"][default]["us"], ratio=row["kernels"][default]["ratio"])
+        row = {"base_us": statistics.median(base_times), "us": statistics.median(lora_times),
+               "lora_mb": lora_bytes / 1e6, "lora_floor_us": lora_bytes / bw["read_gbps"] / 1e3}
+        row["ratio"] = row["us"] / row["base_us"]
+        row.update(lora_errors(weights, inputs, loras[0], plan, lora_reference(weights, inputs, loras[0])))
         out[case] = row
     return out
 
 
-def _fused_lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
-    """Around the default fused plan: one knob at a time, then a few combinations."""
+def _lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
+    """Around the default sorted plan: one knob at a time, then a few combinations."""
     gu, dn = plan.gate_up, plan.down
     v = {"default": plan}
     for bk in (64, 256):
@@ -267,18 +247,12 @@ def _fused_lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
 
 
 def sweep_lora(batch: int, weights, inputs, pools) -> list[dict]:
-    """4 rank-16 adapters, (MoE + LoRA) / MoE with the same base plan: the fused kernel's tiles
-    (shrink K step, K splits, slot lanes, warps, base GEMM tiles), then the separate kernels'."""
+    """4 rank-16 adapters, (MoE + LoRA) / MoE with the same base plan, over the sorted-path LoRA
+    tiles (shrink K step, K splits, slot lanes, warps, base GEMM tiles)."""
     loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
     if batch * TOP_K <= 64:
         return []  # decode path: no sorted-path LoRA kernels
-    sorted_plan = default_plan(batch, TOP_K, decode=False)
-    plans = {"fused:" + k: p for k, p in _fused_lora_variants(
-        replace(sorted_plan, lora_kernel="fused")).items()}
-    separate = replace(sorted_plan, lora_kernel="separate")
-    plans.update({"separate:default": separate,
-                  "separate:gu128": replace(separate, lora_gate_up_block_n=128),
-                  "separate:d256": replace(separate, lora_down_block_n=256)})
+    plans = _lora_variants(default_plan(batch, TOP_K, decode=False))
     rows = []
     for name, plan in plans.items():
         base, lora = [], []
@@ -414,7 +388,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out/")
     ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
     ap.add_argument("--lora-sweep", action="store_true",
-                    help="time MoE-LoRA tile candidates (fused and separate kernels), 4 rank-16 adapters")
+                    help="time sorted-path MoE-LoRA tile candidates, 4 rank-16 adapters")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
     known = {"moe", "router", "dense_lora", "norm_rotary", "gemv"}
     ap.add_argument("--parts", default="moe,router,dense_lora,norm_rotary",
@@ -489,24 +463,19 @@ def main(argv=None):
 
 
 def print_lora_table(rows: list[dict]) -> None:
-    """MoE-LoRA per batch and case: us and (MoE + LoRA) / MoE for each LoRA kernel, the adapter
-    bytes touched and their time at read bandwidth, errors against the fp32 reference."""
-    kernels = list(dict.fromkeys(k for r in rows for c in LORA_CASES for k in r[c]["kernels"]))
+    """MoE-LoRA per batch and case: us and (MoE + LoRA) / MoE, the adapter bytes touched and their
+    time at read bandwidth, errors against the fp32 reference."""
     print("\nMoE-LoRA (every token has an adapter; #12 target: lora4_r16 <= 1.15 x MoE at T 64-512): "
           "us (x MoE alone), adapter MB touched and their us at read bandwidth, "
           "err = max|out-ref|/max|ref|, d = rel. error of the LoRA delta")
-    print(f"{'T':>4} {'case':>15} {'moe us':>7} {'MB':>6} {'floor':>6} "
-          + " ".join(f"{k:>34}" for k in kernels))
+    print(f"{'T':>4} {'path':>6} {'case':>15} {'moe us':>7} {'MB':>6} {'floor':>6} {'moe + lora':>34}")
     for r in rows:
         for c in LORA_CASES:
             row = r[c]
-            cells = []
-            for k in kernels:
-                v = row["kernels"].get(k)
-                cells.append(f"{v['us']:>7.1f} (x{v['ratio']:.3f}) err {v['max_err']:.1e} "
-                             f"d {v['delta_rel_err']:.0e}" if v else f"{'-':>34}")
-            print(f"{r['batch']:>4} {c:>15} {row['base_us']:>7.1f} {row['lora_mb']:>6.1f} "
-                  f"{row['lora_floor_us']:>6.1f} " + " ".join(f"{x:>34}" for x in cells))
+            cell = (f"{row['us']:>7.1f} (x{row['ratio']:.3f}) err {row['max_err']:.1e} "
+                    f"d {row['delta_rel_err']:.0e}")
+            print(f"{r['batch']:>4} {r['path']:>6} {c:>15} {row['base_us']:>7.1f} {row['lora_mb']:>6.1f} "
+                  f"{row['lora_floor_us']:>6.1f} {cell:>34}")
 
 
 def run_gemv(out_dir: Path, sweep: bool, gen, device: str, bw: dict) -> None:

@@ -11,11 +11,13 @@ size always records the same kernels):
   the GEMV epilogues.
 - sorted (many pairs): pairs are aligned into blocks of one expert (moe_align), then two
   grouped GEMMs: gate_up -> [pairs, 2I], and down with SiLU*up fused into its A-operand
-  load, routing weight applied in the epilogue. LoRA (plan.lora_kernel "fused"): shrinks
-  grouped by the same expert blocks run before each GEMM, and the expands are added in the
-  GEMM epilogues (before the routing weight), so each touched adapter-expert weight is read
-  about once per block and gu / y are written once; "separate" keeps the older
-  (slot, expert)-aligned LoRA kernels (moe_lora).
+  load, routing weight applied in the epilogue. LoRA: shrinks grouped by the same expert
+  blocks run before each GEMM (moe_lora), and the expands are added in the GEMM epilogues
+  (before the routing weight), so each touched adapter-expert weight is read about once per
+  block and gu / y are written once. A second, (slot, expert) alignment with separate LoRA
+  kernels measured slower or equal on the H200 (MoE + 4 rank-16 adapters / MoE at
+  T = 16/64/256/512: 1.43/1.42/1.45/1.53 against 1.26/1.37/1.49/1.54 here) and was removed
+  after cfefc5c.
 
 Both paths end with a top-k sum over fp32 per-pair outputs (no atomics). `lora=None`
 launches no LoRA work at all. No host syncs anywhere: every buffer and grid is sized from
@@ -37,8 +39,6 @@ from moeserve.kernels.moe_lora import (
     lora_block_shrink,
     lora_rank_block,
     lora_shrink_pairs,
-    lora_sorted_down,
-    lora_sorted_gate_up,
 )
 
 
@@ -61,25 +61,17 @@ class GemmTile:
     num_stages: int = 3
 
 
-LORA_KERNELS = ("fused", "separate")
-
-
 @dataclass(frozen=True)
 class MoEPlan:
     decode: bool
     gate_up: GemmTile
     down: GemmTile
-    # sorted-path LoRA: "fused" = shrinks grouped by the base expert blocks, expands in the base
-    # GEMM epilogues; "separate" = a second (slot, expert) alignment and two LoRA kernels
-    lora_kernel: str = "fused"
-    lora_shrink_block_k: int = 128  # fused: reduction columns per shrink step
-    lora_gate_up_splits: int = 4  # fused: programs sharing one block's shrink over H
-    lora_down_splits: int = 2  # fused: programs sharing one block's shrink over I
-    lora_shrink_lanes: int = 4  # fused: programs sharing the distinct slots of one block
-    lora_shrink_warps: int = 4  # fused
-    lora_block_m: int = 16  # separate: rows per (slot, expert) block
-    lora_gate_up_block_n: int = 64  # separate: I columns per expand step
-    lora_down_block_n: int = 128  # separate: H columns per down-expand step
+    # sorted-path LoRA shrinks (lora_block_shrink); the expands ride on the GEMM tiles above
+    lora_shrink_block_k: int = 128  # reduction columns per shrink step
+    lora_gate_up_splits: int = 4  # programs sharing one block's shrink over H
+    lora_down_splits: int = 2  # programs sharing one block's shrink over I
+    lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
+    lora_shrink_warps: int = 4
 
 
 # Pairs at or below this run the alignment-free GEMV path (H200, Qwen3-30B-A3B shapes:
@@ -430,12 +422,11 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         raise ValueError("gate_up and down share one alignment: block_m must match")
     aligned = moe_align(topk_ids, num_experts, t.block_m)
     num_blocks = aligned.block_groups.numel()
-    fused_lora = lora is not None and plan.lora_kernel == "fused"
-    separate_lora = lora is not None and plan.lora_kernel == "separate"
+    has_lora = lora is not None
 
     def epilogue_lora(from_gate_up, src, splits):
         """Launch args of a GEMM's LoRA epilogue; runs the shrink of that GEMM's input first."""
-        if not fused_lora:
+        if not has_lora:
             return (topk_ids, topk_ids, x, x), (0,) * 5, 1  # unused placeholders
         a, b = (lora.down_a, lora.down_b) if from_gate_up else (lora.gate_up_a, lora.gate_up_b)
         if b.stride(3) != 1:
@@ -453,12 +444,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         num_pairs, top_k, two_i, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        EVEN_K=hidden % t.block_k == 0, HAS_LORA=fused_lora, K_SPLITS=k_splits,
+        EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, num_warps=t.num_warps, num_stages=t.num_stages)
-
-    if separate_lora:
-        lora_aligned, shrunk_d = lora_sorted_gate_up(x, gu, topk_ids, lora, plan.lora_block_m,
-                                                     plan.lora_gate_up_block_n)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
@@ -468,12 +455,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         num_pairs, top_k, hidden, inter,
         gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        EVEN_K=inter % t.block_k == 0, HAS_LORA=fused_lora, K_SPLITS=k_splits,
+        EVEN_K=inter % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, num_warps=t.num_warps, num_stages=t.num_stages)
-
-    if separate_lora:
-        lora_sorted_down(y, shrunk_d, lora_aligned, topk_weights, lora, plan.lora_block_m,
-                         plan.lora_down_block_n)
     return _topk_sum(y, topk_ids, num_experts, x.dtype)
 
 
@@ -498,8 +481,6 @@ def fused_moe(
         return torch.empty_like(x)
     if plan is None:
         plan = default_plan(num_tokens, topk_ids.shape[1], decode)
-    if plan.lora_kernel not in LORA_KERNELS:
-        raise ValueError(f"MoEPlan.lora_kernel {plan.lora_kernel!r}: choose one of {LORA_KERNELS}")
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()

@@ -1,11 +1,11 @@
-"""Group (token, k) pairs by expert -- or by (LoRA slot, expert) -- for grouped MoE GEMMs.
+"""Group (token, k) pairs by expert for grouped MoE GEMMs.
 
 A "pair" is one routed copy of a token: pair p = t * top_k + k. The grouped GEMM kernels
-work on blocks of `block_m` rows that all belong to one group, so the pairs of each group
-are laid out contiguously and each group is padded to a multiple of `block_m`:
+work on blocks of `block_m` rows that all belong to one expert (a group), so the pairs of
+each group are laid out contiguously and each group is padded to a multiple of `block_m`:
 
     sorted_ids   [max_blocks * block_m] int32  pair index of each row; padding rows = num_pairs
-    block_groups [max_blocks]           int32  group of each block; -1 for blocks past the end
+    block_groups [max_blocks]           int32  expert of each block; -1 for blocks past the end
     num_padded   [1]                    int32  rows in use
 
 Everything is sized from static maxima (num_pairs, number of groups, block_m), so the
@@ -13,9 +13,9 @@ result can be computed inside a CUDA graph with no host sync. The Triton kernel 
 pairs of a group in any order (atomics); the torch reference keeps pair order. Nothing
 downstream depends on the order within a group: every row is computed independently.
 
-Groups are experts, or `slot * num_experts + expert` when token slots are given (the
-LoRA delta kernels need each block to share one adapter and one expert). Pairs with an
-expert id outside [0, num_experts), a slot < 0 or a slot of rank 0 belong to no group.
+Pairs with an expert id outside [0, num_experts) belong to no group. The expert-LoRA
+kernels ride on these blocks (moe_lora); a (slot, expert) alignment for separate LoRA
+kernels measured slower or equal on the H200 and was removed after cfefc5c.
 """
 
 from typing import NamedTuple
@@ -36,34 +36,21 @@ def align_max_blocks(num_pairs: int, num_groups: int, block_m: int) -> int:
     return (num_pairs + min(num_pairs, num_groups) * (block_m - 1)) // block_m
 
 
-def _num_groups(num_experts: int, slot_ranks: torch.Tensor | None) -> int:
-    return num_experts if slot_ranks is None else num_experts * slot_ranks.numel()
-
-
 @triton.jit
-def _pair_groups(ids_ptr, slots_ptr, ranks_ptr, offs, num_pairs, top_k, num_experts, num_groups,
-                 BY_SLOT: tl.constexpr):
-    """Group id of each pair in `offs`; num_groups for pairs that belong to none."""
+def _pair_groups(ids_ptr, offs, num_pairs, num_groups):
+    """Expert of each pair in `offs`; num_groups for pairs that belong to none."""
     in_range = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    valid = in_range & (expert >= 0) & (expert < num_experts)
-    if BY_SLOT:
-        slot = tl.load(slots_ptr + offs // top_k, mask=in_range, other=-1).to(tl.int32)
-        rank = tl.load(ranks_ptr + slot, mask=in_range & (slot >= 0), other=0)
-        valid = valid & (rank > 0)
-        group = slot * num_experts + expert
-    else:
-        group = expert
-    return tl.where(valid, group, num_groups)
+    valid = in_range & (expert >= 0) & (expert < num_groups)
+    return tl.where(valid, expert, num_groups)
 
 
 @triton.jit
 def _moe_align_kernel(
-    ids_ptr, slots_ptr, ranks_ptr,
-    sorted_ids_ptr, block_groups_ptr, num_padded_ptr, scratch_ptr,
-    num_pairs, top_k, num_experts, num_groups, max_blocks,
+    ids_ptr, sorted_ids_ptr, block_groups_ptr, num_padded_ptr, scratch_ptr,
+    num_pairs, num_groups, max_blocks,
     BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, LOG2_BINS: tl.constexpr,
-    CHUNK: tl.constexpr, FILL: tl.constexpr, BLOCK_B: tl.constexpr, BY_SLOT: tl.constexpr,
+    CHUNK: tl.constexpr, FILL: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     # One program. Scratch (global, int32 [2 * NUM_BINS]) passes per-group values between
     # threads: [0, NB) next free row of each group, [NB, 2NB) group ends.
@@ -73,8 +60,7 @@ def _moe_align_kernel(
     # 1. rows per group, padded to BLOCK_M; group g owns rows [ends[g] - padded[g], ends[g])
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
-        groups = _pair_groups(ids_ptr, slots_ptr, ranks_ptr, start + lane, num_pairs, top_k,
-                              num_experts, num_groups, BY_SLOT)
+        groups = _pair_groups(ids_ptr, start + lane, num_pairs, num_groups)
         counts += tl.histogram(groups, NUM_BINS)
     counts = tl.where(bins < num_groups, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -108,8 +94,7 @@ def _moe_align_kernel(
     # 4. each pair claims the next free row of its group. The order of pairs inside a group
     #    is not fixed (atomics), which changes nothing downstream: rows are independent.
     for start in range(0, num_pairs, CHUNK):
-        groups = _pair_groups(ids_ptr, slots_ptr, ranks_ptr, start + lane, num_pairs, top_k,
-                              num_experts, num_groups, BY_SLOT)
+        groups = _pair_groups(ids_ptr, start + lane, num_pairs, num_groups)
         valid = groups < num_groups
         row = tl.atomic_add(scratch_ptr + groups, 1, mask=valid)
         tl.store(sorted_ids_ptr + row, start + lane, mask=valid)
@@ -119,18 +104,12 @@ def moe_align(
     topk_ids: torch.Tensor,
     num_experts: int,
     block_m: int,
-    token_slots: torch.Tensor | None = None,
-    slot_ranks: torch.Tensor | None = None,
     chunk: int = 1024,
 ) -> AlignedBlocks:
-    """Align pairs of `topk_ids [T, K]` into expert groups (or (slot, expert) groups when
-    `token_slots [T]` and `slot_ranks [L]` are given). One Triton launch, no host sync."""
-    num_tokens, top_k = topk_ids.shape
-    num_pairs = num_tokens * top_k
-    by_slot = token_slots is not None
-    num_groups = _num_groups(num_experts, slot_ranks if by_slot else None)
-    max_blocks = align_max_blocks(num_pairs, num_groups, block_m)
-    num_bins = max(32, triton.next_power_of_2(num_groups + 1))
+    """Align pairs of `topk_ids [T, K]` into expert groups. One Triton launch, no host sync."""
+    num_pairs = topk_ids.numel()
+    max_blocks = align_max_blocks(num_pairs, num_experts, block_m)
+    num_bins = max(32, triton.next_power_of_2(num_experts + 1))
     chunk = min(chunk, max(16, triton.next_power_of_2(num_pairs)))
     dev = topk_ids.device
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
@@ -139,11 +118,10 @@ def moe_align(
     scratch = torch.empty(2 * num_bins, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous()
     _moe_align_kernel[(1,)](
-        ids, token_slots if by_slot else ids, slot_ranks if by_slot else ids,
-        sorted_ids, block_groups, num_padded, scratch,
-        num_pairs, top_k, num_experts, num_groups, max_blocks,
+        ids, sorted_ids, block_groups, num_padded, scratch,
+        num_pairs, num_experts, max_blocks,
         BLOCK_M=block_m, NUM_BINS=num_bins, LOG2_BINS=num_bins.bit_length() - 1,
-        CHUNK=chunk, FILL=1024, BLOCK_B=128, BY_SLOT=by_slot,
+        CHUNK=chunk, FILL=1024, BLOCK_B=128,
         num_warps=4,
     )
     return AlignedBlocks(sorted_ids, block_groups, num_padded)
@@ -153,39 +131,29 @@ def moe_align_ref(
     topk_ids: torch.Tensor,
     num_experts: int,
     block_m: int,
-    token_slots: torch.Tensor | None = None,
-    slot_ranks: torch.Tensor | None = None,
 ) -> AlignedBlocks:
     """Same result with plain torch ops (sort / scatter / cumsum / searchsorted); also
     sync-free, so it can be captured too, at the cost of ~15 launches."""
-    num_tokens, top_k = topk_ids.shape
-    num_pairs = num_tokens * top_k
+    num_pairs = topk_ids.numel()
     dev = topk_ids.device
-    num_groups = _num_groups(num_experts, slot_ranks if token_slots is not None else None)
-    max_blocks = align_max_blocks(num_pairs, num_groups, block_m)
+    max_blocks = align_max_blocks(num_pairs, num_experts, block_m)
     num_rows = max_blocks * block_m
 
     experts = topk_ids.reshape(-1).long()
     valid = (experts >= 0) & (experts < num_experts)
-    groups = experts
-    if token_slots is not None:
-        slots = token_slots.long()[:, None].expand(num_tokens, top_k).reshape(-1)
-        ranks = slot_ranks.long()[slots.clamp(min=0)]
-        valid &= (slots >= 0) & (ranks > 0)
-        groups = slots * num_experts + experts
-    groups = torch.where(valid, groups, num_groups)
+    groups = torch.where(valid, experts, num_experts)
 
-    counts = torch.zeros(num_groups + 1, dtype=torch.long, device=dev)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(0, groups, torch.ones_like(groups))
-    counts = counts[:num_groups]
+    counts = counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     firsts = counts.cumsum(0) - counts  # sorted position of each group's first pair
 
     sorted_groups, order = torch.sort(groups, stable=True)
-    g = sorted_groups.clamp(max=num_groups - 1)
+    g = sorted_groups.clamp(max=num_experts - 1)
     rows = ends[g] - padded[g] + torch.arange(num_pairs, device=dev) - firsts[g]
-    rows = torch.where(sorted_groups < num_groups, rows, num_rows)  # row num_rows is dropped
+    rows = torch.where(sorted_groups < num_experts, rows, num_rows)  # row num_rows is dropped
     sorted_ids = torch.full((num_rows + 1,), num_pairs, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, rows, order.to(torch.int32))
 

@@ -5,22 +5,19 @@
 
 Ranks differ per slot inside a pool of max rank R: every kernel reads the slot's rank and
 masks rank columns beyond it, so a rank-8 adapter in a rank-64 pool reads 8 columns of
-each weight (the decode and "separate" kernels hold a rank tile of R rounded up to a power
-of two, >= 16 for tl.dot; the "fused" ones step 16 rank columns at a time up to the rank).
+each weight (the decode kernels hold a rank tile of R rounded up to a power of two, >= 16
+for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
 
 - decode path: `lora_shrink_pairs` runs one program per ((token, k) pair, K split), each
   writing fp32 partial sums [pairs, splits, R] (short programs: a whole-row shrink per
   program was latency-bound, 12 us per launch at T=1 on H200); the matching expands, which
   add the partials up, are fused into the fused_moe GEMV epilogues.
-- sorted path, "fused" (default): the LoRA rides on the base alignment (expert blocks of
-  block_m pairs). `lora_block_shrink` walks the distinct adapter slots of each expert block
-  (no second alignment, no sorting) and writes the block's shrink as fp32 partials split
-  along K; the expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`),
-  so gu and y are written once. Rank loops run in steps of 16 up to the slot's rank.
-- sorted path, "separate" (kept for comparison): pairs are aligned a second time into
-  (slot, expert) blocks. `lora_sorted_gate_up` does shrink, expand into gate_up (in place),
-  SiLU*up and the down shrink in one program per block; `lora_sorted_down` adds the
-  weighted down expand into y in place.
+- sorted path: the LoRA rides on the base alignment (expert blocks of block_m pairs).
+  `lora_block_shrink` walks the distinct adapter slots of each expert block (no second
+  alignment, no sorting) and writes the block's shrink as fp32 partials split along K; the
+  expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`), so gu and y
+  are written once. (A second, (slot, expert) alignment with separate LoRA kernels measured
+  slower or equal on the H200 and was removed after cfefc5c; numbers in fused_moe.)
 
 Pairs without an adapter (slot -1, rank 0) are skipped inside the kernels: their rows of
 the shrink buffers are never written and never read, and their outputs are bitwise the
@@ -32,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moeserve.kernels.moe_align import AlignedBlocks, moe_align
+from moeserve.kernels.moe_align import AlignedBlocks
 
 
 def lora_rank_block(lora) -> int:
@@ -112,158 +109,9 @@ def lora_shrink_pairs(src: torch.Tensor, a: torch.Tensor, topk_ids: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# sorted path: one program per (slot, expert) block
+# sorted path: shrinks grouped by the base expert blocks, expands in the GEMM epilogues
 
-
-@triton.jit
-def _lora_gate_up_blocks_kernel(
-    x_ptr, gu_ptr, shrunk_d_ptr, a_ptr, b_ptr, da_ptr, ranks_ptr,
-    sorted_ids_ptr, block_groups_ptr,
-    num_pairs, top_k, num_experts, H, I,
-    stride_xt, stride_gu, stride_sd,
-    stride_al, stride_ae, stride_ar,
-    stride_bl, stride_be, stride_bn,
-    stride_dal, stride_dae, stride_dar,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """For one (slot, expert) block: gu += B (A x); then shrunk_d = down_A @ silu(g)*u."""
-    blk = tl.program_id(0)
-    group = tl.load(block_groups_ptr + blk)
-    if group < 0:
-        return
-    slot = group // num_experts
-    expert = group % num_experts
-    rank = tl.load(ranks_ptr + slot)
-    pairs = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
-    tokens = (pairs // top_k).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    dtype = x_ptr.dtype.element_ty
-
-    # shrink: [M, R] = x[tokens] @ A^T
-    a_base = a_ptr + slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_ok = offs_k < H - k0
-        xa = tl.load(x_ptr + tokens[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                     mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_base + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None],
-                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(xa.to(dtype), at.to(dtype), acc)
-    shrunk = acc.to(dtype)
-
-    # expand into gate and up, activation, down shrink -- I columns at a time
-    b_base = b_ptr + slot.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
-    da_base = da_ptr + slot.to(tl.int64) * stride_dal + expert.to(tl.int64) * stride_dae
-    offs_n = tl.arange(0, BLOCK_N)
-    shrunk_d = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for n0 in range(0, I, BLOCK_N):
-        cols = n0 + offs_n
-        n_ok = cols < I
-        b_mask = r_ok[:, None] & n_ok[None, :]
-        bg = tl.load(b_base + cols[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
-        bu = tl.load(b_base + (cols + I)[None, :] * stride_bn + offs_r[:, None], mask=b_mask,
-                     other=0.0)
-        io_mask = pair_ok[:, None] & n_ok[None, :]
-        gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + cols[None, :]
-        gate = tl.load(gate_ptrs, mask=io_mask, other=0.0).to(tl.float32)
-        up = tl.load(gate_ptrs + I, mask=io_mask, other=0.0).to(tl.float32)
-        gate = (gate + tl.dot(shrunk, bg.to(dtype))).to(gu_ptr.dtype.element_ty)
-        up = (up + tl.dot(shrunk, bu.to(dtype))).to(gu_ptr.dtype.element_ty)
-        tl.store(gate_ptrs, gate, mask=io_mask)
-        tl.store(gate_ptrs + I, up, mask=io_mask)
-        # the activation of exactly what the down GEMM will read back
-        h = _silu_mul(gate.to(tl.float32), up.to(tl.float32))
-        da = tl.load(da_base + offs_r[None, :] * stride_dar + cols[:, None],
-                     mask=r_ok[None, :] & n_ok[:, None], other=0.0)
-        shrunk_d = tl.dot(h.to(dtype), da.to(dtype), shrunk_d)
-    tl.store(shrunk_d_ptr + pairs.to(tl.int64)[:, None] * stride_sd + offs_r[None, :], shrunk_d,
-             mask=pair_ok[:, None])
-
-
-@triton.jit
-def _lora_down_blocks_kernel(
-    y_ptr, shrunk_d_ptr, db_ptr, topk_weights_ptr, ranks_ptr, sorted_ids_ptr, block_groups_ptr,
-    num_pairs, num_experts, H,
-    stride_y, stride_sd, stride_dbl, stride_dbe, stride_dbn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """For one (slot, expert) block: y[pair] += w[pair] * down_B @ shrunk_d[pair]."""
-    blk = tl.program_id(0)
-    group = tl.load(block_groups_ptr + blk)
-    if group < 0:
-        return
-    slot = group // num_experts
-    expert = group % num_experts
-    rank = tl.load(ranks_ptr + slot)
-    pairs = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    dtype = db_ptr.dtype.element_ty
-    shrunk = tl.load(shrunk_d_ptr + pairs.to(tl.int64)[:, None] * stride_sd + offs_r[None, :],
-                     mask=pair_ok[:, None] & r_ok[None, :], other=0.0).to(dtype)
-    weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
-    db_base = db_ptr + slot.to(tl.int64) * stride_dbl + expert.to(tl.int64) * stride_dbe
-    offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(0, H, BLOCK_N):
-        cols = n0 + offs_n
-        n_ok = cols < H
-        db = tl.load(db_base + cols[None, :] * stride_dbn + offs_r[:, None],
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        delta = tl.dot(shrunk, db)
-        y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + cols[None, :]
-        io_mask = pair_ok[:, None] & n_ok[None, :]
-        y = tl.load(y_ptrs, mask=io_mask, other=0.0)
-        tl.store(y_ptrs, y + weights[:, None] * delta, mask=io_mask)
-
-
-def lora_sorted_gate_up(x: torch.Tensor, gu: torch.Tensor, topk_ids: torch.Tensor, lora,
-                        block_m: int = 16, block_n: int = 64) -> tuple[AlignedBlocks, torch.Tensor]:
-    """Adds the gate_up delta into gu [pairs, 2I] in place; returns the (slot, expert)
-    alignment and the down shrink [pairs, rank block] (fp32) for `lora_sorted_down`."""
-    num_tokens, top_k = topk_ids.shape
-    num_pairs = num_tokens * top_k
-    num_experts = lora.gate_up_a.shape[1]
-    hidden = x.shape[1]
-    inter = gu.shape[1] // 2
-    aligned = moe_align(topk_ids, num_experts, block_m, lora.token_slots, lora.slot_ranks)
-    block_r = lora_rank_block(lora)
-    shrunk_d = torch.empty(num_pairs, block_r, dtype=torch.float32, device=x.device)
-    a, b, da = lora.gate_up_a, lora.gate_up_b, lora.down_a
-    _lora_gate_up_blocks_kernel[(aligned.block_groups.numel(),)](
-        x, gu, shrunk_d, a, b, da, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
-        num_pairs, top_k, num_experts, hidden, inter,
-        x.stride(0), gu.stride(0), shrunk_d.stride(0),
-        a.stride(0), a.stride(1), a.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
-        da.stride(0), da.stride(1), da.stride(2),
-        BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(inter)),
-        BLOCK_K=min(shrink_block_k(block_r), triton.next_power_of_2(hidden)), BLOCK_R=block_r,
-        num_warps=4)
-    return aligned, shrunk_d
-
-
-def lora_sorted_down(y: torch.Tensor, shrunk_d: torch.Tensor, aligned: AlignedBlocks,
-                     topk_weights: torch.Tensor, lora, block_m: int = 16,
-                     block_n: int = 128) -> None:
-    """y [pairs, H] (fp32, routing weight applied) += w * down delta, in place."""
-    num_pairs, hidden = y.shape
-    db = lora.down_b
-    _lora_down_blocks_kernel[(aligned.block_groups.numel(),)](
-        y, shrunk_d, db, topk_weights, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
-        num_pairs, db.shape[1], hidden,
-        y.stride(0), shrunk_d.stride(0), db.stride(0), db.stride(1), db.stride(2),
-        BLOCK_M=block_m, BLOCK_N=min(block_n, triton.next_power_of_2(hidden)),
-        BLOCK_R=lora_rank_block(lora), num_warps=4)
-
-
-# ---------------------------------------------------------------------------------------------
-# sorted path, fused: shrinks grouped by the base expert blocks, expands in the GEMM epilogues
-
-RANK_STEP = 16  # rank columns per step of the fused kernels (tl.dot needs >= 16)
+RANK_STEP = 16  # rank columns per step of the sorted-path kernels (tl.dot needs >= 16)
 _NO_SLOT = tl.constexpr(1 << 30)  # larger than any slot id
 
 
