@@ -12,7 +12,9 @@ random rank-16 adapters on attention and every expert, every row with one).
 
 `--all-reduce symm_mem,nccl` runs every multi-rank setting once per all-reduce backend asked for (symm_mem: the
 default, symmetric memory where every rank can set it up; nccl: --disable-custom-all-reduce); each row reports the
-backend that actually ran (a symm_mem request that fell back says nccl).
+backend that actually ran (a symm_mem request that fell back says nccl). Symmetric memory serves the first
+multi-rank engine of a process only (parallel_state), and every (setting, mode, backend) gets its own engine: to
+time symm_mem in another setting or mode, run it in its own invocation (e.g. `--settings ep2 --modes active`).
 
     python -m moeserve.bench.tp_decode --preset qwen3-30b-a3b --settings tp1,tp2,ep2 --batches 1,64,256,512 \
         --all-reduce symm_mem,nccl
