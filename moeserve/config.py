@@ -51,8 +51,9 @@ class EngineConfig:
     # backends
     moe_backend: str = "auto"
     attention_backend: str = "auto"
-    # dense projections (q/k/v/o, dense MLP, shared expert, lm_head): "triton" runs batches of <= 8 rows through
-    # the Triton GEMV (LoRA expand fused in), cuBLAS above; "torch": cuBLAS always. auto = attention_backend's
+    # dense projections (q/k/v/o, dense MLP, shared expert, lm_head): "triton" runs the batches where the Triton GEMV
+    # beats cuBLAS through it (kernels/gemv.serves; LoRA expand fused in), cuBLAS the rest; "torch": cuBLAS always.
+    # auto = attention_backend's
     linear_backend: str = "auto"
 
     # LoRA

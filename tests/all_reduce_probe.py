@@ -68,6 +68,7 @@ def choose_backends(rank: int, world: int, port: int, scenarios: list, out_dir: 
     for i, (fake, fail) in enumerate(scenarios):
         ps.SymmMemAllReduce, ps.symm_mem_unavailable = (FakeSymmMem, lambda *args: None) if fake else REAL
         FakeSymmMem.fail = tuple(fail) if fail else None
+        ps._symm_mem_rendezvoused = FakeSymmMem.fail == ("earlier-engine", rank)  # the fake never sets it itself
         FakeSymmMem.instances = []
         store = dist.PrefixStore(f"scenario{i}", client)  # keys of an earlier group do not leak into this one
         tp = ps.init_parallel_state(rank, world, store, torch.device("cpu"), 60.0,

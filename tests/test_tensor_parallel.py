@@ -238,6 +238,8 @@ BACKEND_SCENARIOS = [  # (CPU stand-in for symmetric memory, (step, rank) that f
     ((True, ("allocate", 1)), "gloo"),
     ((True, ("rendezvous", 0)), "gloo"),
     ((True, ("check", 1)), "gloo"),  # rank 1's first reduction gives a wrong sum
+    ((True, ("earlier-engine", 0)), "gloo"),  # rank 0's process set symmetric memory up before (a fresh worker did not)
+    ((True, None), "symm_mem"),  # and the flag is per process: cleared, the next engine takes it again
 ]
 
 

@@ -67,13 +67,8 @@ class SymmMemAllReduce:
     @classmethod
     def allocate(cls, numel: int, dtype: torch.dtype, device: torch.device, group: "dist.ProcessGroup"
                  ) -> "SymmMemAllReduce":
-        """This rank's buffer (no collective). Refused in a process that rendezvoused one before (see
-        _symm_mem_rendezvoused): the start-up agreement then sends every rank to NCCL together."""
+        """This rank's buffer."""
         import torch.distributed._symmetric_memory as symm_mem
-
-        if _symm_mem_rendezvoused:
-            raise RuntimeError("this process set up symmetric memory for an earlier engine; torch keeps per-group "
-                               "state a second rendezvous hangs on")
 
         return cls(symm_mem.empty(numel, dtype=dtype, device=device), group.group_name, group.size())
 
@@ -91,7 +86,8 @@ class SymmMemAllReduce:
         number of 16-byte vectors per rank. Host-side only (no sync), so graphs and eager steps decide alike."""
         b = self.buffer
         return (b is not None and x.device == b.device and x.dtype == b.dtype and x.is_contiguous()
-                and 0 < x.numel() <= b.numel() and x.numel() % self.multiple == 0)
+                and 0 < x.numel() <= b.numel() and x.numel() % self.multiple == 0
+                and x.storage_offset() * x.element_size() % 16 == 0)  # one-shot refuses misaligned inputs
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.one_shot(x) if x.numel() <= self.one_shot_max_numel else self.two_shot(x)
@@ -110,7 +106,8 @@ class SymmMemAllReduce:
         return out
 
     def close(self) -> None:
-        """Free the buffer (after the graphs that recorded it, before the process group goes)."""
+        """Drop the buffer, back to torch's symmetric-memory pool (after the graphs that recorded it, before the
+        process group goes)."""
         if self.buffer is not None and self.buffer.is_cuda:
             torch.cuda.synchronize(self.buffer.device)
         self.buffer = self.handle = None
@@ -231,18 +228,27 @@ def _check_sums(symm: SymmMemAllReduce, tp: ParallelState) -> SymmMemAllReduce:
     return symm
 
 
+def _refuse_if_rendezvoused() -> None:
+    """A process that rendezvoused a symmetric buffer before (see _symm_mem_rendezvoused) must not again; its own
+    agreed step, before the allocation, so no rank is inside a collective allocation while another refuses."""
+    if _symm_mem_rendezvoused:
+        raise RuntimeError("this process set up symmetric memory for an earlier engine; torch keeps per-group "
+                           "state a second rendezvous hangs on")
+
+
 def open_symm_mem_all_reduce(tp: ParallelState, device: torch.device, numel: int,
                              dtype: torch.dtype) -> SymmMemAllReduce | None:
     """The symmetric-memory all-reduce over tp's group, or None (every all-reduce then goes through the process
-    group). Each step that can fail on one rank — allocating, the rendezvous, a first checked reduction — is
-    followed by an agreement: the ranks fall back to NCCL together, and the log names the rank that failed."""
+    group). Each step that can fail on one rank — this process having set it up before, allocating (collective
+    under some symmetric-memory backends), the rendezvous, a first checked reduction — is followed by an agreement: the ranks fall back to NCCL together, and the log names the rank that failed."""
     why = symm_mem_unavailable(device, tp.world_size, dtype)
     if why is not None:
         if tp.rank == 0:
             logger.info("all-reduce through the process group: %s", why)
         return None
     symm = None
-    steps = (("allocating its buffer", lambda _: SymmMemAllReduce.allocate(numel, dtype, device, tp.group)),
+    steps = (("the first engine of this process", lambda _: _refuse_if_rendezvoused()),
+             ("allocating its buffer", lambda _: SymmMemAllReduce.allocate(numel, dtype, device, tp.group)),
              ("the rendezvous", lambda s: s.rendezvous()),
              ("checking its sums", lambda s: _check_sums(s, tp)))
     for what, step in steps:
@@ -278,7 +284,9 @@ def destroy_parallel_state(tp: ParallelState | None = None) -> None:
 
 def abort_parallel_state() -> None:
     """Leave the group without the other ranks (one is gone or hung). NCCL: abort its communicators, which also
-    ends kernels waiting on the missing rank; gloo's teardown is local, so it is simply destroyed."""
+    ends NCCL kernels waiting on the missing rank; gloo's teardown is local, so it is simply destroyed. A
+    symmetric-memory all-reduce kernel waiting on the missing rank has no timeout and no abort: after such a
+    failure the device may stay busy, and the process should exit rather than start another engine."""
     from torch.distributed.distributed_c10d import _abort_process_group
 
     if not dist.is_initialized():

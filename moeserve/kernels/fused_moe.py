@@ -430,7 +430,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
             return (topk_ids, topk_ids, x, x), (0,) * 5, 1  # unused placeholders
         a, b = (lora.down_a, lora.down_b) if from_gate_up else (lora.gate_up_a, lora.gate_up_b)
         if b.stride(3) != 1:
-            raise ValueError("LoRA B buffers must be contiguous along the rank")
+            raise ValueError(f"LoRA {'down' if from_gate_up else 'gate_up'} B buffer must be contiguous along the "
+                             f"rank (stride {b.stride(3)}, shape {tuple(b.shape)})")
         shrunk = lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
                                    block_k=plan.lora_shrink_block_k, splits=splits,
                                    lanes=plan.lora_shrink_lanes, num_warps=plan.lora_shrink_warps)

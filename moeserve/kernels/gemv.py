@@ -29,11 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.lora_dense import RANK_BLOCK  # the epilogue reads exactly the rank steps the shrink wrote
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
-GEMV_MAX_TOKENS = 8  # the layers switch to this kernel at T <= this (static: the choice never depends on LoRA)
-RANK_BLOCK = 16  # rank columns per epilogue step; matches the shrink's rank block
+GEMV_MAX_TOKENS = 8  # rows the kernel accepts; the layers route only what `serves` says it wins
 MAX_SLICES = 4
 DOT_ROWS = 16  # tl.dot needs M >= 16: the T rows are padded to this in "dot" mode
 

@@ -7,9 +7,9 @@ folded into B, columns >= the slot's rank are zero). Two launches:
 - shrink: x @ A.T into an fp32 scratch [k_splits, S, T, R]. The `in` dimension may be split
   across programs (more parallelism at small T); expand sums the partials, so no atomics
   and no zero-filled scratch are needed.
-- expand: scratch @ B.T added in place into out. At decode sizes (T <= kernels/gemv.GEMV_MAX_TOKENS) the
-  layers run `dense_lora_shrink` alone and the expand as the epilogue of the base projection's gemv
-  (kernels/gemv.py), one launch fewer per projection.
+- expand: scratch @ B.T added in place into out. Where the Triton GEMV serves the base projection
+  (kernels/gemv.serves: one row, or two where in > out) the layers run `dense_lora_shrink` alone and the
+  expand as the GEMV's epilogue, one launch fewer per projection.
 Each program takes a tile of tokens and walks the distinct slots present in it, so no
 sorting and no host sync. With `lanes` > 1 the distinct slots of a tile are dealt round-robin
 to that many programs (each slot owns disjoint rows, so they never write the same element):
