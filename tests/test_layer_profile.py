@@ -141,3 +141,17 @@ def test_tp_budget_has_the_all_reduces_and_half_the_expert_bytes(tmp_path):
         experts[name] = rows["experts"]["bytes"] - 2 * B * H * 4  # less the fp32 activations in and out
     assert experts["tp2"] == pytest.approx(experts["tp1"] / 2, abs=1)
     assert experts["ep2"] == pytest.approx(experts["tp1"] / 2, abs=1)
+
+
+def rank_one_fails(rank, store_port, wait_s):
+    if rank == 1:
+        raise RuntimeError("rank 1 cannot start")
+    time.sleep(wait_s)  # rank 0 stands for a rank waiting in a collective for the failed one
+    return "rank 0 finished"
+
+
+def test_a_failed_profile_rank_is_named_while_rank_0_still_waits():
+    from moeserve.bench import tp_profile
+
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 1 while rank 0 was running"):
+        tp_profile.run_ranks(rank_one_fails, 2, 60.0)

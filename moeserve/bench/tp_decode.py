@@ -25,7 +25,7 @@ rank 0 at each batch size (layer_profile, as `bench decode --profile`; the all-r
 the MoE are regions of their own, named by the path they took), every rank running the regions in lockstep
 (bench/tp_profile.py); a table puts the settings side by side per batch size.
 
-    python -m moeserve.bench.tp_decode --preset qwen3-30b-a3b --settings tp1,tp2,ep2 --batches 1,64,256,512 \
+    python -m moeserve.bench.tp_decode --preset qwen3-30b-a3b --settings tp1,tp2,ep2 --batches 1,64,256,512 \\
         --all-reduce symm_mem,nccl --profile
 """
 from __future__ import annotations
@@ -238,6 +238,7 @@ def run_child(job: dict, timeout_s: float, tail_lines: int = 40) -> dict:
         env = dict(os.environ)  # the child imports this same moeserve
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        sys.stdout.flush()  # the child writes to the same stdout: keep the order
         proc = subprocess.Popen([sys.executable, "-m", "moeserve.bench.tp_decode", "--one", str(job_path)],
                                 stderr=subprocess.PIPE, text=True, errors="replace", env=env,
                                 start_new_session=True)
@@ -369,7 +370,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the preset (memory, adapter size)")
     ap.add_argument("--settings", default="tp1,tp2,ep2", help="tpN (tensor-parallel) / epN (expert-parallel)")
     ap.add_argument("--batches", default="1,8,64,256,512")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"{', '.join(MODES)} (default: all; empty with --profile: the layer budgets only)")
     ap.add_argument("--all-reduce", default=ALL_REDUCE[0],
                     help="all-reduce backends to run each multi-rank setting with, comma-separated: "
                          f"{', '.join(ALL_REDUCE)} (default: %(default)s)")

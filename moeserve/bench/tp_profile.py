@@ -13,7 +13,11 @@ rows would all route to the same experts and read a fraction of the expert bytes
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
+import traceback
 from typing import Callable
 
 import torch
@@ -120,13 +124,24 @@ def release(runner: ModelRunner, tp) -> None:
 
 
 def _rank_main(rank: int, fn: Callable, store_port: int, args: tuple) -> None:
+    """A spawned rank. It leaves without the interpreter's teardown once done (its group is left already): a TP=2
+    process once aborted in its exit's garbage collection, and rank 0 reads a slow exit as a failed rank."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [profile rank {rank}]: %(message)s")
-    fn(rank, store_port, *args)
+    code = 0
+    try:
+        fn(rank, store_port, *args)
+    except BaseException:  # noqa: BLE001 - its exit code tells rank 0
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_ranks(fn: Callable, world_size: int, *args, join_s: float = 120.0):
-    """fn(rank, store_port, *args) on every rank — rank 0 in this process, the others spawned — and rank 0's
-    result. A rank that fails is named; when rank 0 fails the others (waiting in a collective) are killed."""
+    """fn(rank, store_port, *args) on every rank — rank 0 in this process (a thread, watched), the others spawned —
+    and rank 0's result. A rank that exits with an error is named at once, not after rank 0's collectives time
+    out; when rank 0 fails, the others (waiting in a collective) are killed."""
     if world_size == 1:
         return fn(0, 0, *args)
     from moeserve.distributed.parallel_state import rendezvous_store
@@ -137,20 +152,35 @@ def run_ranks(fn: Callable, world_size: int, *args, join_s: float = 120.0):
                          daemon=True) for rank in range(1, world_size)]
     for p in procs:
         p.start()
-    ok = False
+    outcome: dict = {}
+
+    def rank0():
+        try:
+            outcome["result"] = fn(0, store.port, *args)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=rank0, name="moeserve-profile-rank0", daemon=True)
+    thread.start()
     try:
-        result = fn(0, store.port, *args)
-        ok = True
+        while thread.is_alive():
+            thread.join(0.2)
+            failed = [(rank, p.exitcode) for rank, p in enumerate(procs, start=1) if p.exitcode not in (None, 0)]
+            if failed and thread.is_alive():
+                raise RuntimeError("profile " + ", ".join(f"rank {r} exited with code {c}" for r, c in failed)
+                                   + " while rank 0 was running")
+        if "error" in outcome:
+            raise outcome["error"]
     finally:
         for p in procs:
-            p.join(join_s if ok else 0.0)
+            p.join(join_s if "result" in outcome else 0.0)
             if p.is_alive():
                 p.kill()
                 p.join(5.0)
     failed = [(rank, p.exitcode) for rank, p in enumerate(procs, start=1) if p.exitcode != 0]
     if failed:
-        raise RuntimeError("profile rank(s) failed: " + ", ".join(f"rank {r} exit code {c}" for r, c in failed))
-    return result
+        raise RuntimeError("profile " + ", ".join(f"rank {r} exited with code {c}" for r, c in failed))
+    return outcome["result"]
 
 
 def profile(model_dir: str, tp: int, ep: bool, all_reduce: str, batches: list[int], device: str,
