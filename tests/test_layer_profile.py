@@ -155,3 +155,26 @@ def test_a_failed_profile_rank_is_named_while_rank_0_still_waits():
 
     with pytest.raises(RuntimeError, match="rank 1 exited with code 1 while rank 0 was running"):
         tp_profile.run_ranks(rank_one_fails, 2, 60.0)
+
+
+@pytest.mark.gpu_multi
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("setting", ["tp2", "ep2"])
+def test_gpu_tp_decode_profile_child_times_the_symmetric_memory_all_reduces(tmp_path, setting):
+    """`bench tp_decode --profile`'s child on two GPUs (a fresh interpreter, as the bench runs it, so its ranks set
+    symmetric memory up anew): every region captured and replayed on both ranks in lockstep, the all-reduces
+    through symmetric memory, kernels counted."""
+    from moeserve.bench import tp_decode
+
+    job = dict(kind="profile", setting=setting, asked="symm_mem", modes=[], batches=[1, 64], device="cuda",
+               model_dir=model_folder(tmp_path, "qwen3_moe"))
+    result = tp_decode.run_child(job, timeout_s=300)
+    assert "error" not in result, result
+    prof = result["profile"]
+    assert prof["all_reduce"] == "symm_mem"
+    for B in ("1", "64"):
+        rows = {r["region"]: r for r in prof["budgets"][B]}
+        for where in ("attn", "mlp"):
+            r = rows[f"{where} all_reduce symm_mem one-shot"]  # [B, 64] bf16 is far below the two-shot size
+            assert r["us"] > 0 and r["kernels"], r
+        assert all(r["us"] > 0 for r in rows.values())

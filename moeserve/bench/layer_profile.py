@@ -4,12 +4,13 @@ A decoder layer is cut into the regions its forward runs one after another (resi
 qkv GEMM, q/k norm + rotary + KV write, attention, o_proj, residual add + post-attention norm, router,
 experts). Under tensor / expert parallelism the two all-reduces of the layer (after o_proj and after the MoE)
 are regions of their own, named by the path they take (symmetric memory one-shot / two-shot, or the process
-group's backend); every rank must then run the regions in lockstep (bench/tp_profile.py). The layer is the residual-stream form: the add after the MLP is the next layer's input norm's,
-so the layer profiled is a middle one (its input norm adds the previous MLP output to the residual).
-Each region is timed as one CUDA graph that runs it for every layer of the model in turn, so no
-layer's weights are still in L2 when it runs again (a region replayed on one layer alone would read
-from L2 and look faster than it is). Its floor is the bytes it must move at the read bandwidth
-measured in the same run; the kernel count comes from the profiler over one replay.
+group's backend); every rank must then run the regions in lockstep (bench/tp_profile.py). The layer is the
+residual-stream form: the add after the MLP is the next layer's input norm's, so the layer profiled is a
+middle one (its input norm adds the previous MLP output to the residual). Each region is timed as one
+CUDA graph that runs it for every layer of the model in turn, so no layer's weights are still in L2 when
+it runs again (a region replayed on one layer alone would read from L2 and look faster than it is). Its
+floor is the bytes it must move at the read bandwidth measured in the same run; the kernel count comes
+from the profiler over one replay.
 
 `layer_regions` rebuilds the layer forward from the same modules the model uses; a CPU test chains the
 regions and checks that they reproduce `DecoderLayer.forward`, so the budget cannot drift from the layer.
@@ -54,7 +55,9 @@ def layer_regions(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, 
 
     def add_all_reduce(where: str, key: str):
         """The layer's all-reduce of state[key] (a per-rank partial sum), on a scratch copy: NCCL and gloo reduce
-        in place, so every timed call sums the scratch again, while the chain goes on from a copy of the first sum."""
+        in place, so every timed call sums the scratch again, while the chain goes on from a copy of the first sum.
+        Its bytes are the activation read and the sum written; the link to the peers, not HBM, bounds it, so its
+        share of that floor is low by nature."""
         if layer.tp is None:
             return
         scratch = state[key].clone()
