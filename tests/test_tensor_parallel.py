@@ -309,18 +309,45 @@ def test_tp2_on_cpu_all_reduces_through_gloo_on_every_rank(tmp_path, tp_engine):
     assert_same(two.generate(ps, sp), ref)
 
 
-def test_bench_tp_decode_runs_each_backend_asked_and_reports_the_one_that_ran():
-    """`bench tp_decode --all-reduce symm_mem,nccl` on CPU: each multi-rank setting runs once per backend asked, one
-    rank none; every row says what ran (on CPU the symm_mem request falls back to gloo)."""
+def test_bench_tp_decode_runs_each_engine_in_its_own_child_and_reports_failed_ones():
+    """`bench tp_decode --all-reduce symm_mem,nccl` on CPU: each engine runs in a child of its own, each multi-rank
+    setting once per backend asked, one rank none; every row says what ran (on CPU the symm_mem request falls back
+    to gloo). A setting whose engine cannot start (3 ranks for 4 heads) is a FAILED row per child with the child's
+    error and stderr tail, and the settings after it still run."""
     from moeserve.bench import tp_decode
     from peft_fixtures import tiny_spec
 
     spec = tiny_spec("qwen3_moe", max_position_embeddings=1024)  # the bench's 512-token context fits
-    rows = tp_decode.run(spec, ["tp1", "tp2"], [2], ["base"], steps=2, repeats=1, device="cpu",
+    rows = tp_decode.run(spec, ["tp1", "tp3", "tp2"], [2], ["base"], steps=2, repeats=1, device="cpu",
                          all_reduce=["symm_mem", "nccl"])
     assert [(r["setting"], r["asked"], r["all_reduce"]) for r in rows] == [
-        ("tp1", "-", "-"), ("tp2", "symm_mem", "gloo"), ("tp2", "nccl", "gloo")]
-    assert all(r["tok_s"] > 0 for r in rows)
+        ("tp1", "-", "-"), ("tp3", "symm_mem", "-"), ("tp3", "nccl", "-"), ("tp2", "symm_mem", "gloo"),
+        ("tp2", "nccl", "gloo")]
+    for r in rows[1:3]:
+        assert "does not divide the model's num_attention_heads" in r["error"] and r["modes"] == ["base"]
+        assert any("ValueError" in line for line in r["stderr_tail"])
+    assert all(r["tok_s"] > 0 for r in rows if r["setting"] != "tp3")
+
+
+def test_bench_tp_decode_kills_a_child_past_its_time_bound():
+    """A child that runs past --child-timeout is killed and reported as a failed row, its stderr tail kept."""
+    from moeserve.bench import tp_decode
+    from peft_fixtures import tiny_spec
+
+    spec = tiny_spec("qwen3_moe", max_position_embeddings=1024)
+    # a million repeats cannot end within the bound
+    rows = tp_decode.run(spec, ["tp1"], [1], ["base"], steps=2, repeats=10**6, device="cpu", child_timeout=3)
+    assert len(rows) == 1 and "ran past --child-timeout 3 s" in rows[0]["error"]
+    assert isinstance(rows[0]["stderr_tail"], list)
+
+
+def test_bench_tp_decode_profile_is_refused_without_cuda(capsys, monkeypatch):
+    from moeserve.bench import tp_decode
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        tp_decode.main(["--profile", "--settings", "tp2"])
+    assert exc.value.code == 2 and "--profile needs CUDA" in capsys.readouterr().err
 
 
 # ---- two GPUs ------------------------------------------------------------------------------------------

@@ -2,12 +2,15 @@
 
 A decoder layer is cut into the regions its forward runs one after another (residual add + input norm,
 qkv GEMM, q/k norm + rotary + KV write, attention, o_proj, residual add + post-attention norm, router,
-experts). The layer is the residual-stream form: the add after the MLP is the next layer's input norm's,
-so the layer profiled is a middle one (its input norm adds the previous MLP output to the residual).
-Each region is timed as one CUDA graph that runs it for every layer of the model in turn, so no
-layer's weights are still in L2 when it runs again (a region replayed on one layer alone would read
-from L2 and look faster than it is). Its floor is the bytes it must move at the read bandwidth
-measured in the same run; the kernel count comes from the profiler over one replay.
+experts). Under tensor / expert parallelism the two all-reduces of the layer (after o_proj and after the MoE)
+are regions of their own, named by the path they take (symmetric memory one-shot / two-shot, or the process
+group's backend); every rank must then run the regions in lockstep (bench/tp_profile.py). The layer is the
+residual-stream form: the add after the MLP is the next layer's input norm's, so the layer profiled is a
+middle one (its input norm adds the previous MLP output to the residual). Each region is timed as one
+CUDA graph that runs it for every layer of the model in turn, so no layer's weights are still in L2 when
+it runs again (a region replayed on one layer alone would read from L2 and look faster than it is). Its
+floor is the bytes it must move at the read bandwidth measured in the same run; the kernel count comes
+from the profiler over one replay.
 
 `layer_regions` rebuilds the layer forward from the same modules the model uses; a CPU test chains the
 regions and checks that they reproduce `DecoderLayer.forward`, so the budget cannot drift from the layer.
@@ -50,6 +53,18 @@ def layer_regions(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, 
         state[key] = fn()
         regions.append(Region(name, fn, int(nbytes)))
 
+    def add_all_reduce(where: str, key: str):
+        """The layer's all-reduce of state[key] (a per-rank partial sum), on a scratch copy: NCCL and gloo reduce
+        in place, so every timed call sums the scratch again, while the chain goes on from a copy of the first sum.
+        Its bytes are the activation read and the sum written; the link to the peers, not HBM, bounds it, so its
+        share of that floor is low by nature."""
+        if layer.tp is None:
+            return
+        scratch = state[key].clone()
+        fn = lambda: layer.tp.all_reduce(scratch)  # noqa: E731
+        add(f"{where} all_reduce {all_reduce_path(layer.tp, scratch)}", fn, 2 * scratch.numel() * b, key)
+        state[key] = state[key].clone()  # later timed calls keep summing the scratch; the chain keeps the sum
+
     add("add+input_norm", lambda: layer.input_layernorm(x, residual), 4 * T * H * b + H * b, "h_res")
     qkv_w = attn.qkv_proj.weight
     add("qkv_proj", lambda: attn.qkv_proj(state["h_res"][0], batch.lora),
@@ -63,16 +78,20 @@ def layer_regions(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, 
     o_w = attn.o_proj.weight
     add("o_proj", lambda: attn.o_proj(state["o"], batch.lora), o_w.numel() * _elem(o_w) + T * (q_size + H) * b,
         "attn_out")
+    add_all_reduce("attn", "attn_out")
     add("add+post_norm", lambda: layer.post_attention_layernorm(state["attn_out"], state["h_res"][1]),
         4 * T * H * b + H * b, "x2h")
     if not layer.is_sparse:
         mlp_bytes = sum(p.numel() * _elem(p) for p in mlp.parameters())
         add("dense_mlp", lambda: mlp(state["x2h"][0], batch.lora), mlp_bytes + 2 * T * H * b, "y")
     else:
-        E, k_top, inter = spec.num_experts, spec.top_k, spec.moe_intermediate_size
+        # routed over all E experts (the router is whole on every rank); this rank holds w13.shape[0] of them
+        # (E / N under expert parallelism), each sliced to its share of the intermediate size under tensor parallelism
+        E, k_top, local = mlp.spec.num_experts, mlp.spec.top_k, mlp.w13.shape[0]
         add("router", lambda: mlp.route(state["x2h"][0], batch.lora),
-            E * H * _elem(mlp.router.weight) + T * H * b, "routing")
-        touched = E * (1 - (1 - k_top / E) ** T)  # experts a batch of T tokens is expected to touch
+            mlp.router.weight.numel() * _elem(mlp.router.weight) + T * H * b, "routing")
+        touched = local * (1 - (1 - k_top / E) ** T)  # local experts a batch of T tokens is expected to touch
+        per_expert = (mlp.w13[0].numel() + mlp.w2[0].numel()) * _elem(mlp.w13)
 
         def experts():
             w, ids = state["routing"]
@@ -80,8 +99,20 @@ def layer_regions(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, 
 
         shared_bytes = 0 if mlp.shared_expert is None else sum(
             p.numel() * _elem(p) for p in mlp.shared_expert.parameters())
-        add("experts", experts, touched * 3 * H * inter * _elem(mlp.w13) + shared_bytes + 2 * T * H * b, "y")
+        add("experts", experts, touched * per_expert + shared_bytes + 2 * T * H * b, "y")
+    add_all_reduce("mlp", "y")
     return regions, (state["y"], state["x2h"][1])
+
+
+def all_reduce_path(tp, x: torch.Tensor) -> str:
+    """How tp.all_reduce sums x (parallel_state.ParallelState.all_reduce): "symm_mem one-shot" / "symm_mem
+    two-shot" where x fits the symmetric buffer, else the process group's backend."""
+    symm = tp.symm_mem
+    if symm is not None and symm.fits(x):
+        return "symm_mem " + ("one-shot" if x.numel() <= symm.one_shot_max_numel else "two-shot")
+    import torch.distributed as dist
+
+    return dist.get_backend(tp.group)
 
 
 def kernel_names(fn: Callable[[], object]) -> list[str] | None:
@@ -129,10 +160,10 @@ def layer_budget(model, batch: ForwardBatch, x: torch.Tensor, ctx_len: int, band
     return rows
 
 
-def print_budget(B: int, rows: list[dict]) -> None:
-    print(f"\nkernel budget of one layer, decode B={B} (regions timed across all layers in one CUDA graph)")
-    print(f"{'region':>24} {'us':>8} {'bytes':>12} {'floor us':>9} {'share':>6} {'kernels':>7}")
+def print_budget(B: int, rows: list[dict], where: str = "") -> None:
+    print(f"\nkernel budget of one layer{where}, decode B={B} (regions timed across all layers in one CUDA graph)")
+    print(f"{'region':>32} {'us':>8} {'bytes':>12} {'floor us':>9} {'share':>6} {'kernels':>7}")
     for r in rows:
         share = f"{r['share_of_floor']:.0%}" if r["share_of_floor"] is not None else "-"
         kern = r["kernels"] if r["kernels"] is not None else "-"
-        print(f"{r['region']:>24} {r['us']:8.1f} {r['bytes']:12,d} {r['floor_us']:9.1f} {share:>6} {kern!s:>7}")
+        print(f"{r['region']:>32} {r['us']:8.1f} {r['bytes']:12,d} {r['floor_us']:9.1f} {share:>6} {kern!s:>7}")
