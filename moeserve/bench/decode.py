@@ -159,7 +159,9 @@ class DecodeBench:
         """Per-region kernel budget of one decode layer at batch B, base model (see layer_profile)."""
         seqs = self.sequences(B, [-1] * B)
         batch = self.runner.prepare(ScheduledBatch(seqs, [1] * B, is_decode=True))
-        x = torch.nn.functional.embedding(batch.input_ids, self.model.embed_tokens)
+        # a distinct token per row: identical rows would all route to the same top-k experts in the timed layer
+        ids = (torch.arange(B, device=batch.input_ids.device) * 7919 + 1) % self.model.embed_tokens.shape[0]
+        x = torch.nn.functional.embedding(ids, self.model.embed_tokens)
         rows = layer_profile.layer_budget(self.model, batch, x, PROMPT, bandwidth, timer)
         layer_profile.print_budget(B, rows)
         return rows
