@@ -371,16 +371,17 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
 
     has_lora = lora is not None
     block_r = lora_rank_block(lora) if has_lora else 16
-    if has_lora:
-        shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False)
-        gu_b = lora.gate_up_b
-        gu_b_args = (*gu_b.stride()[:3], *shrunk_gu.stride()[:2], shrunk_gu.shape[1])
-        gu_lora = (lora.token_slots, lora.slot_ranks, gu_b, shrunk_gu)
-        gu_splits = triton.next_power_of_2(shrunk_gu.shape[1])
-    else:
-        gu_b_args, gu_splits = (0, 0, 0, 0, 0, 0), 1
-        gu_lora = (topk_ids, topk_ids, x, x)  # unused placeholders
 
+    def epilogue_lora(src, from_gate_up):
+        """Launch args of a GEMV's LoRA expand; runs the per-pair shrink of that GEMV's input first."""
+        if not has_lora:
+            return (topk_ids, topk_ids, x, x), (0,) * 6, 1  # unused placeholders
+        a, b = (lora.down_a, lora.down_b) if from_gate_up else (lora.gate_up_a, lora.gate_up_b)
+        shrunk = lora_shrink_pairs(src, a, topk_ids, lora, from_gate_up=from_gate_up)
+        return ((lora.token_slots, lora.slot_ranks, b, shrunk),
+                (*b.stride()[:3], *shrunk.stride()[:2], shrunk.shape[1]), triton.next_power_of_2(shrunk.shape[1]))
+
+    gu_lora, gu_b_args, gu_splits = epilogue_lora(x, from_gate_up=False)
     t = plan.gate_up
     _gemv_gate_up_kernel[(num_pairs, triton.cdiv(two_i, t.block_n))](
         x, w13, gu, topk_ids, *gu_lora,
@@ -389,16 +390,7 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
         BLOCK_S=gu_splits, EVEN_K=hidden % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
 
-    if has_lora:
-        shrunk_d = lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True)
-        d_b = lora.down_b
-        d_b_args = (*d_b.stride()[:3], *shrunk_d.stride()[:2], shrunk_d.shape[1])
-        d_lora = (lora.token_slots, lora.slot_ranks, d_b, shrunk_d)
-        d_splits = triton.next_power_of_2(shrunk_d.shape[1])
-    else:
-        d_b_args, d_splits = (0, 0, 0, 0, 0, 0), 1
-        d_lora = (topk_ids, topk_ids, x, x)
-
+    d_lora, d_b_args, d_splits = epilogue_lora(gu, from_gate_up=True)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
     _gemv_down_kernel[(num_pairs, triton.cdiv(hidden, t.block_n))](
