@@ -21,14 +21,10 @@ from moeserve.layers.linear import LoRALinear, dense_lora_torch  # noqa: E402
 
 gpu = pytest.mark.gpu
 
-# the modes at tiny tiles: CUDA-core sum (one reduction at the end, or one per K step), tensor-core dot (rows
-# padded to 16), each with a K split + reduce launch
+# tiny tiles: several programs over N and several K steps (K = 70 leaves a masked tail)
 CONFIGS = {
-    "sum": GemvConfig(block_n=16, block_k=32),
-    "sum_step_reduce": GemvConfig(block_n=4, block_k=16, late_reduce=False),
-    "dot": GemvConfig(block_n=16, block_k=16, use_dot=True),
-    "sum_split3": GemvConfig(block_n=8, block_k=16, split_k=3),
-    "dot_split2": GemvConfig(block_n=16, block_k=16, use_dot=True, split_k=2),
+    "wide": GemvConfig(block_n=16, block_k=32),
+    "narrow": GemvConfig(block_n=4, block_k=16, num_warps=2),
 }
 
 
@@ -69,39 +65,33 @@ def test_gemv_matches_linear(mode, T):
 def test_gemv_strided_rows_out_and_even_k():
     """x rows with a stride (a view), K a multiple of the tile (the unmasked loop), out given (fp32 out of fp16)."""
     gen = torch.Generator().manual_seed(3)
-    big = torch.randn(5, 80, generator=gen)
+    big = torch.randn(2, 80, generator=gen)
     x = big[:, 8:72]  # K = 64, row stride 80
     w = torch.randn(24, 64, generator=gen)
-    for cfg in (CONFIGS["sum"], CONFIGS["dot"]):
-        out = torch.full((5, 24), float("nan"))
+    for cfg in CONFIGS.values():
+        out = torch.full((2, 24), float("nan"))
         assert gemv(x, w, out=out, config=cfg) is out
         torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
     # fp16 in, one rounding from the fp32 accumulator
     x16, w16 = x.half(), w.half()
-    torch.testing.assert_close(gemv(x16, w16, config=CONFIGS["sum"]), gemv_ref(x16, w16), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gemv(x16, w16, config=CONFIGS["wide"]), gemv_ref(x16, w16), rtol=1e-3, atol=1e-3)
 
 
 def test_gemv_default_config_runs():
     gen = torch.Generator().manual_seed(4)
-    for T in (1, 4):
+    for T in (1, 2):
         x, w = torch.randn(T, 48, generator=gen), torch.randn(20, 48, generator=gen)
         torch.testing.assert_close(gemv(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_default_config_table():
-    """H200 shapes (132 SMs): at T <= 2 "sum" mode with the sweep's 4-column tiles and running sums that fit in
-    64 registers a thread; "dot" mode from T = 3; no K split. The
+    """H200 shapes: the sweep's 4-column tiles, running sums that fit in 64 registers a thread at two rows. The
     layers send one row, or two where K > N, here (gemv.serves), cuBLAS the rest."""
     shapes = [(5120, 2048), (2048, 4096), (151936, 2048), (6144, 2048), (11264, 2048), (2048, 5632)]
     for N, K in shapes:
-        for T in range(1, GEMV_MAX_TOKENS + 1):
-            cfg = default_config(N, K, T)
-            assert cfg.split_k == 1 and cfg.use_dot == (T > 2), (N, K, T, cfg)
-            if cfg.use_dot:
-                assert cfg.block_n >= 16 and cfg.block_k >= 16
-            else:
-                assert cfg.block_n == 4 and cfg.block_k <= K * 2, (N, K, T, cfg)  # the one-row sweep's tiles
-                assert T * cfg.block_n * cfg.block_k / (32 * cfg.num_warps) <= 64, (N, K, T, cfg)
+        cfg = default_config(N, K)
+        assert cfg.block_n == 4 and cfg.block_k <= K * 2, (N, K, cfg)  # the one-row sweep's tiles
+        assert GEMV_MAX_TOKENS * cfg.block_n * cfg.block_k / (32 * cfg.num_warps) <= 64, (N, K, cfg)
     from moeserve.kernels.gemv import serves
 
     assert serves(1, 5120, 2048) and serves(2, 2048, 4096)
@@ -110,8 +100,8 @@ def test_default_config_table():
 
 def test_gemv_rejects_bad_inputs():
     x, w = torch.randn(2, 16), torch.randn(8, 16)
-    with pytest.raises(ValueError, match="1..8"):
-        gemv(torch.randn(9, 16), w)
+    with pytest.raises(ValueError, match="1..2"):
+        gemv(torch.randn(3, 16), w)
     with pytest.raises(ValueError, match="features"):
         gemv(x, torch.randn(8, 12))
     with pytest.raises(ValueError, match="contiguous along K"):
@@ -122,8 +112,6 @@ def test_gemv_rejects_bad_inputs():
         gemv(x, w, torch.randn(7))
     with pytest.raises(ValueError, match="powers of two"):
         gemv(x, w, config=GemvConfig(block_n=12, block_k=16))
-    with pytest.raises(ValueError, match="dot mode"):
-        gemv(x, w, config=GemvConfig(block_n=8, block_k=16, use_dot=True))
 
 
 # ------------------------------------------------------------------ LoRA epilogue
@@ -132,9 +120,11 @@ RANKS = [8, 16, 64, 0, 16, 16]  # rank-64 pool; slot 3 loaded with rank 0; slot 
 SIZES, IN = (24, 9, 9), 40  # unequal q|k|v slices, odd sizes; `in` not a multiple of the k tile
 
 
-def lora_case(T, seed):
+def lora_case(pattern, seed):
+    """Rows on the slots of `pattern` (-1: none)."""
     gen = torch.Generator().manual_seed(seed)
-    slots = torch.tensor([(2, -1, 0, 3, 1, 4, 0, -1)[t % 8] for t in range(T)], dtype=torch.int32)
+    T = len(pattern)
+    slots = torch.tensor(pattern, dtype=torch.int32)
     a, b, ranks = make_pool(len(RANKS), SIZES, 64, IN, RANKS, gen, used=set(slots.tolist()))
     x = torch.randn(T, IN, generator=gen)
     w = torch.randn(sum(SIZES), IN, generator=gen)
@@ -143,9 +133,10 @@ def lora_case(T, seed):
 
 
 @pytest.mark.parametrize("mode", list(CONFIGS))
-@pytest.mark.parametrize("T", [1, 3, 8])
-def test_gemv_lora_epilogue_matches_references(mode, T):
-    x, w, bias, a, b, slots, ranks = lora_case(T, seed=10 + T)
+@pytest.mark.parametrize("pattern", [(2,), (2, -1), (0, 3), (1, 4)], ids=["r64", "r64-none", "r8-r0", "r16-r16"])
+def test_gemv_lora_epilogue_matches_references(mode, pattern):
+    T = len(pattern)
+    x, w, bias, a, b, slots, ranks = lora_case(pattern, seed=10 + sum(pattern))
     cfg = CONFIGS[mode]
     plain = gemv(x, w, bias, config=cfg)
     scratch = dense_lora_shrink(x, a, slots, ranks, k_splits=2)  # partial sums over `in` the epilogue adds
@@ -159,7 +150,7 @@ def test_gemv_lora_epilogue_matches_references(mode, T):
     torch.testing.assert_close(got, want_torch, rtol=1e-5, atol=1e-5)
 
     untouched = (slots < 0) | (ranks[slots.clamp_min(0).long()] == 0)
-    assert (~untouched).any() and (untouched.any() or T == 1)
+    assert (~untouched).any()  # every pattern has an adapter row; r64-none and r8-r0 also untouched ones
     assert torch.equal(int_bits(got[untouched]), int_bits(plain[untouched]))
     assert (got[~untouched] != plain[~untouched]).any(dim=1).all()  # every adapter row moved
 
@@ -167,23 +158,23 @@ def test_gemv_lora_epilogue_matches_references(mode, T):
 def test_gemv_lora_single_slice_no_bias_all_inactive():
     """o_proj-like (one slice, no bias); a batch whose rows all lack an adapter is bitwise the plain gemv."""
     gen = torch.Generator().manual_seed(5)
-    T, N = 4, 20
+    T, N = 2, 20
     a, b, ranks = make_pool(3, (N,), 16, IN, [16, 8, 0], gen, used={0, 1})
     x, w = torch.randn(T, IN, generator=gen), torch.randn(N, IN, generator=gen)
-    for slots in ([0, 1, 1, 0], [-1, 2, -1, -1]):
+    for slots in ([0, 1], [-1, 2], [-1, -1]):
         slots = torch.tensor(slots, dtype=torch.int32)
         scratch = dense_lora_shrink(x, a, slots, ranks)
-        got = gemv(x, w, lora=GemvLoRA(scratch, b, slots, ranks, (N,)), config=CONFIGS["sum"])
+        got = gemv(x, w, lora=GemvLoRA(scratch, b, slots, ranks, (N,)), config=CONFIGS["wide"])
         want = F.linear(x, w)
         dense_lora_ref(x, a, b, slots, ranks, (N,), want)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         if (slots < 0).all() or (slots == 2).any():
             rows = (slots < 0) | (slots == 2)
-            assert torch.equal(int_bits(got[rows]), int_bits(gemv(x, w, config=CONFIGS["sum"])[rows]))
+            assert torch.equal(int_bits(got[rows]), int_bits(gemv(x, w, config=CONFIGS["wide"])[rows]))
 
 
 def test_gemv_lora_rejects_mismatched_scratch():
-    x, w, bias, a, b, slots, ranks = lora_case(2, seed=1)
+    x, w, bias, a, b, slots, ranks = lora_case((2, -1), seed=1)
     scratch = dense_lora_shrink(x, a, slots, ranks)
     with pytest.raises(ValueError, match="slice sizes"):
         gemv(x, w, lora=GemvLoRA(scratch, b, slots, ranks, (24, 18)))
@@ -243,7 +234,7 @@ def rel_err(got, want):
 
 @gpu
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
-@pytest.mark.parametrize("T", [1, 2, 3, 8])
+@pytest.mark.parametrize("T", [1, 2])
 def test_gpu_gemv_bf16(shape, T):
     sizes, K, has_bias = GPU_SHAPES[shape]
     N = sum(sizes)
@@ -252,8 +243,7 @@ def test_gpu_gemv_bf16(shape, T):
     w = (torch.randn(N, K, generator=gen, device="cuda") * 0.02).bfloat16()
     bias = torch.randn(N, generator=gen, device="cuda").bfloat16() if has_bias else None
     want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-    configs = {"default": None, "sum": GemvConfig(8, 256), "sum_step": GemvConfig(8, 512, late_reduce=False),
-               "dot": GemvConfig(32, 128, use_dot=True, num_stages=3), "split2": GemvConfig(4, 512, split_k=2)}
+    configs = {"default": None, "n8k256": GemvConfig(8, 256), "n4k1024w2": GemvConfig(4, 1024, num_warps=2)}
     for name, cfg in configs.items():
         got = gemv(x, w, bias, config=cfg)
         assert got.dtype == torch.bfloat16
@@ -262,7 +252,7 @@ def test_gpu_gemv_bf16(shape, T):
 
 
 @gpu
-@pytest.mark.parametrize("T", [1, 4, 8])
+@pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("shape", ["qwen3_qkv", "qwen3_o"])
 def test_gpu_gemv_lora_bf16(shape, T):
     """4 rank-16 adapters, one rank-8, and rows without one, in an 8-slot rank-64 pool (NaN where never read)."""

@@ -3,16 +3,16 @@
     python -m moeserve.bench.kernels --parts gemv [--sweep]
 
 Per shape (q|k|v and o_proj of the Qwen3-30B-A3B, OLMoE-1B-7B and Qwen1.5-MoE-A2.7B presets, Qwen1.5's shared
-expert, the 151936-row lm_head) and T in 1, 2, 4, 8: µs per call of cuBLAS (torch.mm / addmm into a
+expert, the 151936-row lm_head) and T in 1, 2 (the rows it serves): µs per call of cuBLAS (torch.mm / addmm into a
 preallocated output) and of gemv at its default config, as CUDA-graph replays that rotate through copies of
 weights and inputs far larger than L2 (as when 48 layers run between two calls of one layer), timed
 interleaved (A, B, A, B) and reported as medians; GB/s of the weight + activation bytes and their share of
 the read bandwidth measured in the same run. With 1, 4 and 8 rank-16 adapters on every row (8-slot rank-64
 pool) for the LoRA-carrying projections: cuBLAS + shrink + expand (today's two LoRA launches) against
 shrink + gemv with the expand in its epilogue. Each path is checked against fp32 torch first.
-`--sweep`: per shape and T, block_n x block_k in both modes at 4 warps, then the best of those over warps x
-split_k (and, in "sum" mode, a reduction per K step); prints the best config per (shape, T) next to the
-default.
+`--sweep`: per shape and T, block_n x block_k at 4 warps, then the best of those over warps; prints the best
+config per (shape, T) next to the default. (At T = 4 and 8 cuBLAS won at every shape, also against a
+tensor-core variant and K splits of this kernel: BENCHMARKS.md, session 5.)
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from moeserve.kernels.gemv import GemvConfig, GemvLoRA, default_config, gemv
 from moeserve.kernels.lora_dense import _dense_lora, dense_lora_ref, dense_lora_shrink
 
 DEVICE = "cuda"
-TOKENS = (1, 2, 4, 8)
+TOKENS = (1, 2)
 SHAPES = {  # name -> (slice sizes, in features, bias, carries LoRA)
     "qwen3 qkv": ((4096, 512, 512), 2048, False, True),
     "qwen3 o": ((2048,), 4096, False, True),
@@ -43,9 +43,7 @@ NUM_SLOTS, MAX_RANK = 8, 64
 LORA_CASES = {"lora1_r16": 1, "lora4_r16": 4, "lora8_r16": 8}  # adapters in use, every row has one
 L2_FLUSH_BYTES = 256 << 20
 ROUNDS = 3
-SWEEP_N = {False: (4, 8, 16, 32), True: (16, 32, 64)}  # use_dot -> block_n candidates
-SWEEP_K = {False: (256, 512, 1024), True: (64, 128, 256)}
-SWEEP_WARPS, SWEEP_SPLITS = (2, 4, 8), (1, 2, 4)
+SWEEP_N, SWEEP_K, SWEEP_WARPS = (4, 8, 16, 32), (256, 512, 1024), (2, 8)
 
 
 def make_sets(T: int, slice_sizes, K: int, bias: bool, gen, lora: bool):
@@ -125,31 +123,26 @@ def lora_pool_case(sets, in_use: int):
 
 
 def sweep(sets, T: int, N: int, K: int) -> tuple[dict, dict]:
-    """µs of candidate configs: block_n x block_k per mode at 4 warps, then the best over warps x split_k."""
+    """µs of candidate configs: block_n x block_k at 4 warps, then the best of those at other warp counts."""
     def run(cfgs):
         modes = {_name(c): (lambda s, c=c: gemv(s["x"], s["w"], s["b"], out=s["out"], config=c)) for c in cfgs}
         return time_modes(sets, modes)
 
     rows = triton.next_power_of_2(T)
-    # "sum" tiles whose [T, block_n, block_k] fp32 running sums would need > 128 registers a thread only spill
-    stage1 = [GemvConfig(bn, bk, 4, 1, dot, 3 if dot else 2)
-              for dot in (False, True) for bn in SWEEP_N[dot] for bk in SWEEP_K[dot]
-              if bk <= max(K, 64) and (dot or rows * bn * bk <= 128 * 128)]
+    # tiles whose [T, block_n, block_k] fp32 running sums would need > 128 registers a thread only spill
+    stage1 = [GemvConfig(bn, bk, 4) for bn in SWEEP_N for bk in SWEEP_K
+              if bk <= max(K, 64) and rows * bn * bk <= 128 * 128]
     us, failed = run(stage1)
     if not us:
         return us, failed
     best = min(stage1, key=lambda c: us.get(_name(c), math.inf))
-    stage2 = [best._replace(num_warps=w, split_k=sk) for w in SWEEP_WARPS for sk in SWEEP_SPLITS
-              if (w, sk) != (4, 1) and K // sk >= best.block_k]
-    if not best.use_dot:
-        stage2.append(best._replace(late_reduce=False))
+    stage2 = [best._replace(num_warps=w) for w in SWEEP_WARPS]
     us2, failed2 = run(stage2)
     return {**us, **us2}, {**failed, **failed2}
 
 
 def _name(c: GemvConfig) -> str:
-    mode = "dot" if c.use_dot else ("sum" if c.late_reduce else "sum-step")
-    return f"{mode} n{c.block_n} k{c.block_k} w{c.num_warps} s{c.split_k}"
+    return f"n{c.block_n} k{c.block_k} w{c.num_warps}"
 
 
 def bench_shape(name: str, T: int, gen, do_sweep: bool, read_gbps: float) -> list[dict]:
@@ -162,7 +155,7 @@ def bench_shape(name: str, T: int, gen, do_sweep: bool, read_gbps: float) -> lis
     us, failed = time_modes(sets, base)
     if failed:
         raise RuntimeError(f"gemv bench {name} T={T}: {failed}")
-    row = dict(shape=name, T=T, N=N, K=K, bytes=nbytes, default=_name(default_config(N, K, T, torch.device(DEVICE))),
+    row = dict(shape=name, T=T, N=N, K=K, bytes=nbytes, default=_name(default_config(N, K)),
                us=us, err=errs, gbps={p: nbytes / (t * 1e3) for p, t in us.items()},
                frac_read_bw={p: nbytes / (t * 1e3) / read_gbps for p, t in us.items()}, lora={})
     print(f"gemv {name} T={T}: cublas {us['cublas']:.1f} us, gemv {us['gemv']:.1f} us "

@@ -29,7 +29,7 @@ Part `norm_rotary` (bench/norm_kernels.py): the fused RMSNorm, residual add + RM
 rotary + KV write kernels against the torch code they replace at T = 1, 8, 64, 256, 512; its own table
 and norm_rotary_bench.json.
 Part `gemv` (bench/gemv.py): the Triton GEMV against cuBLAS for the dense projections of the presets at
-T = 1, 2, 4, 8, with and without the fused LoRA expand (`--sweep`: a config sweep, best per shape);
+T = 1, 2 (the rows it serves), with and without the fused LoRA expand (`--sweep`: a config sweep, best per shape);
 its own table and gemv_bench.json. Not in the default parts: `--parts gemv [--sweep]`.
 """
 

@@ -1,17 +1,16 @@
-"""Dense projection y = x W^T (+ b) at decode sizes (1 <= T <= GEMV_MAX_TOKENS), optionally with the
-multi-LoRA expand fused into its epilogue.
+"""Dense projection y = x W^T (+ b) for one or two rows (decode at batch 1-2), optionally with the multi-LoRA
+expand fused into its epilogue.
 
-At T <= 8 a projection is a matrix-vector product: the time is the weight read, and cuBLAS reaches only
-~40-60 % of the H200's read bandwidth there (small grids, split-K plus a reduce launch). Here each program
-owns BLOCK_N output columns for all T rows and walks K (or its share of K with SPLIT_K > 1), so every weight
-byte is read once, in 16-byte loads along the contiguous K axis:
-- "sum" mode (T = 1, 2): broadcast multiply-add in fp32 on the CUDA cores; with `late_reduce` each thread
-  keeps its products' running sums over the whole K walk and one reduction ends it (as a hand-written
-  GEMV keeps per-thread partials and reduces the warp once), else a reduction over K per step;
-- "dot" mode (larger T): tl.dot with the T rows padded to 16, on the tensor cores (fp32 accumulation).
-Out-of-range rows and columns are clamped to the last valid one on load (their results are never stored),
-so an even K needs no load masks at all. No atomics: with SPLIT_K > 1 each split writes fp32 partials and
-a second launch adds them in split order, so results are deterministic.
+There a projection is a matrix-vector product: the time is the weight read, and cuBLAS reaches only ~40-60 %
+of the H200's read bandwidth (small grids, split-K plus a reduce launch). Here each program owns BLOCK_N
+output columns for all T rows and walks the whole K, so every weight byte is read once, in 16-byte loads
+along the contiguous K axis, in one launch: a broadcast multiply-add in fp32 on the CUDA cores, each thread
+keeping its products' running sums over the K walk and one reduction ending it. Out-of-range rows and
+columns are clamped to the last valid one on load (their results are never stored), so an even K needs no
+load masks at all. No atomics: deterministic.
+
+From three rows cuBLAS won at every preset shape on the H200, also against this kernel's tensor-core variant
+and K splits (BENCHMARKS.md, session 5); those variants were removed (their code is in commit 1ca294c).
 
 LoRA epilogue: given the shrink scratch written by kernels/lora_dense.py (x A^T per row, [k_splits,
 slices, T, R] fp32, written only for rows whose slot has rank > 0 and up to that rank rounded up to 16),
@@ -22,7 +21,6 @@ they are bitwise the plain gemv's output.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -31,26 +29,18 @@ import triton.language as tl
 
 from moeserve.kernels.lora_dense import RANK_BLOCK  # the epilogue reads exactly the rank steps the shrink wrote
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-GEMV_MAX_TOKENS = 8  # rows the kernel accepts; the layers route only what `serves` says it wins
+GEMV_MAX_TOKENS = 2  # rows the kernel serves (see `serves`)
 MAX_SLICES = 4
-DOT_ROWS = 16  # tl.dot needs M >= 16: the T rows are padded to this in "dot" mode
 
 
 class GemvConfig(NamedTuple):
-    """One launch configuration. use_dot: tensor-core "dot" mode (else "sum"); split_k: K cut into this many
-    parts, each a program, with a deterministic reduce launch after (1 = one launch); late_reduce ("sum" mode):
-    a [T, block_n, block_k] fp32 running sum reduced once after the K walk (T*block_n*block_k/threads
-    registers), else one reduction per K step."""
+    """One launch configuration: a program holds a [T, block_n, block_k] fp32 running sum
+    (T*block_n*block_k/threads registers)."""
     block_n: int
     block_k: int
     num_warps: int = 4
-    split_k: int = 1
-    use_dot: bool = False
-    num_stages: int = 2
-    late_reduce: bool = True
 
 
 class GemvLoRA(NamedTuple):
@@ -64,23 +54,13 @@ class GemvLoRA(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def default_config(N: int, K: int, T: int, device: torch.device | None = None) -> GemvConfig:
-    """H200-minded defaults (bench kernels --parts gemv --sweep measures the alternatives).
-
-    The weight read is the whole cost, and with no software pipelining in "sum" mode the bytes in flight
-    per SM are (resident programs) x (one tile): 4 columns per program and 512-1024-wide K tiles (the H200
-    sweep's best at one row for every preset shape, o_proj 2048 columns in 512 programs). No K split by default: its reduce launch costs about what cuBLAS's
-    split-K reduce costs, which is what this kernel avoids. T <= 2 runs on the CUDA cores ("sum", late
-    reduction: 32-64 registers of running sums); larger T on the tensor cores ("dot", rows padded to 16,
-    cp.async pipelined over 3 stages)."""
-    sms = 132
-    if device is not None and device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return _default_config(N, K, T, sms)
+def default_config(N: int, K: int) -> GemvConfig:
+    """The H200 sweep's best at one row (`bench kernels --parts gemv --sweep`): with no software pipelining the
+    bytes in flight per SM are (resident programs) x (one tile), so 4 columns per program (o_proj: 2048 columns
+    in 512 programs) and a wide K tile, 1024 where K or the program count is large (o_proj, lm_head); within
+    0.3 us of the best of the swept configs elsewhere."""
+    block_k = 1024 if (K >= 4096 or N >= 16384) else 512
+    return GemvConfig(block_n=4, block_k=min(max(16, triton.next_power_of_2(K)), block_k), num_warps=4)
 
 
 def serves(T: int, N: int, K: int) -> bool:
@@ -90,21 +70,6 @@ def serves(T: int, N: int, K: int) -> bool:
     at two rows where K > N (o_proj 7.9 vs 9.9 us); from two rows of qkv (11.3 vs 8.6) and from three rows of
     any shape cuBLAS wins, so the kernel is not used there."""
     return T == 1 or (T == 2 and K > N)
-
-
-@functools.lru_cache(maxsize=None)
-def _default_config(N: int, K: int, T: int, sms: int) -> GemvConfig:
-    k_cap = max(16, triton.next_power_of_2(K))
-    if T <= 2:
-        # the H200 sweep's best at one row: 4 columns per program and a wide K tile (1024 where K or the
-        # program count is large: o_proj, lm_head), within 0.3 us of the best of 3 x 3 x 3 configs elsewhere
-        block_k = 1024 if (K >= 4096 or N >= 16384) else 512
-        return GemvConfig(block_n=4, block_k=min(k_cap, block_k), num_warps=4)
-    block_n = 64
-    while block_n > 16 and triton.cdiv(N, block_n) < 2 * sms:
-        block_n //= 2
-    block_k = min(k_cap, 256 if triton.cdiv(N, block_n) >= 2 * sms else 512)  # o_proj: 128 programs, deeper K
-    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, use_dot=True, num_stages=3)
 
 
 @triton.jit
@@ -141,70 +106,31 @@ def _epilogue(acc, t, n, T, N, bias_ptr, out_ptr, stride_ot,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr,
                  scratch_ptr, b_ptr, slots_ptr, ranks_ptr,
-                 T, N, K, K_PER_SPLIT, R_MAX, END0, END1, END2,
+                 T, N, K, R_MAX, END0, END1, END2,
                  stride_xt, stride_wn, stride_ot,
                  stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                 SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, LATE_REDUCE: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, LORA_K_SPLITS: tl.constexpr,
-                 COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_n = tl.program_id(0)
-    ks = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                 EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+                 LORA_K_SPLITS: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     # clamped rows/columns: loads need no masks; what they compute is never stored
     w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + tl.minimum(t, T - 1).to(tl.int64)[:, None] * stride_xt
-    k_lo = ks * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    if LATE_REDUCE:
-        acc3 = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    acc3 = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], tl.float32)  # per-thread running sums, reduced once
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + k[None, :])
             xt = tl.load(x_rows + k[None, :])
         else:
-            k_mask = k < k_hi
+            k_mask = k < K
             w = tl.load(w_rows + k[None, :], mask=k_mask[None, :], other=0.0)
             xt = tl.load(x_rows + k[None, :], mask=k_mask[None, :], other=0.0)
-        if USE_DOT:
-            acc = tl.dot(xt.to(COMPUTE), tl.trans(w.to(COMPUTE)), acc, input_precision=DOT_PRECISION)
-        elif LATE_REDUCE:
-            acc3 += xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        else:
-            acc += tl.sum(xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-    if LATE_REDUCE:
-        acc = tl.sum(acc3, 2)
-    if SPLIT_K == 1:
-        _epilogue(acc, t, n, T, N, bias_ptr, out_ptr, stride_ot,
-                  scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
-                  stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
-                  HAS_BIAS, HAS_LORA, LORA_K_SPLITS, BLOCK_T, BLOCK_N, BLOCK_R)
-    else:  # fp32 partials [SPLIT_K, T, N]; _gemv_reduce_kernel finishes
-        p_ptrs = part_ptr + (ks * T + t[:, None]) * N + n[None, :]
-        tl.store(p_ptrs, acc, mask=(t < T)[:, None] & (n < N)[None, :])
-
-
-@triton.jit
-def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr,
-                        scratch_ptr, b_ptr, slots_ptr, ranks_ptr,
-                        T, N, R_MAX, END0, END1, END2, stride_ot,
-                        stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
-                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                        LORA_K_SPLITS: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t = tl.arange(0, BLOCK_T)
-    mask = (t < T)[:, None] & (n < N)[None, :]
-    p_ptrs = part_ptr + t[:, None] * N + n[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for ks in tl.static_range(SPLIT_K):  # fixed order: deterministic
-        acc += tl.load(p_ptrs + ks * T * N, mask=mask, other=0.0)
-    _epilogue(acc, t, n, T, N, bias_ptr, out_ptr, stride_ot,
+        acc3 += xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    _epilogue(tl.sum(acc3, 2), t, n, T, N, bias_ptr, out_ptr, stride_ot,
               scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
               stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
               HAS_BIAS, HAS_LORA, LORA_K_SPLITS, BLOCK_T, BLOCK_N, BLOCK_R)
@@ -212,10 +138,8 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr,
 
 def _check_config(cfg: GemvConfig) -> None:
     pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-    if not (pow2(cfg.block_n) and pow2(cfg.block_k) and pow2(cfg.num_warps) and cfg.split_k >= 1):
-        raise ValueError(f"gemv config {cfg}: block_n, block_k and num_warps must be powers of two, split_k >= 1")
-    if cfg.use_dot and (cfg.block_n < 16 or cfg.block_k < 16):
-        raise ValueError(f"gemv config {cfg}: dot mode needs block_n and block_k >= 16")
+    if not (pow2(cfg.block_n) and pow2(cfg.block_k) and pow2(cfg.num_warps)):
+        raise ValueError(f"gemv config {cfg}: block_n, block_k and num_warps must be powers of two")
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -226,11 +150,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     N = weight.shape[0]
     if weight.shape[1] != K:
         raise ValueError(f"gemv: x has {K} features but weight is {tuple(weight.shape)}")
-    if x.dtype not in _TL_DTYPES or weight.dtype != x.dtype:
+    if x.dtype not in _FLOAT_DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"gemv: x and weight must share a float dtype (fp32/fp16/bf16), got {x.dtype} and "
                          f"{weight.dtype}")
     if not 1 <= T <= GEMV_MAX_TOKENS:
-        raise ValueError(f"gemv: {T} rows; it serves 1..{GEMV_MAX_TOKENS} (use F.linear above)")
+        raise ValueError(f"gemv: {T} rows; it serves 1..{GEMV_MAX_TOKENS} (cuBLAS is faster above)")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv: x and weight must be contiguous along K (stride 1)")
     if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
@@ -239,40 +163,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     elif out.shape != (T, N) or out.stride(1) != 1:
         raise ValueError(f"gemv: out must be [{T}, {N}] with unit column stride, got {tuple(out.shape)}")
-    cfg = config if config is not None else default_config(N, K, T, x.device)
+    cfg = config if config is not None else default_config(N, K)
     _check_config(cfg)
-
-    block_t = DOT_ROWS if cfg.use_dot else triton.next_power_of_2(T)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    split_k = triton.cdiv(K, k_per_split)
-    even_k = K % cfg.block_k == 0
     lora_args, lora_k_splits = _lora_args(lora, T, N, out), 1
     if lora is not None:
         lora_k_splits = lora.scratch.shape[0]
-    compute = tl.float32 if (_INTERPRET or x.dtype == torch.float32) else _TL_DTYPES[x.dtype]
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    flags = dict(HAS_BIAS=bias is not None, HAS_LORA=lora is not None, LORA_K_SPLITS=lora_k_splits)
-    bias_arg = bias if bias is not None else out
-    part = out
-    if split_k > 1:
-        part = torch.empty(split_k, T, N, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, cfg.block_n), split_k)](
-        x, weight, bias_arg, out, part, *lora_args[:4],
-        T, N, K, k_per_split, *lora_args[4:8],
+    _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, weight, bias if bias is not None else out, out, *lora_args[:4],
+        T, N, K, *lora_args[4:8],
         x.stride(0), weight.stride(0), out.stride(0), *lora_args[8:],
-        BLOCK_T=block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=RANK_BLOCK,
-        SPLIT_K=split_k, USE_DOT=cfg.use_dot, LATE_REDUCE=cfg.late_reduce and not cfg.use_dot, EVEN_K=even_k,
-        COMPUTE=compute, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        BLOCK_T=triton.next_power_of_2(T), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=RANK_BLOCK,
+        EVEN_K=K % cfg.block_k == 0, HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
+        LORA_K_SPLITS=lora_k_splits, num_warps=cfg.num_warps, num_stages=2,  # the config measured on the H200
     )
-    if split_k > 1:
-        reduce_t = triton.next_power_of_2(T)
-        reduce_n = max(16, min(256, 1024 // reduce_t))
-        _gemv_reduce_kernel[(triton.cdiv(N, reduce_n),)](
-            part, bias_arg, out, *lora_args[:4],
-            T, N, *lora_args[4:8], out.stride(0), *lora_args[8:],
-            BLOCK_T=reduce_t, BLOCK_N=reduce_n, BLOCK_R=RANK_BLOCK, SPLIT_K=split_k, num_warps=4, **flags,
-        )
     return out
 
 
