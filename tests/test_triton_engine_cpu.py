@@ -9,15 +9,18 @@ from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_triton_backends_match_torch_backends(tmp_path, family):
+    """One batch mixes no adapter, a fused gate_up expert adapter (A) and one with separate gate_proj / up_proj
+    LoRAs of rank 4, each with its own A (B), in a rank-4 pool."""
     base = save_base_checkpoint(family, tmp_path / "base")
     a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=1)
-    kw = dict(model=str(base), device="cpu", dtype="float32", lora_modules={"A": str(a)}, max_loras=2,
-              max_lora_rank=16, block_size=16)
+    b, _ = make_peft_adapter(family, tmp_path / "b", rank=4, seed=2, expert_format="per-expert", separate_gate_up=True)
+    kw = dict(model=str(base), device="cpu", dtype="float32", lora_modules={"A": str(a), "B": str(b)}, max_loras=2,
+              max_lora_rank=4, block_size=16)
     tri = Engine(EngineConfig(moe_backend="triton", attention_backend="triton", **kw))
     ref = Engine(EngineConfig(moe_backend="torch", attention_backend="torch", **kw))
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 7)]
     sp = SamplingParams(max_tokens=5, logprobs=0, temperature=0.0, ignore_eos=True)
-    loras = [None, "A", "A"]
+    loras = [None, "A", "B"]
     for got, want in zip(tri.generate(prompts, sp, lora=loras), ref.generate(prompts, sp, lora=loras)):
         assert got.token_ids == want.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(got.logprobs, want.logprobs)) < 1e-4
