@@ -187,3 +187,31 @@ def test_gpu_separate_gate_up_bf16_qwen3_shapes(num_tokens):
         assert _rel(out[:n] - base[:n], ref - ref_base) < 2e-2, decode
         no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
         assert torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [4, 64, 256])
+def test_gpu_separate_gate_up_cuda_graph_replay_after_slot_reload(num_tokens):
+    """Capture once (decode path at 4 tokens, sorted above); then slot 0 is reloaded in place from separate A's to
+    one A (its up half poisoned) and back, as the slot pool does after capture; every replay equals eager."""
+    ranks, separate = [16, 8, 16, 8, 0, 16, 0, 16], [1, 1, 0, 0, 1, 1, 0, 0]
+    problem, slots, clean, dirty = make_problem(num_tokens, 8, 128, 2048, 768, seed=40 + num_tokens, ranks=ranks,
+                                                separate=separate, dtype=torch.bfloat16, std=0.07, w_std=0.02,
+                                                device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(*problem, dirty)  # compile and warm up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(*problem, dirty)
+    saved_up = dirty.up_a[0].clone()
+    for flag in (1, 0, 1):
+        dirty.gate_up_separate[0] = flag
+        dirty.up_a[0].copy_(saved_up if flag else torch.full_like(saved_up, float("nan")))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), flag
+        assert torch.equal(out, fused_moe(*problem, dirty)), flag
