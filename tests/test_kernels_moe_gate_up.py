@@ -43,7 +43,7 @@ def _bits(t):
 
 
 def make_problem(num_tokens, top_k, num_experts, hidden, inter, seed, ranks=RANKS, separate=SEPARATE,
-                 max_rank=16, dtype=torch.float32, std=0.3, w_std=0.3, device=DEV):
+                 max_rank=16, dtype=torch.float32, std=0.3, w_std=None, device=DEV):
     """Returns (x, w13, w2, weights, ids), slots, (clean, dirty) MoELoRAArgs. Clean: zeros beyond each rank and in
     up_a of slots with one A, as the slot pool keeps them. Dirty: NaN there, and in every slot of rank 0."""
     gen = torch.Generator(device).manual_seed(seed)
@@ -52,8 +52,8 @@ def make_problem(num_tokens, top_k, num_experts, hidden, inter, seed, ranks=RANK
         return (torch.randn(*shape, generator=gen, device=device) * s)
 
     x = rand(num_tokens, hidden, s=1.0)
-    w13, w2 = rand(num_experts, 2 * inter, hidden, s=w_std / hidden ** 0.5 * 4), rand(num_experts, hidden, inter,
-                                                                                       s=w_std / inter ** 0.5 * 4)
+    w13 = rand(num_experts, 2 * inter, hidden, s=w_std or 1.2 / hidden ** 0.5)  # default: activations of size ~1
+    w2 = rand(num_experts, hidden, inter, s=w_std or 1.2 / inter ** 0.5)
     weights, ids = torch.softmax(rand(num_tokens, num_experts, s=1.0), -1).topk(top_k, -1)
     n = len(ranks)
     ga, ua, gb = rand(n, num_experts, max_rank, hidden, s=std), rand(n, num_experts, max_rank, hidden, s=std), \
