@@ -63,6 +63,8 @@ def record(test_args: list[str]) -> list:
         if key not in seen:
             seen.add(key)
             launches.append([self.fn.__module__, self.fn.__name__, sig, consts, options])
+            if consts.get("USE_PDL") is False:  # the CPU never launches with PDL; the GPU does (kernels/pdl.py)
+                launches.append([self.fn.__module__, self.fn.__name__, sig, {**consts, "USE_PDL": True}, options])
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording_run

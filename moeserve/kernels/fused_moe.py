@@ -32,6 +32,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moeserve.kernels import pdl as pdl_launch
+
 from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
@@ -120,11 +122,12 @@ def _moe_gate_up_kernel(
     separate_ptr, stride_sh, up_col0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
-    UP_HALF: tl.constexpr,
+    UP_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
     columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand)."""
+    pdl_launch.enter(USE_PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -171,10 +174,11 @@ def _moe_down_kernel(
     stride_gu, stride_we, stride_wn, stride_y,
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
+    HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded; the routing weight scales base and delta together."""
+    pdl_launch.enter(USE_PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -256,9 +260,10 @@ def _gemv_gate_up_kernel(
     stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
     separate_ptr, stride_sh, up_row0,
     HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, UP_HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, UP_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """gu[pair, tile] = W13_e[tile] @ x[token] (+ LoRA expand), fp32; one program per (pair, tile)."""
+    pdl_launch.enter(USE_PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
@@ -303,9 +308,10 @@ def _gemv_down_kernel(
     stride_gu, stride_we, stride_wn, stride_y,
     stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
     HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """y[pair, tile] = w[pair] * (W2_e[tile] @ silu(g) * u (+ LoRA expand)), fp32."""
+    pdl_launch.enter(USE_PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
@@ -347,9 +353,10 @@ def _gemv_down_kernel(
 @triton.jit
 def _topk_sum_kernel(
     y_ptr, topk_ids_ptr, out_ptr, num_experts, top_k, N, stride_y, stride_out,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[t] = sum_k y[t*K + k] over pairs with a valid expert (others were never written)."""
+    pdl_launch.enter(USE_PDL)
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -367,18 +374,18 @@ def _topk_sum_kernel(
 # launchers
 
 
-def _topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dtype) -> torch.Tensor:
+def _topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dtype, pdl: bool) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     n = y.shape[1]
     out = torch.empty(num_tokens, n, dtype=out_dtype, device=y.device)
     block_n = min(1024, triton.next_power_of_2(n))
     _topk_sum_kernel[(num_tokens, triton.cdiv(n, block_n))](
         y, topk_ids, out, num_experts, top_k, n, y.stride(0), out.stride(0),
-        BLOCK_N=block_n, num_warps=4)
+        BLOCK_N=block_n, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
 
 
-def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
+def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -391,7 +398,8 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
     block_r = lora_rank_block(lora) if has_lora else 16
     up_half = has_lora and lora.up_a is not None
     if has_lora:  # partials [pairs, (2 halves,) splits, R]
-        shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a)
+        shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a,
+                                      pdl=pdl)
         gu_b = lora.gate_up_b
         gu_b_args = (*gu_b.stride()[:3], shrunk_gu.stride(0), shrunk_gu.stride(-2), shrunk_gu.shape[-2],
                      lora.gate_up_separate if up_half else topk_ids, shrunk_gu.stride(1) if up_half else 0, inter)
@@ -408,10 +416,10 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *gu_b_args,
         HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
         BLOCK_S=gu_splits, EVEN_K=hidden % t.block_k == 0, UP_HALF=up_half,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
 
     if has_lora:
-        shrunk_d = lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True)
+        shrunk_d = lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True, pdl=pdl)
         d_b = lora.down_b
         d_b_args = (*d_b.stride()[:3], *shrunk_d.stride()[:2], shrunk_d.shape[1])
         d_lora = (lora.token_slots, lora.slot_ranks, d_b, shrunk_d)
@@ -426,11 +434,12 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         num_experts, top_k, hidden, inter,
         gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *d_b_args,
         HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
-        BLOCK_S=d_splits, EVEN_K=inter % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
-    return _topk_sum(y, topk_ids, num_experts, x.dtype)
+        BLOCK_S=d_splits, EVEN_K=inter % t.block_k == 0, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
-def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
+def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -440,7 +449,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
     t = plan.gate_up
     if plan.down.block_m != t.block_m:
         raise ValueError("gate_up and down share one alignment: block_m must match")
-    aligned = moe_align(topk_ids, num_experts, t.block_m)
+    aligned = moe_align(topk_ids, num_experts, t.block_m, pdl=pdl)
     num_blocks = aligned.block_groups.numel()
     has_lora = lora is not None
 
@@ -458,7 +467,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         shrunk = lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
                                    block_k=plan.lora_shrink_block_k, splits=splits,
                                    lanes=plan.lora_shrink_lanes, num_warps=plan.lora_shrink_warps,
-                                   up_a=up_a)
+                                   up_a=up_a, pdl=pdl)
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
                 (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])
 
@@ -471,7 +480,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, UP_HALF=up_half, num_warps=t.num_warps, num_stages=t.num_stages)
+        RANK_STEP=RANK_STEP, UP_HALF=up_half, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
+        num_stages=t.num_stages)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
@@ -482,8 +492,9 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, num_warps=t.num_warps, num_stages=t.num_stages)
-    return _topk_sum(y, topk_ids, num_experts, x.dtype)
+        RANK_STEP=RANK_STEP, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
+        num_stages=t.num_stages)
+    return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
 def fused_moe(
@@ -496,9 +507,11 @@ def fused_moe(
     *,
     decode: bool | None = None,
     plan: MoEPlan | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/topk_ids [T, K] -> [T, H] in x.dtype.
-    `decode` forces the GEMV (True) or sorted (False) path; `plan` overrides block sizes."""
+    `decode` forces the GEMV (True) or sorted (False) path; `plan` overrides block sizes; `pdl`: every launch
+    with programmatic dependent launch (kernels/pdl.py)."""
     num_tokens, hidden = x.shape
     if w13.shape[2] != hidden or w2.shape[1] != hidden or w2.shape[2] * 2 != w13.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
@@ -511,7 +524,7 @@ def fused_moe(
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
     forward = _decode_forward if plan.decode else _sorted_forward
-    return forward(x, w13, w2, topk_weights, topk_ids, lora, plan)
+    return forward(x, w13, w2, topk_weights, topk_ids, lora, plan, pdl)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels import pdl as pdl_launch
 from moeserve.kernels.lora_dense import RANK_BLOCK  # the epilogue reads exactly the rank steps the shrink wrote
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -113,7 +114,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr,
                  stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                  EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                 LORA_K_SPLITS: tl.constexpr):
+                 LORA_K_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_launch.enter(USE_PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     # clamped rows/columns: loads need no masks; what they compute is never stored
@@ -143,7 +145,7 @@ def _check_config(cfg: GemvConfig) -> None:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         lora: GemvLoRA | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+         lora: GemvLoRA | None = None, config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """y [T, N] = x [T, K] W[N, K]^T (+ bias) (+ the LoRA expand of `lora`), fp32 accumulation, one rounding
     to out's dtype (default x.dtype). 1 <= T <= GEMV_MAX_TOKENS; x and W contiguous along K."""
     T, K = x.shape
@@ -174,7 +176,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x.stride(0), weight.stride(0), out.stride(0), *lora_args[8:],
         BLOCK_T=triton.next_power_of_2(T), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=RANK_BLOCK,
         EVEN_K=K % cfg.block_k == 0, HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
-        LORA_K_SPLITS=lora_k_splits, num_warps=cfg.num_warps, num_stages=2,  # the config measured on the H200
+        LORA_K_SPLITS=lora_k_splits, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=2,  # the config measured on the H200
     )
     return out
 

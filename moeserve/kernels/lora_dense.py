@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels import pdl as pdl_launch
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -73,8 +75,9 @@ def _shrink_kernel(
     stride_al, stride_as, stride_ar,
     stride_sk, stride_ss, stride_st,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
-    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_launch.enter(USE_PDL)
     tile = tl.program_id(0)
     sl = tl.program_id(1) // LANES  # slice of the fused projection
     lane = tl.program_id(1) % LANES
@@ -118,8 +121,9 @@ def _expand_kernel(
     TILE1: tl.constexpr, TILE2: tl.constexpr, TILE3: tl.constexpr,
     K_SPLITS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
-    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_launch.enter(USE_PDL)
     tile = tl.program_id(0)
     nt = tl.program_id(1)  # column tile; tiles are laid out slice by slice, none straddles two
     # TILEi: first column tile of slice i (unused slices have size 0 and no tiles).
@@ -176,13 +180,15 @@ def _default_k_splits(num_token_tiles: int, num_slices: int, in_features: int, b
     return max(1, min(want, triton.cdiv(in_features, block_k), 8))
 
 
-def dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes: tuple[int, ...], out) -> None:
-    """Add the per-token multi-LoRA delta into out [T, N_total] in place (see module doc)."""
-    _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, tuple(slice_sizes), out)
+def dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes: tuple[int, ...], out,
+               pdl: bool = False) -> None:
+    """Add the per-token multi-LoRA delta into out [T, N_total] in place (see module doc); `pdl`: launch
+    with programmatic dependent launch (kernels/pdl.py)."""
+    _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, tuple(slice_sizes), out, pdl=pdl)
 
 
 def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
-                block_t=None, block_k=None, block_n=None, k_splits=None, lanes=None, num_warps=4):
+                block_t=None, block_k=None, block_n=None, k_splits=None, lanes=None, num_warps=4, pdl=False):
     n_total = out.shape[1]
     num_slots, num_slices, max_rank, _ = lora_a.shape
     assert len(slice_sizes) == num_slices and sum(slice_sizes) == n_total
@@ -191,9 +197,9 @@ def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
         return
     block_t, lanes = _token_tiling(x.shape[0], num_slots, block_t, lanes)
     scratch = dense_lora_shrink(x, lora_a, token_slots, slot_ranks, block_t=block_t, block_k=block_k,
-                                k_splits=k_splits, lanes=lanes, num_warps=num_warps)
+                                k_splits=k_splits, lanes=lanes, num_warps=num_warps, pdl=pdl)
     _expand(scratch, lora_b, token_slots, slot_ranks, tuple(slice_sizes), out, block_t=block_t, block_n=block_n,
-            lanes=lanes, num_warps=num_warps)
+            lanes=lanes, num_warps=num_warps, pdl=pdl)
 
 
 def _token_tiling(T: int, num_slots: int, block_t, lanes) -> tuple[int, int]:
@@ -206,7 +212,7 @@ def _token_tiling(T: int, num_slots: int, block_t, lanes) -> tuple[int, int]:
 
 
 def dense_lora_shrink(x, lora_a, token_slots, slot_ranks, *, block_t=None, block_k=None, k_splits=None,
-                      lanes=None, num_warps=4) -> torch.Tensor:
+                      lanes=None, num_warps=4, pdl=False) -> torch.Tensor:
     """x @ A[slot].T per row into a new fp32 scratch [k_splits, slices, T, R], entries written only for rows
     whose slot has rank > 0 and rank columns below that rank rounded up to RANK_BLOCK (all an expand reads);
     the k_splits partial sums over `in` are the expand's to add."""
@@ -234,13 +240,14 @@ def dense_lora_shrink(x, lora_a, token_slots, slot_ranks, *, block_t=None, block
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         scratch.stride(0), scratch.stride(1), scratch.stride(2),
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_R=RANK_BLOCK, LANES=lanes,
-        COMPUTE=_compute_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=num_warps,
+        COMPUTE=_compute_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=pdl,
+        num_warps=num_warps, launch_pdl=pdl,
     )
     return scratch
 
 
-def _expand(scratch, lora_b, token_slots, slot_ranks, slice_sizes, out, *, block_t, block_n, lanes, num_warps):
+def _expand(scratch, lora_b, token_slots, slot_ranks, slice_sizes, out, *, block_t, block_n, lanes, num_warps,
+            pdl=False):
     """out += scratch @ B[slot].T per row (rows without an adapter untouched); the two-launch path's second."""
     k_splits, num_slices, T, max_rank = scratch.shape
     if block_n is None:
@@ -260,8 +267,8 @@ def _expand(scratch, lora_b, token_slots, slot_ranks, slice_sizes, out, *, block
         TILE1=tile_starts[1], TILE2=tile_starts[2], TILE3=tile_starts[3],
         K_SPLITS=k_splits,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=RANK_BLOCK, LANES=lanes,
-        COMPUTE=_compute_dtype(lora_b.dtype), DOT_PRECISION=_dot_precision(lora_b.dtype),
-        num_warps=num_warps,
+        COMPUTE=_compute_dtype(lora_b.dtype), DOT_PRECISION=_dot_precision(lora_b.dtype), USE_PDL=pdl,
+        num_warps=num_warps, launch_pdl=pdl,
     )
 
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels import pdl as pdl_launch
+
 
 class AlignedBlocks(NamedTuple):
     sorted_ids: torch.Tensor
@@ -50,8 +52,9 @@ def _moe_align_kernel(
     ids_ptr, sorted_ids_ptr, block_groups_ptr, num_padded_ptr, scratch_ptr,
     num_pairs, num_groups, max_blocks,
     BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, LOG2_BINS: tl.constexpr,
-    CHUNK: tl.constexpr, FILL: tl.constexpr, BLOCK_B: tl.constexpr,
+    CHUNK: tl.constexpr, FILL: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_launch.enter(USE_PDL)
     # One program. Scratch (global, int32 [2 * NUM_BINS]) passes per-group values between
     # threads: [0, NB) next free row of each group, [NB, 2NB) group ends.
     bins = tl.arange(0, NUM_BINS)
@@ -105,8 +108,10 @@ def moe_align(
     num_experts: int,
     block_m: int,
     chunk: int = 1024,
+    pdl: bool = False,
 ) -> AlignedBlocks:
-    """Align pairs of `topk_ids [T, K]` into expert groups. One Triton launch, no host sync."""
+    """Align pairs of `topk_ids [T, K]` into expert groups. One Triton launch, no host sync; `pdl`: launched
+    with programmatic dependent launch (kernels/pdl.py)."""
     num_pairs = topk_ids.numel()
     max_blocks = align_max_blocks(num_pairs, num_experts, block_m)
     num_bins = max(32, triton.next_power_of_2(num_experts + 1))
@@ -122,7 +127,7 @@ def moe_align(
         num_pairs, num_experts, max_blocks,
         BLOCK_M=block_m, NUM_BINS=num_bins, LOG2_BINS=num_bins.bit_length() - 1,
         CHUNK=chunk, FILL=1024, BLOCK_B=128,
-        num_warps=4,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return AlignedBlocks(sorted_ids, block_groups, num_padded)
 

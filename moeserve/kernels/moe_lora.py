@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moeserve.kernels import pdl as pdl_launch
 from moeserve.kernels.moe_align import AlignedBlocks
 
 
@@ -65,10 +66,12 @@ def _lora_shrink_pairs_kernel(
     num_experts, top_k, K,
     stride_src, stride_al, stride_ae, stride_ar, stride_op, stride_os, stride_oh,
     FROM_GATE_UP: tl.constexpr, UP_HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[pair, (half,) split, :rank] = A[slot, expert][:rank, split cols] @ v[split cols],
     v = x[token], or silu(g) * u of gu[pair] (fp32 rows [g | u]). UP_HALF: slots flagged
     separate also write half 1 from up_a (same strides as A)."""
+    pdl_launch.enter(USE_PDL)
     pair = tl.program_id(0)
     split = tl.program_id(1)
     token = pair // top_k
@@ -103,7 +106,7 @@ def _lora_shrink_pairs_kernel(
 
 
 def lora_shrink_pairs(src: torch.Tensor, a: torch.Tensor, topk_ids: torch.Tensor, lora,
-                      from_gate_up: bool, up_a: torch.Tensor | None = None) -> torch.Tensor:
+                      from_gate_up: bool, up_a: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Per-pair split shrink for the decode path -> fp32 partials [pairs, splits, rank block], or
     with `up_a` (gate_up of a pool with separate up A's) [pairs, 2, splits, rank block], half 1
     written only for the pairs of slots flagged in lora.gate_up_separate."""
@@ -124,7 +127,8 @@ def lora_shrink_pairs(src: torch.Tensor, a: torch.Tensor, topk_ids: torch.Tensor
         a.shape[1], top_k, k,
         src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(-2),
         out.stride(1) if up_half else 0,
-        FROM_GATE_UP=from_gate_up, UP_HALF=up_half, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+        FROM_GATE_UP=from_gate_up, UP_HALF=up_half, BLOCK_R=block_r, BLOCK_K=block_k, USE_PDL=pdl,
+        launch_pdl=pdl, num_warps=4)
     return out
 
 
@@ -274,7 +278,7 @@ def _lora_block_shrink_kernel(
     num_pairs, top_k, K, K_PER_SPLIT,
     stride_src, stride_al, stride_ae, stride_ar, stride_sk, stride_sr, stride_sh,
     FROM_GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    RANK_STEP: tl.constexpr, LANES: tl.constexpr, UP_HALF: tl.constexpr,
+    RANK_STEP: tl.constexpr, LANES: tl.constexpr, UP_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """scratch[split, row, :rank] = v[row, split cols] @ A[slot, expert][:rank, split cols]^T for
     the rows of each adapter slot of one expert block. v = x[token], or silu(g) * u of the bf16
@@ -282,6 +286,7 @@ def _lora_block_shrink_kernel(
     programs (they own disjoint rows). Only rows with an adapter, rank columns < rank, are
     written. UP_HALF: slots flagged separate also write scratch + stride_sh from up_a (same
     strides as A)."""
+    pdl_launch.enter(USE_PDL)
     blk = tl.program_id(0)
     split = tl.program_id(1)
     lane = tl.program_id(2)
@@ -319,7 +324,7 @@ def _lora_block_shrink_kernel(
 def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks, lora,
                       top_k: int, *, from_gate_up: bool, block_k: int = 128, splits: int = 4,
                       lanes: int = 1, num_warps: int = 4, up_a: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Shrink grouped by the base expert blocks -> fp32 partials [splits, aligned rows, R]
     (row = position in `aligned.sorted_ids`), to be summed over splits by `lora_block_expand`;
     with `up_a` (gate_up of a pool with separate up A's) [2, splits, rows, R], half 1 written
@@ -352,7 +357,7 @@ def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks
         src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(-3), out.stride(-2),
         out.stride(0) if up_half else 0,
         FROM_GATE_UP=from_gate_up, BLOCK_M=block_m, BLOCK_K=block_k, RANK_STEP=RANK_STEP,
-        LANES=lanes, UP_HALF=up_half, num_warps=num_warps)
+        LANES=lanes, UP_HALF=up_half, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
     return out
 
 

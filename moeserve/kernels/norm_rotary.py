@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels import pdl as pdl_launch
+
 NORM_MODES = {"none": 0, "head": 1, "full": 2}
 
 
@@ -29,7 +31,8 @@ def _round(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_launch.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -50,7 +53,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch_norm(x, residual, weight, eps, num_warps):
+def _launch_norm(x, residual, weight, eps, num_warps, pdl):
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or not weight.is_contiguous():
         raise ValueError(f"norm weight {tuple(weight.shape)} is not a contiguous [{x.shape[-1]}] (x's last dim)")
     rows = _rows(x)
@@ -61,22 +64,24 @@ def _launch_norm(x, residual, weight, eps, num_warps):
     if T > 0:
         _rms_norm_kernel[(T,)](rows, res, weight, out, res_out, rows.stride(0), res.stride(0), N, eps,
                                HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(N),
-                               num_warps=num_warps)
+                               USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
     return out.view(x.shape), res_out.view(x.shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int = 4) -> torch.Tensor:
-    """weight * rmsnorm(x) over the last dim (fp32 math, normalised row cast to x.dtype first)."""
-    return _launch_norm(x, None, weight, eps, num_warps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int = 4,
+             pdl: bool = False) -> torch.Tensor:
+    """weight * rmsnorm(x) over the last dim (fp32 math, normalised row cast to x.dtype first). `pdl`: launch
+    with programmatic dependent launch (kernels/pdl.py)."""
+    return _launch_norm(x, None, weight, eps, num_warps, pdl)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                       num_warps: int = 4, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum rounded to x.dtype as torch's add does."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
-    return _launch_norm(x, residual, weight, eps, num_warps)
+    return _launch_norm(x, residual, weight, eps, num_warps, pdl)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,7 +136,8 @@ def _qk_norm_rotary_kv_kernel(qkv_ptr, qkv_stride, pos_ptr, cos_ptr, sin_ptr, co
                               q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, eps, clip,
                               NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                               BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                              NORM: tl.constexpr, CLIP: tl.constexpr):
+                              NORM: tl.constexpr, CLIP: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_launch.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     act = q_ptr.dtype.element_ty
@@ -179,7 +185,7 @@ def qk_norm_rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: tor
                             q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             clip_qkv: float | None = None, q_heads_per_program: int | None = None,
-                            num_warps: int = 4) -> torch.Tensor:
+                            num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
     """qkv [T, (nh + 2 nkv) d] -> q [T, nh, d]; K and V land in k_cache/v_cache [blocks, block_size, nkv, d]
     at slot_mapping [T]. cos/sin: the rotary table [max_pos, d] (rotate-half layout, cos[j] == cos[j + d/2]).
     qk_norm "head": weights [d]; "full": weights [nh d] and [nkv d], one norm over a token's heads."""
@@ -226,7 +232,8 @@ def qk_norm_rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: tor
         q_norm_weight if norm else dummy, k_norm_weight if norm else dummy,
         q, k_cache, v_cache, slot_mapping, eps, float(clip_qkv or 0.0),
         NH=nh, NKV=nkv, D=d, HALF=d // 2, BLOCK_QH=block_q, BLOCK_KH=triton.next_power_of_2(nkv),
-        BLOCK_HALF=triton.next_power_of_2(d // 2), NORM=norm, CLIP=clip_qkv is not None, num_warps=num_warps)
+        BLOCK_HALF=triton.next_power_of_2(d // 2), NORM=norm, CLIP=clip_qkv is not None, USE_PDL=pdl,
+        num_warps=num_warps, launch_pdl=pdl)
     return q
 
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels import pdl as pdl_launch
+
 # The interpreter computes bf16 arithmetic wrongly: there, every tile is upcast to fp32 on load.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
@@ -85,8 +87,9 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_launch.enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -148,8 +151,9 @@ def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_launch.enter(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
@@ -180,12 +184,13 @@ def _check_cache(q, k_cache, v_cache):
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                           num_splits: int | None = None, out=None) -> torch.Tensor:
+                           num_splits: int | None = None, out=None, pdl: bool = False) -> torch.Tensor:
     """One query token per sequence. q [B, n_heads, head_dim] -> [B, n_heads, head_dim] (q dtype).
 
     context_lens counts the sequence's tokens in the cache including the current one; rows with
     context 0 (padding) output zeros and read no cache. Launch shapes depend only on tensor
-    shapes, so the call can be captured in a CUDA graph and replayed with new lengths/tables.
+    shapes, so the call can be captured in a CUDA graph and replayed with new lengths/tables. `pdl`: both
+    launches with programmatic dependent launch (kernels/pdl.py).
     """
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     batch = q.shape[0]
@@ -197,12 +202,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if num_splits is None:
         num_splits = default_num_splits(batch, n_kv, block_tables.shape[1], block_size, q.device)
     _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
-                   block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2)
+                   block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2, pdl=pdl)
     return out
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
-                   block_n, num_warps, num_stages):
+                   block_n, num_warps, num_stages, pdl=False):
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     batch = q.shape[0]
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -226,7 +231,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         COMPUTE=_compute_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, n_heads)](
@@ -234,7 +239,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
             out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            num_warps=1 if head_dim_pad <= 64 else 2,
+            USE_PDL=pdl, launch_pdl=pdl, num_warps=1 if head_dim_pad <= 64 else 2,
         )
     return out
 
@@ -255,8 +260,9 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
-    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_launch.enter(USE_PDL)
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -314,7 +320,7 @@ def _prefill_kernel(
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale: float,
-                            max_query_len: int) -> torch.Tensor:
+                            max_query_len: int, pdl: bool = False) -> torch.Tensor:
     """Causal attention for S packed query chunks. q [T, n_heads, head_dim] -> same shape, q dtype.
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its
@@ -342,7 +348,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, TOKENS=tokens, BLOCK_N=PREFILL_BLOCK_N,
         COMPUTE=_compute_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4 if _INTERPRET or block_m <= 64 else 8, num_stages=2,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=4 if _INTERPRET or block_m <= 64 else 8, num_stages=2,
     )
     return out
 

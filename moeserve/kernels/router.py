@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels import pdl as pdl_launch
+
 # Decode sizes at or below this run the router GEMM inside the routing kernel (H200 starting point;
 # `python -m moeserve.bench.kernels --parts router` times both sides).
 GEMM_TOPK_MAX_TOKENS = 8  # H200: above 8 rows the cuBLAS GEMM + fused_topk is faster (bench kernels --parts router)
@@ -92,7 +94,8 @@ def _softmax_topk_store(logits, rows, row_ok, cols, col_ok, w_ptr, ids_ptr,
 @triton.jit
 def _topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l,
                  TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 RENORMALIZE: tl.constexpr):
+                 RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_launch.enter(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < T, cols < E
@@ -106,7 +109,8 @@ def _gemm_topk_kernel(x_ptr, weight_ptr, delta_ptr, scratch_ptr, counters_ptr, w
                       T, E, H, stride_x, stride_w, stride_d,
                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_E_ALL: tl.constexpr, NUM_E_BLOCKS: tl.constexpr,
-                      HAS_DELTA: tl.constexpr, RENORMALIZE: tl.constexpr):
+                      HAS_DELTA: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_launch.enter(USE_PDL)
     pid_t = tl.program_id(0)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -156,7 +160,7 @@ def _outputs(num_tokens: int, top_k: int, out_dtype, device):
 
 
 def fused_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype,
-               block_t: int = 1, num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+               block_t: int = 1, num_warps: int = 1, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, top_k] out_dtype, ids [T, top_k] int32), best first; `block_t` rows per
     program."""
     num_tokens, num_experts = logits.shape
@@ -168,14 +172,15 @@ def fused_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: t
     _topk_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0),
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
-        BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, num_warps=num_warps)
+        BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=num_warps)
     return weights, ids
 
 
 def fused_gemm_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
                     out_dtype: torch.dtype, logits_delta: torch.Tensor | None = None,
                     counters: torch.Tensor | None = None,
-                    tile: RouterTile | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    tile: RouterTile | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] . weight [E, H]^T (+ logits_delta [T, E]) routed as `fused_topk`, in one launch.
 
     `counters`: int32 zeros, at least `counter_slots(T)` of them, owned by the caller and
@@ -210,7 +215,8 @@ def fused_gemm_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormali
         num_tokens, num_experts, hidden, x.stride(0), weight.stride(0), delta.stride(0),
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=tile.block_t, BLOCK_E=tile.block_e,
         BLOCK_H=tile.block_h, BLOCK_E_ALL=triton.next_power_of_2(num_experts), NUM_E_BLOCKS=num_e_blocks,
-        HAS_DELTA=logits_delta is not None, RENORMALIZE=renormalize, num_warps=tile.num_warps)
+        HAS_DELTA=logits_delta is not None, RENORMALIZE=renormalize, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=tile.num_warps)
     return weights, ids
 
 
