@@ -79,6 +79,10 @@ class EngineConfig:
     # graphs and the triton MoE backend), silently off elsewhere; True: asked for, so a setting where it cannot
     # take effect is warned about; False: off
     record_nolora_graph: bool | None = None
+    # Triton kernels launched with programmatic dependent launch (kernels/pdl.py): each kernel's launch and start
+    # overlap the previous kernel's tail. None (default): on where the device has it (CUDA, compute capability
+    # >= 9.0); True: asked for, refused where it cannot run; False: off
+    pdl: bool | None = None
 
     # serving
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server answers 503)
@@ -93,6 +97,17 @@ class EngineConfig:
 
     def __post_init__(self):
         self._resolved = False
+
+    def _resolve_pdl(self, on_cuda: bool) -> None:
+        if self.pdl not in (None, True, False):
+            raise ValueError(f"{flag('pdl')} must be a boolean, got {self.pdl!r}")
+        from moeserve.kernels.pdl import supported  # imports triton: only here, once per engine
+
+        available = on_cuda and supported(torch.device(self.device))
+        if self.pdl and not available:
+            raise ValueError(f"{flag('pdl')} needs a CUDA device of compute capability 9.0 or later (Hopper); "
+                             f"{self.device!r} has none: leave it unset or pass --no-pdl")
+        self.pdl = available if self.pdl is None else self.pdl
 
     def resolve(self) -> "EngineConfig":
         """Resolve "auto" values, then validate; idempotent."""
@@ -119,6 +134,7 @@ class EngineConfig:
                 setattr(self, name, "triton" if on_cuda else "torch")
         if not on_cuda:
             self.enforce_eager = True  # CUDA graphs need CUDA
+        self._resolve_pdl(on_cuda)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank",
                      "cuda_graph_max_bs", "max_queue_len", "tensor_parallel_size", "dist_timeout"):
             v = getattr(self, name)

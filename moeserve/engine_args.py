@@ -184,6 +184,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="with LoRA on, also capture a graph with no LoRA work per batch size, replayed for "
                         "batches without adapters (default: on where it takes effect: CUDA graphs with the triton "
                         "MoE backend)")
+    g.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=_default("pdl"),
+                   help="launch the Triton kernels with programmatic dependent launch, so each one starts while the "
+                        "previous one drains (default: on where the GPU has it, compute capability 9.0+)")
     return parser
 
 

@@ -38,11 +38,18 @@ def test_every_config_field_has_the_flag_errors_name():
     (dict(moe_backend="cuda"), "moe_backend (--moe-backend) must be one of"),
     (dict(lora_dir="/nonexistent/adapters"), "lora_dir (--lora-dir) '/nonexistent/adapters' is not a directory"),
     (dict(cuda_graph_bs=[0]), "cuda_graph_bs (--cuda-graph-bs) must be a list of positive integers"),
+    (dict(pdl=True), "pdl (--pdl) needs a CUDA device of compute capability 9.0 or later"),
+    (dict(pdl="yes"), "pdl (--pdl) must be a boolean"),
 ])
 def test_config_errors_name_the_flag(kw, message):
     with pytest.raises(ValueError) as err:
         EngineConfig(device="cpu", **kw).resolve()
     assert message in str(err.value)
+
+
+def test_pdl_defaults_to_what_the_device_has():
+    assert EngineConfig(device="cpu").resolve().pdl is False  # no CUDA: off, silently
+    assert EngineConfig(device="cpu", pdl=False).resolve().pdl is False
 
 
 def test_adapter_errors_name_the_flag(tmp_path):

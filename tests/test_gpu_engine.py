@@ -119,6 +119,25 @@ def test_nolora_graph_is_bitwise_the_lora_disabled_engine(engines):
     assert nk_dual == nk_plain < nk_lora
 
 
+def test_pdl_is_bitwise_the_serially_launched_engine(setup, engines):
+    """Programmatic dependent launch overlaps each kernel's start with the previous one's tail; every kernel
+    waits for its predecessor before touching memory, so tokens and logprobs are bitwise those of the same
+    engine launching serially: graphs (LoRA, no-LoRA, mixed; padded bucket), eager prefill, a batch of 8."""
+    base, ads = setup
+    on = engines["dual"]
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0+")
+    assert on.config.pdl is True
+    off = make(base, lora_modules={"A": ads["A"], "B": ads["B"]}, max_loras=2, pdl=False)
+    sp = SamplingParams(max_tokens=12, logprobs=2, **GREEDY)
+    for lengths, loras in (([7, 12, 4], [None] * 3), ([7, 12, 4], ["A", "B", "A"]), ([9, 3, 30], [None, "B", None]),
+                           ([5, 8, 13, 21, 34, 6, 11, 40], ["A", None, "B", "B", None, "A", "A", None])):
+        ps = prompts(lengths, seed=len(lengths) + sum(lengths))
+        for g, w in zip(on.generate(ps, sp, lora=loras), off.generate(ps, sp, lora=loras)):
+            assert g.token_ids == w.token_ids
+            assert [(x.logprob, x.top) for x in g.logprobs] == [(x.logprob, x.top) for x in w.logprobs]
+
+
 def _decode_batch(engine, lengths, loras, seed):
     """A decode batch (prompt in cache, one new token) built through the engine's own batch code."""
     seqs = []

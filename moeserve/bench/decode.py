@@ -58,8 +58,9 @@ def preset_spec(name: str, num_layers: int | None = None) -> ModelSpec:
 
 
 def random_model(spec: ModelSpec, device, dtype, seed: int = 0, backend: str = "triton",
-                 linear_backend: str = "triton") -> MoEForCausalLM:
-    return loader.random_model(spec, device, dtype, seed, backend, backend, backend, linear_backend=linear_backend)
+                 linear_backend: str = "triton", pdl: bool = False) -> MoEForCausalLM:
+    return loader.random_model(spec, device, dtype, seed, backend, backend, backend, linear_backend=linear_backend,
+                               pdl=pdl)
 
 
 def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> float:
@@ -80,15 +81,17 @@ def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> fl
 
 class DecodeBench:
     def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
-                 backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None):
+                 backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None,
+                 pdl: bool | None = None):
         self.spec, self.steps, self.device = spec, steps, torch.device(device)
         self.dtype, self.graph_factory = dtype, graph_factory
         self.max_len = PROMPT + steps + 16
         self.cfg = EngineConfig(model="random", device=device, dtype=str(dtype).split(".")[-1],
                                 max_model_len=self.max_len, max_num_seqs=max_bs, block_size=16,
                                 moe_backend=backend, attention_backend=backend,
-                                linear_backend=linear_backend or backend).resolve()
-        self.model = random_model(spec, self.device, dtype, backend=backend, linear_backend=self.cfg.linear_backend)
+                                linear_backend=linear_backend or backend, pdl=pdl).resolve()
+        self.model = random_model(spec, self.device, dtype, backend=backend, linear_backend=self.cfg.linear_backend,
+                                  pdl=self.cfg.pdl)
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
         blocks = max_bs * -(-self.max_len // 16) + 2
         self.runner.allocate_kv_cache(blocks)
@@ -186,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--linear-backend", default="triton", choices=("torch", "triton"),
                     help="dense projections: triton = the Triton GEMV at <= 8 rows (default), torch = cuBLAS")
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                    help="Triton kernels with programmatic dependent launch (default: the engine's, on for Hopper)")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--profile", action="store_true",
                     help="also print each batch size's per-layer kernel budget (time, bytes, share of the floor, "
@@ -196,7 +201,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     spec = preset_spec(args.preset, args.layers)
-    bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend)
+    bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend, pdl=args.pdl)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results: dict[str, dict[int, float]] = {m: {} for m in modes}
@@ -248,7 +253,7 @@ def main(argv=None) -> int:
                          if a in row and b in row}
 
     print(f"\nDecode tokens/s ({args.preset}, {spec.num_layers} layers, {args.steps} steps, context {PROMPT}, "
-          f"read BW {bw / 1e12:.2f} TB/s; eff = roofline floor / step)")
+          f"read BW {bw / 1e12:.2f} TB/s, PDL {'on' if bench.cfg.pdl else 'off'}; eff = roofline floor / step)")
     head = f"{'B':>5} " + " ".join(f"{m:>20s}" for m in modes) + " " + " ".join(f"{r:>22s}" for r in ratios)
     print(head)
     for row in rows:
@@ -262,7 +267,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
                "read_bandwidth": bw, "gpu": torch.cuda.get_device_name(), "rows": rows, "capture": capture,
-               "layer_budget": budgets,
+               "layer_budget": budgets, "pdl": bench.cfg.pdl, "linear_backend": bench.cfg.linear_backend,
                "date": time.strftime("%Y-%m-%d")}
     (out / f"decode_{args.preset}.json").write_text(json.dumps(payload, indent=1))
     try:

@@ -52,39 +52,44 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend:
-    def __init__(self):
+    def __init__(self, pdl: bool = False):
         from moeserve.kernels import paged_attention
 
         self.k = paged_attention
+        self.pdl = pdl  # launches with programmatic dependent launch (kernels/pdl.py)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        return self.k.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return self.k.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                             pdl=self.pdl)
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         # context_lens holds each sequence's length after this chunk: the kernel's seq_lens
         return self.k.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale, meta.max_query_len
+            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, scale, meta.max_query_len,
+            pdl=self.pdl,
         )
 
 
-def make_attention_backend(name: str):
-    return TritonAttentionBackend() if name == "triton" else TorchAttentionBackend()
+def make_attention_backend(name: str, pdl: bool = False):
+    return TritonAttentionBackend(pdl) if name == "triton" else TorchAttentionBackend()
 
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, backend, lora_backend: str, rotary: RotaryEmbedding,
-                 fused_prologue: bool = False, gemv: bool = False):
+                 fused_prologue: bool = False, gemv: bool = False, pdl: bool = False):
         """`rotary`: the model's one cos/sin table, shared by every layer (one per layer would cost
         max_position x head_dim x 2 per layer: ~1 GiB at Qwen3-30B-A3B's 48 layers x 40k positions).
         `fused_prologue`: q/k norm + rotary + KV write as one Triton kernel (else the torch code below).
-        `gemv`: qkv_proj and o_proj run the Triton GEMV at decode sizes (layers/linear.py)."""
+        `gemv`: qkv_proj and o_proj run the Triton GEMV at decode sizes (layers/linear.py). `pdl`: the Triton
+        kernels launch with programmatic dependent launch (kernels/pdl.py)."""
         super().__init__()
+        self.pdl = pdl
         self.spec = spec
         self.nh, self.nkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = self.d ** -0.5
         self.qkv_proj = LoRALinear(spec.hidden_size, (spec.q_size, spec.kv_size, spec.kv_size), spec.qkv_bias,
-                                   lora_backend, gemv=gemv)
-        self.o_proj = LoRALinear(spec.q_size, (spec.hidden_size,), spec.o_bias, lora_backend, gemv=gemv)
+                                   lora_backend, gemv=gemv, pdl=pdl)
+        self.o_proj = LoRALinear(spec.q_size, (spec.hidden_size,), spec.o_bias, lora_backend, gemv=gemv, pdl=pdl)
         if spec.qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(self.d, spec.rms_norm_eps), RMSNorm(self.d, spec.rms_norm_eps)
         elif spec.qk_norm == "full":
@@ -114,7 +119,7 @@ class Attention(nn.Module):
         return self.prologue_kernels.qk_norm_rotary_write_kv(
             qkv, positions, self.rotary.cos, self.rotary.sin, self.nh, self.nkv, self.d, self.spec.qk_norm,
             None if self.q_norm is None else self.q_norm.weight, None if self.k_norm is None else self.k_norm.weight,
-            self.spec.rms_norm_eps, k_cache, v_cache, meta.slot_mapping, self.spec.clip_qkv)
+            self.spec.rms_norm_eps, k_cache, v_cache, meta.slot_mapping, self.spec.clip_qkv, pdl=self.pdl)
 
     def qk_norm_rotary(self, qkv: torch.Tensor, positions: torch.Tensor):
         """q [T, nh, d], k and v [T, nkv, d] from the fused projection: q/k norms, clipping, rotary."""

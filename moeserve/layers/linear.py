@@ -42,8 +42,9 @@ class LoRALinear(nn.Module):
     path."""
 
     def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, lora_backend: str = "torch",
-                 gemv: bool = False):
+                 gemv: bool = False, pdl: bool = False):
         super().__init__()
+        self.pdl = pdl  # Triton launches with programmatic dependent launch (kernels/pdl.py)
         self.in_features = in_features
         self.slice_sizes = tuple(slice_sizes)
         self.out_features = sum(slice_sizes)
@@ -74,21 +75,22 @@ class LoRALinear(nn.Module):
 
     def _gemv_forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         if lora is None:
-            return self.gemv_kernels.gemv(x, self.weight, self.bias)
+            return self.gemv_kernels.gemv(x, self.weight, self.bias, pdl=self.pdl)
         if not self.use_triton:
-            y = self.gemv_kernels.gemv(x, self.weight, self.bias)
+            y = self.gemv_kernels.gemv(x, self.weight, self.bias, pdl=self.pdl)
             self.add_lora(x, lora, y)
             return y
         # shrink alone, then the expand inside the base projection's epilogue
-        scratch = self.lora_kernels.dense_lora_shrink(x, self.lora_a, lora.token_slots, lora.slot_ranks)
+        scratch = self.lora_kernels.dense_lora_shrink(x, self.lora_a, lora.token_slots, lora.slot_ranks,
+                                                      pdl=self.pdl)
         expand = self.gemv_kernels.GemvLoRA(scratch, self.lora_b, lora.token_slots, lora.slot_ranks,
                                             self.slice_sizes)
-        return self.gemv_kernels.gemv(x, self.weight, self.bias, lora=expand)
+        return self.gemv_kernels.gemv(x, self.weight, self.bias, lora=expand, pdl=self.pdl)
 
     def add_lora(self, x: torch.Tensor, lora: LoRABatch, out: torch.Tensor) -> None:
         """out += each row's adapter delta (rows without an adapter untouched); needs the slot pool's buffers."""
         args = (x, self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes, out)
         if self.use_triton:
-            self.lora_kernels.dense_lora(*args)
+            self.lora_kernels.dense_lora(*args, pdl=self.pdl)
         else:
             dense_lora_torch(*args, slots=lora.active_slots)

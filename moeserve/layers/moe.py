@@ -77,11 +77,11 @@ def moe_experts_torch(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None
 class DenseMLP(nn.Module):
     """SiLU-gated MLP (dense layers and the qwen2 shared expert)."""
 
-    def __init__(self, hidden: int, inter: int, lora_backend: str, gemv: bool = False):
+    def __init__(self, hidden: int, inter: int, lora_backend: str, gemv: bool = False, pdl: bool = False):
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = LoRALinear(hidden, (inter, inter), False, lora_backend, gemv=gemv)
-        self.down_proj = LoRALinear(inter, (hidden,), False, lora_backend, gemv=gemv)
+        self.gate_up_proj = LoRALinear(hidden, (inter, inter), False, lora_backend, gemv=gemv, pdl=pdl)
+        self.down_proj = LoRALinear(inter, (hidden,), False, lora_backend, gemv=gemv, pdl=pdl)
 
     def forward(self, x, lora: LoRABatch | None):
         gu = self.gate_up_proj(x, lora)
@@ -91,21 +91,23 @@ class DenseMLP(nn.Module):
 class MoEBlock(nn.Module):
     """`gemm_topk_max_tokens` (triton backend): batches of at most this many tokens run the router GEMM
     inside the routing kernel; larger ones run the linear layer, then the routing kernel. `gemv`: the shared
-    expert runs the Triton GEMV at decode sizes (the router and the shared-expert gate keep their own paths)."""
+    expert runs the Triton GEMV at decode sizes (the router and the shared-expert gate keep their own paths).
+    `pdl`: the Triton kernels launch with programmatic dependent launch (kernels/pdl.py)."""
 
     def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str,
-                 gemm_topk_max_tokens: int | None = None, gemv: bool = False):
+                 gemm_topk_max_tokens: int | None = None, gemv: bool = False, pdl: bool = False):
         super().__init__()
         self.spec = spec
+        self.pdl = pdl
         E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-        self.router = LoRALinear(H, (E,), False, lora_backend)
+        self.router = LoRALinear(H, (E,), False, lora_backend, pdl=pdl)
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
         self.lora_bufs: ExpertLoRABuffers | None = None  # set by the slot pool
         self.shared_expert = None
         if spec.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, lora_backend, gemv=gemv)
-            self.shared_expert_gate = LoRALinear(H, (1,), False, lora_backend)
+            self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, lora_backend, gemv=gemv, pdl=pdl)
+            self.shared_expert_gate = LoRALinear(H, (1,), False, lora_backend, pdl=pdl)
         self.backend = moe_backend
         if moe_backend == "triton":
             from moeserve.kernels import fused_moe
@@ -142,13 +144,13 @@ class MoEBlock(nn.Module):
         k, renorm = self.spec.top_k, self.spec.norm_topk_prob
         out_dtype = torch.float32 if self.spec.router_weights_fp32 else x.dtype
         if x.shape[0] > self.gemm_topk_max_tokens:
-            return self._routing.fused_topk(self.router(x, lora), k, renorm, out_dtype)
+            return self._routing.fused_topk(self.router(x, lora), k, renorm, out_dtype, pdl=self.pdl)
         delta = None
         if lora is not None and self.router.lora_a is not None:
             delta = torch.zeros(x.shape[0], self.router.out_features, dtype=x.dtype, device=x.device)
             self.router.add_lora(x, lora, delta)
         return self._routing.fused_gemm_topk(x, self.router.weight, k, renorm, out_dtype, delta,
-                                             counters=self.router_counters)
+                                             counters=self.router_counters, pdl=self.pdl)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         topk_w, topk_ids = self.route(x, lora)
@@ -163,7 +165,7 @@ class MoEBlock(nn.Module):
                 b = self.lora_bufs
                 args = self._fused.MoELoRAArgs(lora.token_slots, lora.slot_ranks, b.gate_up_a, b.gate_up_b, b.down_a,
                                                b.down_b, b.up_a, b.gate_up_separate)
-            out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args)
+            out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args, pdl=self.pdl)
         else:
             out = moe_experts_torch(x, self.w13, self.w2, topk_w, topk_ids, lora, self.lora_bufs if use_lora else None)
         if self.shared_expert is not None:

@@ -6,9 +6,11 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, backend: str = "torch"):
-        """backend "triton": one fused kernel per call (kernels/norm_rotary.py); "torch": the reference."""
+    def __init__(self, dim: int, eps: float, backend: str = "torch", pdl: bool = False):
+        """backend "triton": one fused kernel per call (kernels/norm_rotary.py), launched with programmatic dependent
+        launch when `pdl` (kernels/pdl.py); "torch": the reference."""
         super().__init__()
+        self.pdl = pdl
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
         self.kernels = None  # the Triton kernels module, imported only when chosen
@@ -21,8 +23,8 @@ class RMSNorm(nn.Module):
         """normed x; with a residual: (normed x + residual, x + residual), the new residual stream."""
         if self.kernels is not None:
             if residual is None:
-                return self.kernels.rms_norm(x, self.weight, self.eps)
-            return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return self.kernels.rms_norm(x, self.weight, self.eps, pdl=self.pdl)
+            return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps, pdl=self.pdl)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -58,11 +58,13 @@ class ExpertParallelMoEBlock(MoEBlock):
     layer's all-reduce after the block then adds the ranks' parts — with the token activations already on every
     rank, that is the all-gather + reduce-scatter exchange in one collective."""
 
-    def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str, tp: ParallelState, gemv: bool = False):
+    def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str, tp: ParallelState, gemv: bool = False,
+                 pdl: bool = False):
         num_local = spec.num_experts // tp.world_size
-        super().__init__(dataclasses.replace(spec, num_experts=num_local), moe_backend, lora_backend, gemv=gemv)
+        super().__init__(dataclasses.replace(spec, num_experts=num_local), moe_backend, lora_backend, gemv=gemv,
+                         pdl=pdl)
         self.spec = spec  # route() takes top-k over all experts
-        self.router = LoRALinear(spec.hidden_size, (spec.num_experts,), False, lora_backend)  # all E experts
+        self.router = LoRALinear(spec.hidden_size, (spec.num_experts,), False, lora_backend, pdl=pdl)  # all E experts
         self.expert_start, self.num_local = tp.rank * num_local, num_local
 
     def route(self, *args, **kwargs):

@@ -107,14 +107,14 @@ def _first(tensors: _Tensors, names: list[str]) -> str:
 
 def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backend: str = "torch",
                  moe_backend: str = "torch", lora_backend: str = "torch", tp: ParallelState | None = None,
-                 linear_backend: str = "torch") -> MoEForCausalLM:
+                 linear_backend: str = "torch", pdl: bool = False) -> MoEForCausalLM:
     """Random weights in the real shapes, built directly on the device (`--load-format dummy`, benchmarks):
     N(0, 0.02) from a seeded generator, norms 1. Under tensor parallelism each rank draws its own shard, and
     the replicated router and shared-expert gate are drawn alike on every rank (ranks must route alike)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
         model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp,
-                               linear_backend=linear_backend).to(dtype)
+                               linear_backend=linear_backend, pdl=pdl).to(dtype)
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             if model.tp is not None:
@@ -130,19 +130,19 @@ def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backen
 def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                attention_backend: str = "torch", moe_backend: str = "torch", lora_backend: str = "torch",
                progress: bool = False, load_format: str = "auto", seed: int = 0,
-               tp: ParallelState | None = None, linear_backend: str = "torch") -> MoEForCausalLM:
+               tp: ParallelState | None = None, linear_backend: str = "torch", pdl: bool = False) -> MoEForCausalLM:
     """`tp`: load this rank's shard of a tensor-parallel model (each rank reads only its slices)."""
     if load_format == "dummy":
         logger.info("random weights (--load-format dummy): outputs are meaningless; for benchmarks")
         return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend, tp=tp,
-                            linear_backend=linear_backend)
+                            linear_backend=linear_backend, pdl=pdl)
     model_dir = Path(model_dir)
     sharded = tp is not None and tp.world_size > 1
     tensors = _ShardedTensors(model_dir, TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel)) if sharded \
         else _Tensors(model_dir)
     with torch.device(device):
         model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp,
-                               linear_backend=linear_backend).to(dtype)
+                               linear_backend=linear_backend, pdl=pdl).to(dtype)
     H = spec.hidden_size
 
     def put(param: torch.Tensor, value: torch.Tensor):

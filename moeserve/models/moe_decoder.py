@@ -20,27 +20,29 @@ from moeserve.layers.batch import ForwardBatch
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, attn_backend, moe_backend: str, lora_backend: str,
                  rotary: RotaryEmbedding, tp: ParallelState | None = None, norm_backend: str = "torch",
-                 gemv: bool = False):
+                 gemv: bool = False, pdl: bool = False):
         """`spec`: the shapes this rank holds; `tp`: the parallel state under tensor parallelism (None: one rank,
         no collectives at all); `norm_backend` "triton": the norms (fused with the residual add) and the
         attention prologue (q/k norm + rotary + KV write) run as one Triton kernel each; `gemv`: the dense
-        projections run the Triton GEMV at decode sizes (layers/linear.py)."""
+        projections run the Triton GEMV at decode sizes (layers/linear.py); `pdl`: every Triton kernel launches with
+        programmatic dependent launch (kernels/pdl.py)."""
         super().__init__()
         self.tp = tp
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend, pdl)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend, pdl)
         # OLMoE's full-width q/k norms under TP need an all-reduce inside the norm: those keep the torch path
         sharded_qk_norm = tp is not None and spec.qk_norm == "full"
         self.self_attn = Attention(spec, attn_backend, lora_backend, rotary,
-                                   fused_prologue=norm_backend == "triton" and not sharded_qk_norm, gemv=gemv)
+                                   fused_prologue=norm_backend == "triton" and not sharded_qk_norm, gemv=gemv,
+                                   pdl=pdl)
         self.is_sparse = spec.sparse_layers[layer_idx]
         if self.is_sparse and tp is not None and tp.expert_parallel:
-            self.mlp = ExpertParallelMoEBlock(spec, moe_backend, lora_backend, tp, gemv=gemv)
+            self.mlp = ExpertParallelMoEBlock(spec, moe_backend, lora_backend, tp, gemv=gemv, pdl=pdl)
         elif self.is_sparse:
-            self.mlp = MoEBlock(spec, moe_backend, lora_backend, gemv=gemv)
+            self.mlp = MoEBlock(spec, moe_backend, lora_backend, gemv=gemv, pdl=pdl)
         else:
-            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, lora_backend, gemv=gemv)
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, lora_backend, gemv=gemv, pdl=pdl)
         if sharded_qk_norm:  # olmoe's q/k norms span all heads, now split across ranks
             attn = self.self_attn
             attn.q_norm = ShardedRMSNorm(spec.q_size, spec.rms_norm_eps, tp)
@@ -66,10 +68,12 @@ class DecoderLayer(nn.Module):
 
 class MoEForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, attention_backend: str = "torch", moe_backend: str = "torch",
-                 lora_backend: str = "torch", tp: ParallelState | None = None, linear_backend: str = "torch"):
+                 lora_backend: str = "torch", tp: ParallelState | None = None, linear_backend: str = "torch",
+                 pdl: bool = False):
         """`tp`: build this rank's shard of a tensor-parallel model (moeserve/distributed/sharding.py); `spec`
         stays the whole model's, `rank_spec` holds the shapes of this rank's layers. `linear_backend` "triton":
-        the dense projections and lm_head run the Triton GEMV at decode sizes (kernels/gemv.py)."""
+        the dense projections and lm_head run the Triton GEMV at decode sizes (kernels/gemv.py). `pdl`: the Triton
+        kernels launch with programmatic dependent launch (kernels/pdl.py; the caller checks the device has it)."""
         super().__init__()
         self.spec = spec
         self.tp = tp if tp is not None and tp.world_size > 1 else None
@@ -78,7 +82,8 @@ class MoEForCausalLM(nn.Module):
             sharding = TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel)
             self.rank_spec, vocab_rows = rank_spec(spec, tp.world_size, tp.expert_parallel), sharding.vocab_per_rank
             self.vocab_start = sharding.vocab_rows()[0]
-        attn = make_attention_backend(attention_backend)
+        self.pdl = pdl
+        attn = make_attention_backend(attention_backend, pdl)
         self.gemv = None
         if linear_backend == "triton":
             from moeserve.kernels import gemv as gemv_kernels
@@ -89,10 +94,10 @@ class MoEForCausalLM(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
             DecoderLayer(self.rank_spec, i, attn, moe_backend, lora_backend, self.rotary, self.tp, norm_backend,
-                         gemv=self.gemv is not None)
+                         gemv=self.gemv is not None, pdl=pdl)
             for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend, pdl)
         self.lm_head = None if spec.tie_word_embeddings else nn.Parameter(
             torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # bound by the model runner
@@ -116,5 +121,5 @@ class MoEForCausalLM(nn.Module):
         if self.tp is not None:  # every rank takes part; every rank gets the full logits
             return vocab_parallel_logits(hidden, w, self.spec.vocab_size, self.tp)
         if self.gemv is not None and self.gemv.serves(hidden.shape[0], w.shape[0], w.shape[1]):
-            return self.gemv.gemv(hidden, w).float()  # rounded to the activation dtype as F.linear's
+            return self.gemv.gemv(hidden, w, pdl=self.pdl).float()  # rounded to the activation dtype as F.linear's
         return F.linear(hidden, w).float()

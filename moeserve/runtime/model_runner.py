@@ -71,7 +71,7 @@ class ModelRunner:
         lora_backend = config.moe_backend  # dense LoRA kernels travel with the MoE backend choice
         self.model = model if model is not None else load_model(
             model_dir, spec, self.device, self.dtype, config.attention_backend, config.moe_backend, lora_backend,
-            linear_backend=config.linear_backend,
+            linear_backend=config.linear_backend, pdl=config.pdl,
             progress=progress, load_format=config.load_format, seed=config.seed)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)

@@ -155,7 +155,7 @@ class ParallelModelRunner(ModelRunner):
             model = load_model(model_dir, spec, device, config.torch_dtype, config.attention_backend,
                                config.moe_backend, config.moe_backend, progress=progress,
                                load_format=config.load_format, seed=config.seed, tp=self.tp,
-                               linear_backend=config.linear_backend)
+                               linear_backend=config.linear_backend, pdl=config.pdl)
             # self.spec is then this rank's shapes, which size its KV cache; the core keeps the whole model's
             super().__init__(config, rank_spec(spec, n, ep), model_dir, model=model)
             self._expect_ok("loading its shard of the model")

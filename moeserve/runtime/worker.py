@@ -47,7 +47,7 @@ class Worker:
         cfg = self.config
         model = load_model(self.model_dir, self.spec, self.device, cfg.torch_dtype, cfg.attention_backend,
                            cfg.moe_backend, cfg.moe_backend, load_format=cfg.load_format, seed=cfg.seed, tp=self.tp,
-                           linear_backend=cfg.linear_backend)
+                           linear_backend=cfg.linear_backend, pdl=cfg.pdl)
         self.runner = ModelRunner(cfg, self.rank_spec, self.model_dir, model=model)
 
     # ---- messages ---------------------------------------------------------------------------------
