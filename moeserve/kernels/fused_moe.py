@@ -127,13 +127,14 @@ def _moe_gate_up_kernel(
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
     columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand)."""
-    pdl_launch.enter(USE_PDL)
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K loop
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
@@ -155,6 +156,7 @@ def _moe_gate_up_kernel(
         acc = tl.dot(a, b.to(a.dtype), acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    pdl_launch.late(USE_PDL, HAS_LORA)
     if HAS_LORA:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
@@ -178,13 +180,14 @@ def _moe_down_kernel(
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded; the routing weight scales base and delta together."""
-    pdl_launch.enter(USE_PDL)
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K loop
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
@@ -208,6 +211,7 @@ def _moe_down_kernel(
         acc = tl.dot(a, b, acc)
         gate_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    pdl_launch.late(USE_PDL, HAS_LORA)
     if HAS_LORA:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
@@ -263,11 +267,12 @@ def _gemv_gate_up_kernel(
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, UP_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """gu[pair, tile] = W13_e[tile] @ x[token] (+ LoRA expand), fp32; one program per (pair, tile)."""
-    pdl_launch.enter(USE_PDL)
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K walk
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     if (expert < 0) | (expert >= num_experts):
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -277,7 +282,7 @@ def _gemv_gate_up_kernel(
               + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
     x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_k
     delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_LORA:  # issued before the main loop so its loads overlap the weight stream
+    if HAS_LORA and not USE_PDL:  # issued before the main loop so its loads overlap the weight stream
         delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, token,
                                   expert, rows, stride_bl, stride_be, stride_bn, stride_sp,
                                   stride_ss, num_splits, separate_ptr, stride_sh, up_row0,
@@ -295,6 +300,12 @@ def _gemv_gate_up_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out = tl.sum(acc, 1)
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    if HAS_LORA and USE_PDL:  # after the wait: the shrink ran under the loop above
+        delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, token,
+                                  expert, rows, stride_bl, stride_be, stride_bn, stride_sp,
+                                  stride_ss, num_splits, separate_ptr, stride_sh, up_row0,
+                                  BLOCK_R, BLOCK_S, UP_HALF)
     if HAS_LORA:
         out += delta
     tl.store(gu_ptr + pair.to(tl.int64) * stride_gu + offs_n, out, mask=offs_n < N)
@@ -311,11 +322,12 @@ def _gemv_down_kernel(
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """y[pair, tile] = w[pair] * (W2_e[tile] @ silu(g) * u (+ LoRA expand)), fp32."""
-    pdl_launch.enter(USE_PDL)
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K walk
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     if (expert < 0) | (expert >= num_experts):
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n % N
@@ -324,7 +336,7 @@ def _gemv_down_kernel(
               + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
     gate_ptrs = gu_ptr + pair.to(tl.int64) * stride_gu + offs_k
     delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_LORA:
+    if HAS_LORA and not USE_PDL:
         delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair,
                                   pair // top_k, expert, rows, stride_bl, stride_be, stride_bn,
                                   stride_sp, stride_ss, num_splits, slots_ptr, 0, 0,
@@ -344,6 +356,12 @@ def _gemv_down_kernel(
         w_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
     out = tl.sum(acc, 1)
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    if HAS_LORA and USE_PDL:  # after the wait: the shrink ran under the loop above
+        delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair,
+                                  pair // top_k, expert, rows, stride_bl, stride_be, stride_bn,
+                                  stride_sp, stride_ss, num_splits, slots_ptr, 0, 0,
+                                  BLOCK_R, BLOCK_S, False)
     if HAS_LORA:
         out += delta
     out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
@@ -511,7 +529,8 @@ def fused_moe(
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/topk_ids [T, K] -> [T, H] in x.dtype.
     `decode` forces the GEMV (True) or sorted (False) path; `plan` overrides block sizes; `pdl`: every launch
-    with programmatic dependent launch (kernels/pdl.py)."""
+    with programmatic dependent launch (kernels/pdl.py). Each LoRA shrink is launched right before the GEMM or
+    GEMV whose epilogue reads it, which then runs its main loop under the shrink (late wait)."""
     num_tokens, hidden = x.shape
     if w13.shape[2] != hidden or w2.shape[1] != hidden or w2.shape[2] * 2 != w13.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "

@@ -115,7 +115,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                  EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                  LORA_K_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_launch.enter(USE_PDL)
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K walk
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     # clamped rows/columns: loads need no masks; what they compute is never stored
@@ -132,6 +132,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr,
             w = tl.load(w_rows + k[None, :], mask=k_mask[None, :], other=0.0)
             xt = tl.load(x_rows + k[None, :], mask=k_mask[None, :], other=0.0)
         acc3 += xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    pdl_launch.late(USE_PDL, HAS_LORA)
     _epilogue(tl.sum(acc3, 2), t, n, T, N, bias_ptr, out_ptr, stride_ot,
               scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
               stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
@@ -147,7 +148,9 @@ def _check_config(cfg: GemvConfig) -> None:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
          lora: GemvLoRA | None = None, config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """y [T, N] = x [T, K] W[N, K]^T (+ bias) (+ the LoRA expand of `lora`), fp32 accumulation, one rounding
-    to out's dtype (default x.dtype). 1 <= T <= GEMV_MAX_TOKENS; x and W contiguous along K."""
+    to out's dtype (default x.dtype). 1 <= T <= GEMV_MAX_TOKENS; x and W contiguous along K. With `lora` and
+    `pdl`, the shrink that wrote lora.scratch must be the kernel launched just before: the K walk runs under it
+    and waits only for the epilogue (kernels/pdl.py, late wait)."""
     T, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:

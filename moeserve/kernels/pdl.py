@@ -10,6 +10,11 @@ so the chain stays transitive: a kernel's wait returning means all kernels befor
 
 Measured on the H200 (a CUDA graph of 192 chained norm / GEMV kernels at one row): 5.79 -> 5.23 us per
 kernel. Kernels launched without PDL (cuBLAS, torch ops, NCCL) keep the full stream order, before and after.
+
+Late wait: a GEMM or GEMV with a LoRA epilogue reads the shrink launched just before it only in its epilogue,
+and its main loop reads only what was written before that shrink (activations, routing, weights). Such a
+kernel waits just before its epilogue (`enter_late` / `late`), so the shrink runs under its main loop instead
+of in front of it.
 The arithmetic is untouched, so results are bitwise the same with and without it.
 """
 from __future__ import annotations
@@ -44,3 +49,20 @@ def enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def enter_late(USE_PDL: tl.constexpr, LATE: tl.constexpr):
+    """`enter` at the top of a kernel (LATE off), or where it is called again with LATE on (before the first
+    store and the first read of what the kernel just before wrote). A late kernel runs its main loop while its
+    predecessor runs: allowed for what was written two or more kernels back, since every kernel releases the
+    next only after its own wait. Every program must reach the LATE call, early returns included."""
+    if not LATE:
+        enter(USE_PDL)
+
+
+@triton.jit
+def late(USE_PDL: tl.constexpr, LATE: tl.constexpr):
+    """The deferred `enter` of a kernel that called `enter_late` with LATE on."""
+    if LATE:
+        enter(USE_PDL)
