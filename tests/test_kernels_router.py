@@ -126,9 +126,12 @@ def lowest_first_ref(logits, top_k, renorm, out_dtype):
     return weights.to(out_dtype), ids
 
 
-def tied_logits(num_tokens, num_experts, gen):
-    """Logits on a coarse grid (many exact ties), zeros of both signs."""
+def tied_logits(num_tokens, num_experts, gen, zero_on_top=False):
+    """Logits on a coarse grid (many exact ties), zeros of both signs; `zero_on_top`: zero is the largest logit
+    (top-k picks among +0.0 and -0.0)."""
     logits = torch.randint(-6, 6, (num_tokens, num_experts), generator=gen) * 0.5
+    if zero_on_top:
+        logits = logits.clamp(max=0.0)
     negative_zero = torch.rand(num_tokens, num_experts, generator=gen) < 0.5
     return torch.where((logits == 0) & negative_zero, -0.0, logits)
 
@@ -150,7 +153,7 @@ def test_packed_selection_is_bitwise_the_three_reduction_one(num_experts, top_k)
     """One max over packed keys per pick stores the same ids and weight bits as the three-reduction selection, and
     both take ties lowest index first (-0.0 == +0.0)."""
     gen = torch.Generator().manual_seed(num_experts * 10 + top_k)
-    logits = tied_logits(9, num_experts, gen).to(DEV)
+    logits = torch.cat([tied_logits(5, num_experts, gen), tied_logits(4, num_experts, gen, zero_on_top=True)]).to(DEV)
     for renorm, out_dtype, block_t in SELECTION_CASES:
         out = fused_topk(logits, top_k, renorm, out_dtype, block_t=block_t)
         _same_bits(out, fused_topk(logits, top_k, renorm, out_dtype, block_t=block_t, packed_topk=False))
@@ -311,9 +314,10 @@ def test_gpu_graph_replays_route_each_input():
 @pytest.mark.parametrize("num_experts,top_k", [(128, 8), (60, 4), (64, 8), (8, 2)])
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 256])
 def test_gpu_packed_selection_is_bitwise_the_three_reduction_one(num_experts, top_k, num_tokens):
-    """On the device, bf16 logits (ties are common): the packed selection stores the bits of the three-reduction
-    one, alone and behind the router GEMM (default tiles), and its ids are the lowest-first reference's. Rows with
-    a few NaN logits (still top_k others) route the same ids on both, with NaN weights."""
+    """On the device, bf16 logits (ties are common) and fp32 logits on a grid (ties, -0.0 and +0.0): the packed
+    selection stores the bits of the three-reduction one, alone and behind the router GEMM (default tiles), and its
+    ids are the lowest-first reference's. Rows with a few NaN logits (still top_k others) route the same ids on
+    both, with NaN weights."""
     gen = torch.Generator("cuda").manual_seed(num_tokens * 1000 + num_experts)
     hidden = 2048
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -326,6 +330,12 @@ def test_gpu_packed_selection_is_bitwise_the_three_reduction_one(num_experts, to
         assert torch.equal(out[1].long(), lowest_first_ref(logits, top_k, renorm, out_dtype)[1])
         _same_bits(fused_gemm_topk(x, weight, top_k, renorm, out_dtype, counters=counters),
                    fused_gemm_topk(x, weight, top_k, renorm, out_dtype, counters=counters, packed_topk=False))
+    # fp32 logits on a grid: many exact ties, -0.0 against +0.0 (the keys must not order them)
+    for zero_on_top, block_t in ((False, 1), (True, 1), (True, 4)):
+        grid = tied_logits(num_tokens, num_experts, torch.Generator().manual_seed(num_tokens), zero_on_top).cuda()
+        out = fused_topk(grid, top_k, False, torch.float32, block_t=block_t)
+        _same_bits(out, fused_topk(grid, top_k, False, torch.float32, block_t=block_t, packed_topk=False))
+        assert torch.equal(out[1].long(), lowest_first_ref(grid, top_k, False, torch.float32)[1])
     poisoned = logits.clone()
     poisoned[:, torch.randperm(num_experts, generator=gen, device="cuda")[:min(3, num_experts - top_k)]] = float("nan")
     w, ids = fused_topk(poisoned, top_k, True, torch.bfloat16)
