@@ -24,9 +24,9 @@ is monotone, and distinct logits cannot collapse into equal probabilities by rou
 Selection: each pick is one max over int64 keys (the logit's bits in float order, then the column
 reversed), so the routing tail of a row is TOP_K reductions, not 3 x TOP_K. -inf logits are taken
 after every finite one (lowest index first, weight 0); padding columns never. NaN logits are never
-taken (the max reductions skip NaN, as the three-reduction selection did); a row with NaN has NaN
-weights (its softmax denominator is NaN), and picks beyond its non-NaN logits get id NO_EXPERT with
-weight 0 before renormalisation (so does a row of NaN). The previous three-reduction selection
+taken (NaN gets the lowest key; the three-reduction selection's max skipped NaN); a row with NaN has
+NaN weights (its softmax denominator is NaN), and picks beyond its non-NaN logits get id NO_EXPERT
+with weight 0 before renormalisation (so does a row of NaN). The previous three-reduction selection
 (`packed_topk=False`, kept for the bench) gives the same bits whenever its picks are distinct; once
 a row's finite logits ran out it took an already picked expert again, with its weight.
 
@@ -91,7 +91,7 @@ def _selection_keys(logits, cols, selectable):
 @triton.jit
 def _decode_key(key):
     """(column, logit) of a key of `_selection_keys`; _NO_KEY gives column _NO_EXPERT (and a NaN logit)."""
-    col = -key.to(tl.int32) + _NO_EXPERT  # from the low 32 bits
+    col = -key.to(tl.int32) + _NO_EXPERT  # the cast keeps the low 32 bits
     ordered = (key >> 32).to(tl.int32)
     logit = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
     return col, logit
