@@ -1,6 +1,8 @@
 """Routing kernels (softmax + top-k + renorm + cast, with and without the router GEMM) against the plain-torch
 routing, for every family's flags. CPU: fp32 under the Triton interpreter; GPU (marked `gpu`): bf16 and
-CUDA-graph replay. Random logits have no ties, so ids must be identical; one test pins the tie rule."""
+CUDA-graph replay. Random logits have no ties, so ids must be identical; one test pins the tie rule, and the
+packed-key selection is checked bit for bit against the three-reduction one on logits full of ties (-0.0 and
++0.0 among them), against a stable-sort reference, and on -inf and NaN logits."""
 import os
 
 import torch
@@ -11,6 +13,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from moeserve.kernels.router import (  # noqa: E402
+    NO_EXPERT,
     RouterTile,
     counter_slots,
     fused_gemm_topk,
@@ -22,7 +25,7 @@ from moeserve.layers.moe import MoEBlock  # noqa: E402
 from moeserve.models.spec import ModelSpec  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+gpu = pytest.mark.gpu  # skipped without CUDA (conftest); selected by `-m gpu`
 
 
 def family_flags(family: str, norm_topk_prob: bool) -> tuple[bool, bool]:
@@ -111,6 +114,104 @@ def test_ties_go_to_the_lowest_index():
     weight[14] = weight[9] = weight[2] = torch.rand(16, generator=gen) + 1  # the largest logit, three times
     _, ids = fused_gemm_topk(x, weight, 3, True, torch.float32, tile=RouterTile(block_e=4, block_h=16))
     assert ids.tolist() == [[2, 9, 14]] * 2
+
+
+def lowest_first_ref(logits, top_k, renorm, out_dtype):
+    """The routing with the tie rule made explicit: a stable descending sort takes equal logits (-0.0 and +0.0
+    included) lowest index first, and -inf after every finite logit; weights from torch's fp32 softmax."""
+    ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(out_dtype), ids
+
+
+def tied_logits(num_tokens, num_experts, gen, zero_on_top=False):
+    """Logits on a coarse grid (many exact ties), zeros of both signs; `zero_on_top`: zero is the largest logit
+    (top-k picks among +0.0 and -0.0)."""
+    logits = torch.randint(-6, 6, (num_tokens, num_experts), generator=gen) * 0.5
+    if zero_on_top:
+        logits = logits.clamp(max=0.0)
+    negative_zero = torch.rand(num_tokens, num_experts, generator=gen) < 0.5
+    return torch.where((logits == 0) & negative_zero, -0.0, logits)
+
+
+def _same_bits(a, b):
+    (w, ids), (w0, ids0) = a, b
+    assert torch.equal(ids, ids0)
+    assert w.dtype == w0.dtype and torch.equal(w.view(torch.uint8), w0.view(torch.uint8))
+
+
+# (renormalize, out dtype, rows per program); bf16 only as the output cast (the interpreter's bf16 arithmetic is off)
+SELECTION_CASES = [(False, torch.float32, 1), (True, torch.float32, 4), (True, torch.float16, 1),
+                   (False, torch.bfloat16, 4), (True, torch.bfloat16, 1)]
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(8, 1), (8, 8), (60, 4), (60, 6), (64, 2), (64, 8), (128, 1),
+                                               (128, 6), (128, 8)])
+def test_packed_selection_is_bitwise_the_three_reduction_one(num_experts, top_k):
+    """One max over packed keys per pick stores the same ids and weight bits as the three-reduction selection, and
+    both take ties lowest index first (-0.0 == +0.0)."""
+    gen = torch.Generator().manual_seed(num_experts * 10 + top_k)
+    logits = torch.cat([tied_logits(5, num_experts, gen), tied_logits(4, num_experts, gen, zero_on_top=True)]).to(DEV)
+    for renorm, out_dtype, block_t in SELECTION_CASES:
+        out = fused_topk(logits, top_k, renorm, out_dtype, block_t=block_t)
+        _same_bits(out, fused_topk(logits, top_k, renorm, out_dtype, block_t=block_t, packed_topk=False))
+        _check(out, lowest_first_ref(logits, top_k, renorm, out_dtype), atol=1e-6 if out_dtype == torch.float32
+               else 1e-2)
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(60, 6), (128, 8), (8, 2)])
+def test_packed_selection_in_the_gemm_kernel_is_bitwise_the_three_reduction_one(num_experts, top_k):
+    """The same through the router GEMM, a row spread over programs (E 60, 128) or in one (E 8): inputs on a grid
+    whose products sum exactly, so equal logits happen."""
+    gen = torch.Generator().manual_seed(num_experts + top_k)
+    hidden = 24
+    x = torch.randint(-3, 4, (5, hidden), generator=gen).float().to(DEV)
+    weight = (torch.randint(-2, 3, (num_experts, hidden), generator=gen) * 0.125).to(DEV)
+    weight[num_experts // 2] = weight[num_experts - 1] = weight[1]  # three experts with equal logits in every row
+    tile = RouterTile(block_t=2, block_e=16, block_h=16)
+    for renorm, out_dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        out = fused_gemm_topk(x, weight, top_k, renorm, out_dtype, tile=tile)
+        _same_bits(out, fused_gemm_topk(x, weight, top_k, renorm, out_dtype, tile=tile, packed_topk=False))
+        _check(out, lowest_first_ref(x @ weight.t(), top_k, renorm, out_dtype),
+               atol=1e-6 if out_dtype == torch.float32 else 1e-2)
+
+
+def test_packed_keys_order_special_values():
+    """The key order is the float order over the whole fp32 range (subnormals, +-FLT_MAX, -0.0 == +0.0, -inf last
+    among the selectable): full sorts of permuted rows against a stable sort. A row with fewer finite logits than
+    top_k takes its -inf experts next, lowest index first, weight 0: distinct ids, all < E."""
+    fmax, tiny = torch.finfo(torch.float32).max, 1e-45  # 1e-45: the smallest subnormal
+    values = torch.tensor([0.0, -0.0, 1.0, 1.0, -1.0, 3e38, -3e38, fmax, -fmax, tiny, -tiny, 1e-30, -1e-30,
+                           float("-inf"), float("-inf"), 2.5])
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.stack([values[torch.randperm(16, generator=gen)] for _ in range(4)]).to(DEV)
+    _check(fused_topk(logits, 16, False, torch.float32), lowest_first_ref(logits, 16, False, torch.float32))
+    sparse = torch.full((2, 60), float("-inf"))
+    sparse[0, 7], sparse[0, 3], sparse[1, 59] = 1.0, 2.0, -5.0
+    w, ids = fused_topk(sparse.to(DEV), 6, True, torch.float32)
+    assert ids.tolist() == [[3, 7, 0, 1, 2, 4], [59, 0, 1, 2, 3, 4]]
+    assert w[:, 2:].eq(0).all() and w[1, 0] == 1
+    _check((w, ids), lowest_first_ref(sparse.to(DEV), 6, True, torch.float32))
+
+
+def test_nan_logits_are_never_selected():
+    """NaN logits are skipped by both selections; a row with NaN has NaN weights (its softmax denominator is NaN);
+    picks beyond a row's non-NaN logits get id NO_EXPERT and weight 0 (NaN after renormalisation), as does a row of
+    NaN."""
+    nan = float("nan")
+    logits = torch.tensor([[1.0, nan, 2.0, -1.0, nan, 0.5, 0.0, -3.0],
+                           [nan, nan, 4.0, nan, nan, nan, 1.0, nan],
+                           [nan] * 8]).to(DEV)
+    for renorm in (False, True):
+        w, ids = fused_topk(logits, 3, renorm, torch.float32)
+        assert ids.tolist() == [[2, 0, 5], [2, 6, NO_EXPERT], [NO_EXPERT] * 3]
+        assert w[:2, :2].isnan().all() and (w[2].isnan().all() if renorm else w[2].eq(0).all())
+        assert w[1, 2].isnan() if renorm else w[1, 2] == 0
+        old_w, old_ids = fused_topk(logits, 3, renorm, torch.float32, packed_topk=False)
+        assert torch.equal(old_ids[0], ids[0]) and torch.equal(old_ids[2], ids[2])  # rows with 3 non-NaN: the same
+        assert torch.equal(old_w[[0, 2]].isnan(), w[[0, 2]].isnan())
 
 
 def _moe_spec(num_experts=60, top_k=4, hidden=32):
@@ -207,3 +308,37 @@ def test_gpu_graph_replays_route_each_input():
         eager_w, eager_ids = fused_gemm_topk(x, weight, top_k, True, torch.bfloat16, counters=counters)
         assert torch.equal(ids, eager_ids) and torch.equal(w, eager_w)
         assert not counters.any()
+
+
+@gpu
+@pytest.mark.parametrize("num_experts,top_k", [(128, 8), (60, 4), (64, 8), (8, 2)])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 256])
+def test_gpu_packed_selection_is_bitwise_the_three_reduction_one(num_experts, top_k, num_tokens):
+    """On the device, bf16 logits (ties are common) and fp32 logits on a grid (ties, -0.0 and +0.0): the packed
+    selection stores the bits of the three-reduction one, alone and behind the router GEMM (default tiles), and its
+    ids are the lowest-first reference's. Rows with a few NaN logits (still top_k others) route the same ids on
+    both, with NaN weights."""
+    gen = torch.Generator("cuda").manual_seed(num_tokens * 1000 + num_experts)
+    hidden = 2048
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(num_experts, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+    logits = x @ weight.t()
+    counters = torch.zeros(counter_slots(num_tokens), dtype=torch.int32, device="cuda")
+    for renorm, out_dtype in ((True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float32)):
+        out = fused_topk(logits, top_k, renorm, out_dtype)
+        _same_bits(out, fused_topk(logits, top_k, renorm, out_dtype, packed_topk=False))
+        assert torch.equal(out[1].long(), lowest_first_ref(logits, top_k, renorm, out_dtype)[1])
+        _same_bits(fused_gemm_topk(x, weight, top_k, renorm, out_dtype, counters=counters),
+                   fused_gemm_topk(x, weight, top_k, renorm, out_dtype, counters=counters, packed_topk=False))
+    # fp32 logits on a grid: many exact ties, -0.0 against +0.0 (the keys must not order them)
+    for zero_on_top, block_t in ((False, 1), (True, 1), (True, 4)):
+        grid = tied_logits(num_tokens, num_experts, torch.Generator().manual_seed(num_tokens), zero_on_top).cuda()
+        out = fused_topk(grid, top_k, False, torch.float32, block_t=block_t)
+        _same_bits(out, fused_topk(grid, top_k, False, torch.float32, block_t=block_t, packed_topk=False))
+        assert torch.equal(out[1].long(), lowest_first_ref(grid, top_k, False, torch.float32)[1])
+    poisoned = logits.clone()
+    poisoned[:, torch.randperm(num_experts, generator=gen, device="cuda")[:min(3, num_experts - top_k)]] = float("nan")
+    w, ids = fused_topk(poisoned, top_k, True, torch.bfloat16)
+    old_w, old_ids = fused_topk(poisoned, top_k, True, torch.bfloat16, packed_topk=False)
+    assert torch.equal(ids, old_ids) and w.isnan().all() and old_w.isnan().all()
+    assert not poisoned.gather(1, ids.long()).isnan().any()

@@ -24,6 +24,8 @@ kernels_bench.json.
 `--parts router` times the MoE routing (router GEMM, softmax, top-k, renorm, cast) at T = 1, 8, 64,
 256, 512: the torch code, the linear layer + `fused_topk`, and `fused_gemm_topk` at a few tiles,
 each over enough router weights (cold L2, as between layers) in one CUDA graph; writes router_bench.json.
+Names ending in `:3red` select top-k with the previous three reductions per pick (`packed_topk=False`) instead
+of one max over packed keys: the same result, the routing tail's cost.
 Part `dense_lora` (moeserve.bench.dense_lora) times the dense multi-LoRA paths first, with its own table.
 Part `norm_rotary` (bench/norm_kernels.py): the fused RMSNorm, residual add + RMSNorm and q/k norm +
 rotary + KV write kernels against the torch code they replace at T = 1, 8, 64, 256, 512; its own table
@@ -337,8 +339,10 @@ def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -
 ROUTER_BATCHES = (1, 8, 64, 256, 512)
 ROUTER_SETS = 160  # router weights per timed graph: 160 x 512 KB = 80 MB > L2, as between layers
 ROUTER_TILES = [RouterTile(block_t=1, block_e=2, block_h=2048, num_warps=4),
+                RouterTile(block_t=1, block_e=2, block_h=2048, num_warps=2),  # a shorter routing tail (fewer warps)
                 RouterTile(block_t=1, block_e=4, block_h=1024, num_warps=4),
                 RouterTile(block_t=1, block_e=8, block_h=512, num_warps=4),
+                RouterTile(block_t=1, block_e=8, block_h=512, num_warps=2),
                 RouterTile(block_t=1, block_e=8, block_h=256, num_warps=4),
                 RouterTile(block_t=2, block_e=8, block_h=512, num_warps=8),
                 RouterTile(block_t=4, block_e=8, block_h=512, num_warps=8),
@@ -364,12 +368,20 @@ def bench_router(gen) -> dict:
 
         variants = {"torch": torch_route,
                     "linear+fused_topk": lambda x, w: fused_topk(torch.nn.functional.linear(x, w), TOP_K, True,
-                                                                 x.dtype)}
+                                                                 x.dtype),
+                    "linear+fused_topk:3red": lambda x, w: fused_topk(torch.nn.functional.linear(x, w), TOP_K, True,
+                                                                      x.dtype, packed_topk=False)}
         variants["gemm_topk:default"] = (
             lambda x, w: fused_gemm_topk(x, w, TOP_K, True, x.dtype, counters=counters))
+        variants["gemm_topk:default:3red"] = (
+            lambda x, w: fused_gemm_topk(x, w, TOP_K, True, x.dtype, counters=counters, packed_topk=False))
         for tile in ROUTER_TILES:
             variants["gemm_topk:" + _tile_name(tile)] = (
                 lambda x, w, tile=tile: fused_gemm_topk(x, w, TOP_K, True, x.dtype, counters=counters, tile=tile))
+            if tile.num_warps == 2:  # does the routing tail's selection matter more or less with fewer warps?
+                variants["gemm_topk:" + _tile_name(tile) + ":3red"] = (
+                    lambda x, w, tile=tile: fused_gemm_topk(x, w, TOP_K, True, x.dtype, counters=counters,
+                                                            tile=tile, packed_topk=False))
         row = {"batch": batch, "us": {}, "rows_differing": {}}
         ref_ids = torch_route(xs[0], weights[0])[1].sort(-1).values
         for name, fn in variants.items():

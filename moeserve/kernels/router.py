@@ -21,6 +21,15 @@ among ties is arbitrary, e.g. neither lowest nor highest index). These kernels p
 among equal logits the lowest expert index is taken first. Selection runs on the logits (softmax
 is monotone, and distinct logits cannot collapse into equal probabilities by rounding).
 
+Selection: each pick is one max over int64 keys (the logit's bits in float order, then the column
+reversed), so the routing tail of a row is TOP_K reductions, not 3 x TOP_K. -inf logits are taken
+after every finite one (lowest index first, weight 0); padding columns never. NaN logits are never
+taken (NaN gets the lowest key; the three-reduction selection's max skipped NaN); a row with NaN has
+NaN weights (its softmax denominator is NaN), and picks beyond its non-NaN logits get id NO_EXPERT
+with weight 0 before renormalisation (so does a row of NaN). The previous three-reduction selection
+(`packed_topk=False`, kept for the bench) gives the same bits whenever its picks are distinct; once
+a row's finite logits ran out it took an already picked expert again, with its weight.
+
 The logits are rounded to x's dtype before softmax in `fused_gemm_topk`, as the plain
 `F.linear` router would produce them, so both paths route the same.
 """
@@ -62,27 +71,73 @@ def counter_slots(max_tokens: int) -> int:
     return max_tokens
 
 
+NO_EXPERT = 1 << 30  # the id of a pick with no selectable column left (rows with NaN logits only)
+_NO_EXPERT: tl.constexpr = tl.constexpr(NO_EXPERT)
+_NO_KEY: tl.constexpr = tl.constexpr(-(2**63))  # below every key of a selectable column; decodes to _NO_EXPERT
+
+
+@triton.jit
+def _selection_keys(logits, cols, selectable):
+    """int64 keys ordered as (logit ascending, column descending): the largest key is the best logit at the lowest
+    column holding it. High 32 bits: the fp32 bits mapped to a signed int in the order of the floats (negative
+    floats get their magnitude bits flipped); low 32 bits: _NO_EXPERT - column. Columns not `selectable` get
+    _NO_KEY."""
+    logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 and +0.0 are equal logits: one key
+    bits = logits.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    lows = -cols + _NO_EXPERT  # _NO_EXPERT - column (the interpreter wants the tensor on the left)
+    keys = (ordered.to(tl.int64) << 32) | lows.to(tl.int64)[None, :]
+    return tl.where(selectable, keys, _NO_KEY)
+
+
+@triton.jit
+def _decode_key(key):
+    """(column, logit) of a key of `_selection_keys`; _NO_KEY gives column _NO_EXPERT (and a NaN logit)."""
+    col = -key.to(tl.int32) + _NO_EXPERT  # the cast keeps the low 32 bits
+    ordered = (key >> 32).to(tl.int32)
+    logit = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    return col, logit
+
+
 @triton.jit
 def _softmax_topk_store(logits, rows, row_ok, cols, col_ok, w_ptr, ids_ptr,
-                        TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Route a [BLOCK_T, BLOCK_E] fp32 tile of logits; store the weights and int32 ids of its rows."""
+                        TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                        PACKED_TOPK: tl.constexpr):
+    """Route a [BLOCK_T, BLOCK_E] fp32 tile of logits; store the weights and int32 ids of its rows.
+
+    PACKED_TOPK: one max over int64 keys per pick (`_selection_keys`); the pick's weight is computed from its
+    logit with the operations that make `probs` below, so it is bitwise probs[pick]. Otherwise the previous
+    selection: three reductions per pick (best logit, lowest column holding it, its probability); kept for
+    `bench kernels --parts router`."""
     logits = tl.where(col_ok[None, :], logits, float("-inf"))
     row_max = tl.max(logits, 1)
     p = tl.exp(logits - row_max[:, None])
-    probs = p / tl.sum(p, 1)[:, None]
+    denom = tl.sum(p, 1)
     ks = tl.arange(0, BLOCK_K)
     top_w = tl.zeros((logits.shape[0], BLOCK_K), dtype=tl.float32)
     top_i = tl.zeros((logits.shape[0], BLOCK_K), dtype=tl.int32)
-    remaining = logits
-    for k in tl.static_range(TOP_K):
-        best = tl.max(remaining, 1)
-        # the lowest index among the experts holding the best logit
-        pick = tl.min(tl.where(remaining == best[:, None], cols[None, :], 1 << 30), 1)
-        hit = cols[None, :] == pick[:, None]
-        w = tl.sum(tl.where(hit, probs, 0.0), 1)
-        top_w = tl.where(ks[None, :] == k, w[:, None], top_w)
-        top_i = tl.where(ks[None, :] == k, pick[:, None], top_i)
-        remaining = tl.where(hit, float("-inf"), remaining)
+    if PACKED_TOPK:
+        # NaN logits and the padding columns are never selected; a picked column's key drops below all others
+        keys = _selection_keys(logits, cols, col_ok[None, :] & (logits == logits))
+        for k in tl.static_range(TOP_K):
+            best_key = tl.max(keys, 1)
+            pick, best = _decode_key(best_key)
+            w = tl.where(pick == _NO_EXPERT, 0.0, tl.exp(best - row_max) / denom)
+            top_w = tl.where(ks[None, :] == k, w[:, None], top_w)
+            top_i = tl.where(ks[None, :] == k, pick[:, None], top_i)
+            keys = tl.where(keys == best_key[:, None], _NO_KEY, keys)
+    else:
+        probs = p / denom[:, None]
+        remaining = logits
+        for k in tl.static_range(TOP_K):
+            best = tl.max(remaining, 1)
+            # the lowest index among the experts holding the best logit
+            pick = tl.min(tl.where(remaining == best[:, None], cols[None, :], _NO_EXPERT), 1)
+            hit = cols[None, :] == pick[:, None]
+            w = tl.sum(tl.where(hit, probs, 0.0), 1)
+            top_w = tl.where(ks[None, :] == k, w[:, None], top_w)
+            top_i = tl.where(ks[None, :] == k, pick[:, None], top_i)
+            remaining = tl.where(hit, float("-inf"), remaining)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, 1)[:, None]
     out = rows[:, None] * TOP_K + ks[None, :]
@@ -94,14 +149,15 @@ def _softmax_topk_store(logits, rows, row_ok, cols, col_ok, w_ptr, ids_ptr,
 @triton.jit
 def _topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l,
                  TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+                 RENORMALIZE: tl.constexpr, PACKED_TOPK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_launch.enter(USE_PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < T, cols < E
     logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
                      mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    _softmax_topk_store(logits, rows, row_ok, cols, col_ok, w_ptr, ids_ptr, TOP_K, BLOCK_K, RENORMALIZE)
+    _softmax_topk_store(logits, rows, row_ok, cols, col_ok, w_ptr, ids_ptr, TOP_K, BLOCK_K, RENORMALIZE,
+                        PACKED_TOPK)
 
 
 @triton.jit
@@ -109,7 +165,8 @@ def _gemm_topk_kernel(x_ptr, weight_ptr, delta_ptr, scratch_ptr, counters_ptr, w
                       T, E, H, stride_x, stride_w, stride_d,
                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                       BLOCK_H: tl.constexpr, BLOCK_E_ALL: tl.constexpr, NUM_E_BLOCKS: tl.constexpr,
-                      HAS_DELTA: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+                      HAS_DELTA: tl.constexpr, RENORMALIZE: tl.constexpr, PACKED_TOPK: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     pdl_launch.enter(USE_PDL)
     pid_t = tl.program_id(0)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -133,7 +190,8 @@ def _gemm_topk_kernel(x_ptr, weight_ptr, delta_ptr, scratch_ptr, counters_ptr, w
         logits = (logits.to(tl.float32) + delta.to(tl.float32)).to(x_ptr.dtype.element_ty)
     logits = logits.to(tl.float32)
     if NUM_E_BLOCKS == 1:
-        _softmax_topk_store(logits, rows, row_ok, experts, expert_ok, w_ptr, ids_ptr, TOP_K, BLOCK_K, RENORMALIZE)
+        _softmax_topk_store(logits, rows, row_ok, experts, expert_ok, w_ptr, ids_ptr, TOP_K, BLOCK_K, RENORMALIZE,
+                            PACKED_TOPK)
     else:
         tl.store(scratch_ptr + rows64[:, None] * E + experts[None, :], logits,
                  mask=row_ok[:, None] & expert_ok[None, :])
@@ -145,7 +203,8 @@ def _gemm_topk_kernel(x_ptr, weight_ptr, delta_ptr, scratch_ptr, counters_ptr, w
             col_ok = cols < E
             full = tl.load(scratch_ptr + rows64[:, None] * E + cols[None, :],
                            mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
-            _softmax_topk_store(full, rows, row_ok, cols, col_ok, w_ptr, ids_ptr, TOP_K, BLOCK_K, RENORMALIZE)
+            _softmax_topk_store(full, rows, row_ok, cols, col_ok, w_ptr, ids_ptr, TOP_K, BLOCK_K, RENORMALIZE,
+                                PACKED_TOPK)
             tl.atomic_xchg(counters_ptr + pid_t, 0)
 
 
@@ -160,9 +219,10 @@ def _outputs(num_tokens: int, top_k: int, out_dtype, device):
 
 
 def fused_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype,
-               block_t: int = 1, num_warps: int = 1, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               block_t: int = 1, num_warps: int = 1, packed_topk: bool = True,
+               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, top_k] out_dtype, ids [T, top_k] int32), best first; `block_t` rows per
-    program."""
+    program. `packed_topk=False`: the previous three-reduction selection, same result (for the bench)."""
     num_tokens, num_experts = logits.shape
     _check(num_experts, top_k)
     weights, ids = _outputs(num_tokens, top_k, out_dtype, logits.device)
@@ -172,7 +232,8 @@ def fused_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: t
     _topk_kernel[(triton.cdiv(num_tokens, block_t),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0),
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=block_t,
-        BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, USE_PDL=pdl, launch_pdl=pdl,
+        BLOCK_E=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, PACKED_TOPK=packed_topk,
+        USE_PDL=pdl, launch_pdl=pdl,
         num_warps=num_warps)
     return weights, ids
 
@@ -180,11 +241,13 @@ def fused_topk(logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: t
 def fused_gemm_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
                     out_dtype: torch.dtype, logits_delta: torch.Tensor | None = None,
                     counters: torch.Tensor | None = None,
-                    tile: RouterTile | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    tile: RouterTile | None = None, packed_topk: bool = True,
+                    pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] . weight [E, H]^T (+ logits_delta [T, E]) routed as `fused_topk`, in one launch.
 
     `counters`: int32 zeros, at least `counter_slots(T)` of them, owned by the caller and
-    left zero after every launch (allocated here when None, which costs a memset). `tile`: by T when None."""
+    left zero after every launch (allocated here when None, which costs a memset). `tile`: by T when None.
+    `packed_topk` as in `fused_topk`."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     _check(num_experts, top_k)
@@ -215,7 +278,8 @@ def fused_gemm_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormali
         num_tokens, num_experts, hidden, x.stride(0), weight.stride(0), delta.stride(0),
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=tile.block_t, BLOCK_E=tile.block_e,
         BLOCK_H=tile.block_h, BLOCK_E_ALL=triton.next_power_of_2(num_experts), NUM_E_BLOCKS=num_e_blocks,
-        HAS_DELTA=logits_delta is not None, RENORMALIZE=renormalize, USE_PDL=pdl, launch_pdl=pdl,
+        HAS_DELTA=logits_delta is not None, RENORMALIZE=renormalize, PACKED_TOPK=packed_topk,
+        USE_PDL=pdl, launch_pdl=pdl,
         num_warps=tile.num_warps)
     return weights, ids
 
