@@ -33,7 +33,7 @@ T = 1, 2 (the rows it serves), with and without the fused LoRA expand (`--sweep`
 its own table and gemv_bench.json. Not in the default parts: `--parts gemv [--sweep]`.
 Part `attention` (bench/attention.py): decode attention at B = 1, 2, 4, 8, 64, 256 and context 512 / 2048 with the
 split merge fused into the split kernel against the separate merge kernel, interleaved (medians), with the KV bytes'
-time at read bandwidth; its own table and attention_merge_bench.json.
+time at read bandwidth; its own table and attention_merge_bench.json. Not in the default parts either.
 """
 
 import argparse
