@@ -17,6 +17,8 @@ from moeserve.layers.attention import TritonAttentionBackend  # noqa: E402
 from moeserve.layers.batch import AttentionMetadata  # noqa: E402
 from moeserve.layers.linear import dense_lora_torch  # noqa: E402
 from moeserve.kernels.paged_attention import (  # noqa: E402
+    DECODE_BLOCK_N,
+    _launch_decode,
     decode_counter_slots,
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -109,21 +111,28 @@ MERGE_CASES = {
 def test_decode_fused_merge_equals_merge_kernel(case, num_splits):
     """Splits merged by the last split program to arrive equal the merge kernel's bitwise, both match the reference,
     and the arrival counters are zero after each call: a second call with new contexts (one more padded row) reuses
-    them. Outputs start as NaN, so an unwritten row fails."""
+    them. Outputs start as NaN, so an unwritten row fails. The first call merges 2 splits per step (several steps,
+    the last one partly past the active splits), the second the default."""
     lengths, n_heads, n_kv = MERGE_CASES[case]
     gen = torch.Generator().manual_seed(len(lengths) * 100 + num_splits)
     head_dim, batch = 16, len(lengths)
     k, v, tables = make_cache(lengths, 8, n_kv, head_dim, torch.float32, "cpu", gen)
     counters = torch.zeros(decode_counter_slots(batch, n_kv) + 3, dtype=torch.int32)  # a layer's: room to spare
     scale = head_dim**-0.5
+
+    def decode(q, ctx, call, **kw):
+        out = torch.full(q.shape, float("nan"))
+        if call == 0:
+            return _launch_decode(q, k, v, tables, ctx, scale, num_splits, out, block_n=DECODE_BLOCK_N, num_warps=4,
+                                  num_stages=2, merge_chunk=2, **kw)
+        return paged_decode_attention(q, k, v, tables, ctx, scale, num_splits=num_splits, out=out, **kw)
+
     for call, ctx_list in enumerate((lengths, [n // 2 for n in lengths])):
         ctx = torch.tensor(ctx_list, dtype=torch.int32)
         q = torch.randn(batch, n_heads, head_dim, generator=gen)
-        fused = paged_decode_attention(q, k, v, tables, ctx, scale, num_splits=num_splits,
-                                       out=torch.full(q.shape, float("nan")), counters=counters)
+        fused = decode(q, ctx, call, counters=counters)
         assert not counters.any(), call
-        two = paged_decode_attention(q, k, v, tables, ctx, scale, num_splits=num_splits,
-                                     out=torch.full(q.shape, float("nan")), fused_merge=False)
+        two = decode(q, ctx, call, fused_merge=False)
         assert torch.equal(fused, two), call
         torch.testing.assert_close(fused, paged_decode_attention_ref(q, k, v, tables, ctx, scale),
                                    rtol=1e-5, atol=1e-5)

@@ -34,6 +34,7 @@ DECODE_BLOCK_N = 16 if _INTERPRET else 64  # KV tokens per inner step
 PREFILL_BLOCK_M = 16 if _INTERPRET else 128  # rows (query tokens x heads of a group) per program
 PREFILL_BLOCK_N = 16 if _INTERPRET else 64
 MAX_DECODE_SPLITS = 64
+MERGE_CHUNK = 8  # splits the merge reads per step
 # Arrival counters a layer owns for the fused merge (one per sequence x kv head). Default split
 # counts exceed 1 only while batch * n_kv < 3 * SMs (396 on an H200), so this covers every decode
 # that merges with default splits, with room for tuning; larger batches merge in the second kernel.
@@ -93,13 +94,14 @@ def _split_range(ctx, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, head_mask, active_splits, num_heads,
                   stride_ob, stride_oh,
-                  ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                  ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     """out[seq, heads] = the active splits' partial outputs weighted by exp2(lse - max lse).
 
     Both decode paths merge here, split after split in a fixed order with element-wise
     arithmetic only (no cross-lane sums), so the result does not depend on the caller's tile
-    shape or warps: the fused and the two-kernel paths agree bitwise. Partials are read past
+    shape or warps: the fused and the two-kernel paths agree bitwise. Only the active splits are
+    read, MERGE_CHUNK of them per step (their loads in flight together). Partials are read past
     L1 (.cg): in the fused path other programs wrote them during this launch."""
     d = tl.arange(0, HEAD_DIM_PAD)
     sp = tl.arange(0, SPLITS_PAD)
@@ -111,15 +113,17 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, head_mask, ac
     m = tl.where(m == float("-inf"), 0.0, m)  # no active split (padded row): every weight is 0
     num = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
     den = tl.zeros([ROWS], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        # (a [ROWS] compare: the interpreter mistypes a bool vector & a bool scalar)
-        ok = head_mask & (tl.full([ROWS], s, tl.int32) < active_splits)
-        lse = tl.load(part_lse_ptr + rows + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp2(lse - m)
-        o = tl.load(part_out_ptr + (rows + s)[:, None] * HEAD_DIM_PAD + d[None, :], mask=ok[:, None], other=0.0,
-                    cache_modifier=".cg")
-        num = num + w[:, None] * o
-        den = den + w
+    for s0 in range(0, active_splits, MERGE_CHUNK):
+        for j in tl.static_range(MERGE_CHUNK):
+            s = s0 + j
+            # (a [ROWS] compare: the interpreter mistypes a bool vector & a bool scalar)
+            ok = head_mask & (s + tl.zeros([ROWS], tl.int32) < active_splits)
+            lse = tl.load(part_lse_ptr + rows + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp2(lse - m)  # 0 past the active splits
+            o = tl.load(part_out_ptr + (rows + s)[:, None] * HEAD_DIM_PAD + d[None, :], mask=ok[:, None],
+                        other=0.0, cache_modifier=".cg")
+            num = num + w[:, None] * o
+            den = den + w
     res = num / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
              res.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & (d < HEAD_DIM)[None, :])
@@ -139,6 +143,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -208,8 +213,11 @@ def _decode_split_kernel(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == active_splits - 1:
                 tl.debug_barrier()
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, head, g_mask, active_splits, num_heads,
-                              stride_ob, stride_oh, GROUP_PAD, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
+                # the group's heads only (GROUP_PAD pads to the tl.dot minimum)
+                gm = tl.arange(0, MERGE_ROWS)
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head * GROUP + gm, gm < GROUP,
+                              active_splits, num_heads, stride_ob, stride_oh,
+                              MERGE_ROWS, NUM_SPLITS, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, HEAD_DIM_PAD)
                 tl.atomic_xchg(counter, 0)  # zero again for the next launch / graph replay
 
 
@@ -217,7 +225,7 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr,
     stride_ob, stride_oh,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -225,7 +233,7 @@ def _decode_merge_kernel(
     ctx = tl.load(context_lens_ptr + seq)
     _, _, active_splits = _split_range(ctx, 0, BLOCK_N, NUM_SPLITS)
     _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, head, head >= 0, active_splits, tl.num_programs(1),
-                  stride_ob, stride_oh, 1, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
+                  stride_ob, stride_oh, 1, NUM_SPLITS, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, HEAD_DIM_PAD)
 
 
 def _check_cache(q, k_cache, v_cache):
@@ -272,7 +280,9 @@ def decode_counter_slots(batch: int, n_kv_heads: int) -> int:
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
-                   block_n, num_warps, num_stages, fused_merge=True, counters=None):
+                   block_n, num_warps, num_stages, fused_merge=True, counters=None, merge_chunk=MERGE_CHUNK):
+    """`merge_chunk`: splits whose partials the merge loads per step (part of the merge's arithmetic order only
+    through zeros added past the last split: keep it the same for runs compared bitwise)."""
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     batch = q.shape[0]
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -308,6 +318,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, FUSED_MERGE=fused_merge,
+        MERGE_ROWS=triton.next_power_of_2(group), MERGE_CHUNK=merge_chunk,
         COMPUTE=_compute_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -315,7 +326,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         _decode_merge_kernel[(batch, n_heads)](
             part_out, part_lse, context_lens, out,
             out.stride(0), out.stride(1),
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, MERGE_CHUNK=merge_chunk,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             num_warps=1 if head_dim_pad <= 64 else 2,
         )
