@@ -37,6 +37,10 @@ from moeserve.kernels.moe_lora import (
     block_slots,
     lora_block_expand,
     lora_block_shrink,
+    lora_expand_first,
+    lora_expand_group,
+    lora_expand_rest,
+    lora_expand_walk,
     lora_rank_block,
     lora_shrink_pairs,
 )
@@ -72,6 +76,10 @@ class MoEPlan:
     lora_down_splits: int = 2  # programs sharing one block's shrink over I
     lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
     lora_shrink_warps: int = 4
+    # sorted-path LoRA expands in the GEMM epilogues (bench candidates; the defaults are the walk)
+    lora_epilogue_prefetch: str = "none"  # "before_k_loop": first item(s)' loads before the K loop
+    lora_epilogue_items: int = 0  # >0 (power of 2): that many (slot, rank step) items loaded at
+    #                              once and added in one dot, the rest walked as with 0
 
 
 # Pairs at or below this run the alignment-free GEMV path (H200, Qwen3-30B-A3B shapes:
@@ -114,6 +122,7 @@ def _moe_gate_up_kernel(
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
+    LORA_ITEMS: tl.constexpr = 0, LORA_PREFETCH: tl.constexpr = False,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink)."""
@@ -132,6 +141,18 @@ def _moe_gate_up_kernel(
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
+    if HAS_LORA:
+        if LORA_PREFETCH:  # the epilogue's first loads ride under the weight stream below
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+            if LORA_ITEMS > 0:
+                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
+            else:
+                w_cur, w_r0, w_mine, w_rank, w_s, w_b = lora_expand_first(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -145,11 +166,25 @@ def _moe_gate_up_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if HAS_LORA:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-        acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n,
-                                N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                K_SPLITS, RANK_STEP)
+        if not LORA_PREFETCH:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+            if LORA_ITEMS > 0:
+                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
+        if LORA_ITEMS > 0:
+            acc = lora_expand_rest(acc, g_s, g_b, g_rows, g_cur, g_r0, slots, row_ranks, rows,
+                                   shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr,
+                                   stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        elif LORA_PREFETCH:
+            acc = lora_expand_walk(acc, w_cur, w_r0, w_mine, w_rank, w_s, w_b, slots, row_ranks,
+                                   rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                                   stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        else:  # today's walk: every item's loads after the K loop, one item in flight
+            acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
+                                    offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
+                                    stride_bn, K_SPLITS, RANK_STEP)
     out_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
     tl.store(out_ptrs, acc.to(gu_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & (offs_n < N)[None, :])
@@ -164,6 +199,7 @@ def _moe_down_kernel(
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
+    LORA_ITEMS: tl.constexpr = 0, LORA_PREFETCH: tl.constexpr = False,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded; the routing weight scales base and delta together."""
@@ -181,6 +217,18 @@ def _moe_down_kernel(
     gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
+    if HAS_LORA:
+        if LORA_PREFETCH:  # the epilogue's first loads ride under the weight stream below
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+            if LORA_ITEMS > 0:
+                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
+            else:
+                w_cur, w_r0, w_mine, w_rank, w_s, w_b = lora_expand_first(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -197,11 +245,25 @@ def _moe_down_kernel(
         gate_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if HAS_LORA:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-        acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n,
-                                N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                K_SPLITS, RANK_STEP)
+        if not LORA_PREFETCH:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+            if LORA_ITEMS > 0:
+                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
+        if LORA_ITEMS > 0:
+            acc = lora_expand_rest(acc, g_s, g_b, g_rows, g_cur, g_r0, slots, row_ranks, rows,
+                                   shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr,
+                                   stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        elif LORA_PREFETCH:
+            acc = lora_expand_walk(acc, w_cur, w_r0, w_mine, w_rank, w_s, w_b, slots, row_ranks,
+                                   rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                                   stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        else:  # today's walk: every item's loads after the K loop, one item in flight
+            acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
+                                    offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
+                                    stride_bn, K_SPLITS, RANK_STEP)
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     acc = acc * weights[:, None]
     out_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
@@ -402,6 +464,20 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
     return _topk_sum(y, topk_ids, num_experts, x.dtype)
 
 
+EPILOGUE_PREFETCH = ("none", "before_k_loop")
+
+
+def _epilogue_constexprs(plan: MoEPlan) -> dict:
+    """GEMM constexprs of the plan's LoRA-epilogue variant (none with lora=None: that kernel
+    compiles exactly as without the options)."""
+    items, prefetch = plan.lora_epilogue_items, plan.lora_epilogue_prefetch
+    if prefetch not in EPILOGUE_PREFETCH:
+        raise ValueError(f"lora_epilogue_prefetch {prefetch!r} is not one of {EPILOGUE_PREFETCH}")
+    if items < 0 or items & (items - 1):
+        raise ValueError(f"lora_epilogue_items {items} is not 0 or a power of two")
+    return {"LORA_ITEMS": items, "LORA_PREFETCH": prefetch == "before_k_loop"}
+
+
 def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -430,6 +506,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
                 (*shrunk.stride()[:2], *b.stride()[:3]), shrunk.shape[0])
 
+    epilogue = _epilogue_constexprs(plan) if has_lora else {}
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
     ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
@@ -438,7 +515,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, num_warps=t.num_warps, num_stages=t.num_stages)
+        RANK_STEP=RANK_STEP, **epilogue, num_warps=t.num_warps, num_stages=t.num_stages)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
@@ -449,7 +526,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
         gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, num_warps=t.num_warps, num_stages=t.num_stages)
+        RANK_STEP=RANK_STEP, **epilogue, num_warps=t.num_warps, num_stages=t.num_stages)
     return _topk_sum(y, topk_ids, num_experts, x.dtype)
 
 
