@@ -1,7 +1,7 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
-                                     [--sweep] [--lora-sweep] [--profile]
+                                     [--sweep] [--lora-sweep [--lora-variants 'epi_*']] [--profile]
                                      [--parts moe,router,dense_lora,norm_rotary,gemv]
 
 Measures, in one process on one GPU:
@@ -37,6 +37,7 @@ its own table and gemv_bench.json. Not in the default parts: `--parts gemv [--sw
 """
 
 import argparse
+import fnmatch
 import json
 import statistics
 import time
@@ -262,15 +263,18 @@ def _lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
     return v
 
 
-def sweep_lora(batch: int, weights, inputs, pools, rounds: int = 2) -> list[dict]:
+def sweep_lora(batch: int, weights, inputs, pools, rounds: int = 2, only: str = "*") -> list[dict]:
     """4 rank-16 adapters, (MoE + LoRA) / MoE with the same base plan, over the sorted-path LoRA
     tiles (epilogue variants, shrink K step, K splits, slot lanes, warps, base GEMM tiles); all
     variants timed in turn, `rounds` times (medians). The epilogue variants also report the
-    relative error of their LoRA delta against the fp32 reference (first 64 tokens)."""
+    relative error of their LoRA delta against the fp32 reference (first 64 tokens). `only`: comma list
+    of fnmatch patterns of the variant names to time ("default" is always timed)."""
     loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
     if batch * TOP_K <= 64:
         return []  # decode path: no sorted-path LoRA kernels
-    plans = _lora_variants(default_plan(batch, TOP_K, decode=False))
+    patterns = ["default", *only.split(",")]
+    plans = {name: plan for name, plan in _lora_variants(default_plan(batch, TOP_K, decode=False)).items()
+             if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
     times = {name: ([], []) for name in plans}
     for _ in range(rounds):
         for name, plan in plans.items():
@@ -378,7 +382,7 @@ def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -
         print(f"  sweep best: {_tile_label(best)} {best['us']:.1f} us  | "
               + " ".join(f"{_tile_label(r)}={r['us']:.0f}" for r in rows), flush=True)
     if args.sweep or args.lora_sweep:
-        lora_rows = sweep_lora(batch, weights, inputs, pools)
+        lora_rows = sweep_lora(batch, weights, inputs, pools, only=args.lora_variants)
         report["sweep_lora"][batch] = lora_rows
         print("  lora4 sweep: " + "  ".join(
             f"{r['variant']} {r['base_us']:.0f}->{r['lora_us']:.0f} us x{r['ratio']:.3f}"
@@ -456,6 +460,9 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
     ap.add_argument("--lora-sweep", action="store_true",
                     help="time sorted-path MoE-LoRA tile candidates, 4 rank-16 adapters")
+    ap.add_argument("--lora-variants", default="*",
+                    help="comma list of fnmatch patterns: the --lora-sweep variants to time (e.g. 'epi_*'); "
+                         "the default plan is always timed")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
     known = {"moe", "router", "dense_lora", "norm_rotary", "gemv"}
     ap.add_argument("--parts", default="moe,router,dense_lora,norm_rotary",
@@ -547,7 +554,7 @@ def print_epilogue_tables(sweep_rows: dict, profiles: dict) -> None:
             for n in names:
                 r = by_name.get(n)
                 cells.append(f"{r['ratio']:.3f} [{r['lora_us'] / ref:.3f}] d{r.get('delta_rel_err', float('nan')):.0e}"
-                             if r else "failed")
+                             if r else "-")  # not asked for (--lora-variants), or failed (printed above)
             print(f"{batch:>5} " + " ".join(f"{c:>24}" for c in cells))
     if profiles:
         print("\nMoE forward split (us per forward, eager): shrinks, gate_up GEMM, down GEMM, the rest")
