@@ -18,8 +18,9 @@ for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
   expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`), so gu and y
   are written once. The plan's epilogue options (MoEPlan.lora_epilogue_*, bench candidates) issue
   the first item's loads before the GEMM's K loop, and/or load a group of items at once and add
-  them in one dot (`lora_expand_group`), walking the rest. (A second, (slot, expert) alignment with separate LoRA kernels measured
-  slower or equal on the H200 and was removed after cfefc5c; numbers in fused_moe.)
+  them in one dot (`lora_expand_group`), walking the rest. (A second, (slot, expert) alignment
+  with separate LoRA kernels measured slower or equal on the H200 and was removed after cfefc5c;
+  numbers in fused_moe.)
 
 Pairs without an adapter (slot -1, rank 0) are skipped inside the kernels: their rows of
 the shrink buffers are never written and never read, and their outputs are bitwise the
