@@ -63,6 +63,9 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # host cache of parsed adapters (default: max(max_loras, 16))
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> path, loaded at start
     lora_target_modules: list[str] | None = None  # None = inferred from lora_modules (or all supported)
+    # an up A per routed-expert slot, so separate gate_proj / up_proj LoRAs of rank r cost rank r, not 2r (+H per
+    # rank and expert slot). None: on when a lora_modules adapter has them, decided when the pool is built
+    lora_separate_gate_up: bool | None = None
     # /v1/load_lora_adapter and /v1/unload_lora_adapter answer only when this is on: loading parses files the
     # client names, so it is the operator's choice (vLLM gates it behind VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     enable_lora_runtime_loading: bool = False

@@ -133,6 +133,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="adapters resident on the device at once (default: %(default)s)")
     g.add_argument("--max-lora-rank", type=int, default=_default("max_lora_rank"),
                    help="largest adapter rank accepted (default: %(default)s)")
+    g.add_argument("--lora-separate-gate-up", action=argparse.BooleanOptionalAction,
+                   default=_default("lora_separate_gate_up"),
+                   help="hold an up A next to each routed expert's gate_up A, so that adapters with separate "
+                        "gate_proj and up_proj LoRAs of rank r cost rank r (without it they are stacked into one "
+                        "LoRA of rank 2r); costs one more hidden-size row per rank in every expert slot (default: "
+                        "on when a --lora-modules adapter has separate gate and up LoRAs)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="parsed adapters kept in host memory (default: max(max_loras, 16))")
     g.add_argument("--lora-modules", nargs="+", action="extend", type=parse_lora_module, default=None,

@@ -29,6 +29,7 @@ EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 ROUTER_PARAMS = ["mlp.gate.weight"]  # the MoE router's weight (transformers 5 routers are not nn.Linear)
 KINDS = ("attn", "experts", "attn+experts", "dense-mlp", "shared-expert", "all-linear", "router", "all-linear+router")
 EXPERT_FORMATS = ("target_parameters", "per-expert", "stacked")
+GATE_UP_PATTERN = r"experts\.gate_up_proj"  # PEFT pattern key of the routed experts' fused gate_up parameter
 MALFORMED_MAX_RANK = 16  # the max_rank make_malformed_adapters' expectations assume
 _PREFIX = "base_model.model."
 
@@ -65,7 +66,8 @@ def save_base_checkpoint(family: str, out_dir, seed: int = 0, **config_overrides
 def make_peft_adapter(family: str, out_dir, *, kind: str = "attn+experts", rank: int = 4, alpha: float = 8,
                       seed: int = 0, base_seed: int = 0, expert_format: str = "target_parameters",
                       shared_outer: bool = False, drop_experts=(), mixtral_prefix: str = "block_sparse_moe",
-                      config_overrides: dict | None = None, router_b_scale: float = 1.0, **lora_kw):
+                      config_overrides: dict | None = None, router_b_scale: float = 1.0,
+                      separate_gate_up: bool = False, **lora_kw):
     """Build a LoRA adapter with PEFT on `tiny_base_model(family, base_seed)`, re-draw every LoRA factor
     from `seed` (PEFT inits B to zero), save it to `out_dir`, and return (path, peft_model).
 
@@ -83,6 +85,10 @@ def make_peft_adapter(family: str, out_dir, *, kind: str = "attn+experts", rank:
       "stacked": `mlp.experts.{gate_up_proj,down_proj}.lora_{A,B}.weight` with A [E, r, in], B [E, out, r].
     shared_outer: gate_up's A and down's B are one matrix for all experts; the file stores them once
     (expert dim 1), the PeftModel holds them repeated.
+    separate_gate_up (per-expert only, not with rsLoRA): gate_proj and up_proj get their own A's of rank `rank`
+    (otherwise both files carry gate_up's one A). The PeftModel holds the pair as one gate_up LoRA of rank
+    2·rank and alpha 2·alpha (the same scaling) whose B is block-diagonal: gate rows use A's first `rank` rows,
+    up rows the rest.
 
     Use the returned PeftModel as the oracle. `PeftModel.from_pretrained` on the folder reproduces it for the
     target_parameters form, but on transformers 5 it rewrites dense-MLP and shared-expert targets into expert
@@ -96,6 +102,11 @@ def make_peft_adapter(family: str, out_dir, *, kind: str = "attn+experts", rank:
         raise ValueError(f"unknown expert_format {expert_format!r}; choose from {EXPERT_FORMATS}")
     if drop_experts and expert_format != "per-expert":
         raise ValueError("drop_experts needs expert_format='per-expert'")
+    if separate_gate_up:
+        if expert_format != "per-expert" or lora_kw.get("use_rslora"):
+            raise ValueError("separate_gate_up needs expert_format='per-expert' and no rsLoRA")
+        lora_kw["rank_pattern"] = {**(lora_kw.get("rank_pattern") or {}), GATE_UP_PATTERN: 2 * rank}
+        lora_kw["alpha_pattern"] = {**(lora_kw.get("alpha_pattern") or {}), GATE_UP_PATTERN: 2 * alpha}
     out_dir = Path(out_dir)
     config_overrides = config_overrides or {}
     model = tiny_base_model(family, base_seed, **config_overrides)
@@ -133,6 +144,14 @@ def make_peft_adapter(family: str, out_dir, *, kind: str = "attn+experts", rank:
                 else:  # down_proj: B [H, r*E], expert-minor: repeat expert 0's columns
                     b = w.lora_B["default"].weight.view(-1, r, E)
                     b.copy_(b[:, :, :1].expand_as(b).clone())
+        if separate_gate_up:  # block-diagonal gate_up B: [2I, 2r*E] expert-minor -> [2I, 2r, E]
+            for w in wrappers:
+                if w.parameter_name == "gate_up_proj":
+                    assert w.r["default"] == 2 * rank, "the gate_up rank_pattern did not apply"
+                    b = w.lora_B["default"].weight.view(-1, 2 * rank, w.num_experts)
+                    inter = b.shape[0] // 2
+                    b[:inter, rank:] = 0
+                    b[inter:, :rank] = 0
         for w in wrappers:
             for e in drop_experts:
                 w.lora_B["default"].weight.view(w.lora_B["default"].weight.shape[0], -1, w.num_experts)[:, :, e] = 0
@@ -140,7 +159,8 @@ def make_peft_adapter(family: str, out_dir, *, kind: str = "attn+experts", rank:
     pm.save_pretrained(out_dir)
 
     if wrappers and (expert_format != "target_parameters" or shared_outer):
-        _rewrite_expert_keys(pm, out_dir, family, expert_format, shared_outer, set(drop_experts), mixtral_prefix)
+        _rewrite_expert_keys(pm, out_dir, family, expert_format, shared_outer, set(drop_experts), mixtral_prefix,
+                             separate_gate_up)
     return out_dir, pm
 
 
@@ -176,13 +196,17 @@ def _module_path(pm, module) -> str:
     raise KeyError(module)
 
 
-def _rewrite_expert_keys(pm, out_dir: Path, family, expert_format, shared_outer, drop, mixtral_prefix) -> None:
+def _rewrite_expert_keys(pm, out_dir: Path, family, expert_format, shared_outer, drop, mixtral_prefix,
+                         separate_gate_up=False) -> None:
     """Replace PEFT's ParamWrapper keys by `expert_format` keys carrying the same ΔW (factors from PEFT's
     own get_delta_factors, so the file does not rely on our reading of its layout)."""
     weights_path = out_dir / "adapter_model.safetensors"
     tensors = load_file(str(weights_path))
     cfg = json.loads((out_dir / "adapter_config.json").read_text())
     rank_pattern, alpha_pattern = dict(cfg.get("rank_pattern") or {}), dict(cfg.get("alpha_pattern") or {})
+    if separate_gate_up:  # the per-expert files say gate's and up's own rank and alpha
+        rank_pattern.pop(GATE_UP_PATTERN)
+        alpha_pattern.pop(GATE_UP_PATTERN)
     new_rank_pattern, new_alpha_pattern = {}, {}
     new_targets = set()
     for w in _expert_wrappers(pm):
@@ -200,19 +224,23 @@ def _rewrite_expert_keys(pm, out_dir: Path, family, expert_format, shared_outer,
             names, base = _PER_EXPERT_NAMES["default"], experts_path
             if family == "mixtral":  # transformers 4.x Mixtral: block_sparse_moe.experts.N.{w1,w3,w2}
                 names, base = _PER_EXPERT_NAMES["mixtral"], experts_path.replace("mlp.", f"{mixtral_prefix}.")
-            if gate_up:
-                projs = [(names["gate"], slice(0, I)), (names["up"], slice(I, 2 * I))]
+            ranks = slice(None)
+            if gate_up and separate_gate_up:  # B block-diagonal: each half of the rank is one projection's
+                r, alpha = r // 2, alpha / 2
+                projs = [(names["gate"], slice(0, I), slice(0, r)), (names["up"], slice(I, 2 * I), slice(r, 2 * r))]
+            elif gate_up:
+                projs = [(names["gate"], slice(0, I), ranks), (names["up"], slice(I, 2 * I), ranks)]
             else:
-                projs = [(names["down"], slice(None))]
+                projs = [(names["down"], slice(None), ranks)]
             for e in range(E):
                 if e in drop:
                     continue
-                for proj, rows in projs:
-                    tensors[f"{base}.{e}.{proj}.lora_A.weight"] = A[e].clone()
-                    tensors[f"{base}.{e}.{proj}.lora_B.weight"] = B[e, rows].clone()
+                for proj, rows, cols in projs:
+                    tensors[f"{base}.{e}.{proj}.lora_A.weight"] = A[e, cols].clone()
+                    tensors[f"{base}.{e}.{proj}.lora_B.weight"] = B[e, rows][:, cols].clone()
             # PEFT resolved its patterns for `…experts.gate_up_proj`; where that changed r or alpha, say it per expert
             layer = int(experts_path.split(".layers.")[1].split(".")[0])
-            for proj, _ in projs:
+            for proj, _, _ in projs:
                 pattern = rf"model\.layers\.{layer}\.(mlp|block_sparse_moe)\.experts\.\d+\.{proj}"
                 if r != cfg["r"]:
                     new_rank_pattern[pattern] = r

@@ -26,10 +26,18 @@ def parsed_deltas(adapter) -> dict[str, torch.Tensor]:
         out[f"model.layers.{layer}.{module}.weight"] = b @ a
     for layer, ex in adapter.experts.items():
         if ex.gate_up_a is not None:
-            out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.bmm(ex.gate_up_b, ex.gate_up_a)
+            out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = gate_up_delta(ex)
         if ex.down_a is not None:
             out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.bmm(ex.down_b, ex.down_a)
     return out
+
+
+def gate_up_delta(ex) -> torch.Tensor:
+    """[E, 2I, H]: gate rows from gate_up_a, up rows from up_a (or gate_up_a where gate and up share it)."""
+    inter = ex.gate_up_b.shape[1] // 2
+    up_a = ex.gate_up_a if ex.up_a is None else ex.up_a
+    return torch.cat([torch.bmm(ex.gate_up_b[:, :inter], ex.gate_up_a),
+                      torch.bmm(ex.gate_up_b[:, inter:], up_a)], dim=1)
 
 
 def assert_deltas_match(ours: dict, ref: dict) -> None:
@@ -110,7 +118,7 @@ def test_regex_pattern_keys_match_peft(tmp_path):
 def test_per_expert_and_target_parameters_forms_give_the_same_deltas(family, tmp_path):
     fused = load(family, make_peft_adapter(family, tmp_path / "fused", seed=7)[0])
     per_expert = load(family, make_peft_adapter(family, tmp_path / "split", seed=7, expert_format="per-expert")[0])
-    assert (fused.rank, per_expert.rank) == (4, 8)  # per expert, gate and up stack into one rank-8 LoRA
+    assert (fused.rank, per_expert.rank) == (4, 4)  # separate gate and up LoRAs of rank 4 cost rank 4
     ours, theirs = parsed_deltas(per_expert), parsed_deltas(fused)
     assert_deltas_match(ours, theirs)
 
@@ -142,7 +150,25 @@ def test_per_expert_adapter_missing_experts_are_zero(family, tmp_path):
             assert not t[1].any() and not t[3].any() and t[0].any()
 
 
-def test_per_expert_gate_and_up_of_different_ranks_stack(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_per_expert_gate_and_up_of_rank_r_load_with_max_lora_rank_r(family, tmp_path):
+    """Separate gate_proj / up_proj LoRAs of rank r, each with its own A, sit side by side (not stacked into rank
+    2r): the adapter fits --max-lora-rank r and its ΔW is PEFT's."""
+    path, pm = make_peft_adapter(family, tmp_path, kind="experts", expert_format="per-expert", rank=4, seed=15,
+                                 separate_gate_up=True)
+    stored = load_file(str(path / "adapter_model.safetensors"))
+    gate = next(k for k in stored if ".experts.0.gate_proj.lora_A" in k or ".experts.0.w1.lora_A" in k)
+    up = gate.replace("gate_proj", "up_proj").replace(".w1.", ".w3.")
+    assert stored[gate].shape == stored[up].shape == (4, tiny_spec(family).hidden_size)
+    assert not torch.equal(stored[gate], stored[up])
+    adapter = load(family, path, max_rank=4)
+    assert adapter.rank == 4 and all(ex.up_a is not None for ex in adapter.experts.values())
+    assert_deltas_match(parsed_deltas(adapter), reference_deltas(pm, tiny_base_model(family)))
+    with pytest.raises(LoRAAdapterError, match=r"LoRA rank 4 exceeds the engine's max_lora_rank 3 \(--max-lora-rank\)"):
+        load(family, path, max_rank=3)
+
+
+def test_per_expert_gate_and_up_of_different_ranks_sit_side_by_side(tmp_path):
     """Hand-written per-expert adapter: gate rank 2, up rank 3 (rank_pattern), own alphas, one expert missing,
     and a layer with only down_proj. Reference: the per-expert ΔW of each projection, computed directly."""
     spec = tiny_spec("qwen3_moe")
@@ -166,15 +192,38 @@ def test_per_expert_gate_and_up_of_different_ranks_stack(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": 2, "lora_alpha": 4, "rank_pattern": {"up_proj": 3}, "alpha_pattern": {"up_proj": 9},
         "target_modules": ["gate_proj", "up_proj", "down_proj"], "bias": "none"}))
-    adapter = load_lora_adapter("stack", tmp_path, spec, max_rank=5)
-    assert adapter.rank == 5 and set(adapter.experts) == {0, 2} and not adapter.dense
+    adapter = load_lora_adapter("stack", tmp_path, spec, max_rank=3)
+    assert adapter.rank == 3 and set(adapter.experts) == {0, 2} and not adapter.dense
     l0, l2 = adapter.experts[0], adapter.experts[2]
-    assert l0.gate_up_a.shape == (E, 5, H) and l0.gate_up_b.shape == (E, 2 * I, 5) and l0.down_a is None
+    assert l0.gate_up_a.shape == l0.up_a.shape == (E, 3, H) and l0.gate_up_b.shape == (E, 2 * I, 3)
+    assert l0.down_a is None
     assert l2.gate_up_a is None and l2.down_a.shape == (E, 2, I) and l2.down_b.shape == (E, H, 2)
-    torch.testing.assert_close(torch.bmm(l0.gate_up_b, l0.gate_up_a), want_gate_up, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gate_up_delta(l0), want_gate_up, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.bmm(l2.down_b, l2.down_a), want_down, rtol=1e-5, atol=1e-5)
-    with pytest.raises(LoRAAdapterError, match="LoRA rank 5 exceeds the engine's max_lora_rank 4"):
-        load_lora_adapter("stack", tmp_path, spec, max_rank=4)
+    with pytest.raises(LoRAAdapterError, match=r"LoRA rank 3 exceeds the engine's max_lora_rank 2 \(--max-lora-rank\)"):
+        load_lora_adapter("stack", tmp_path, spec, max_rank=2)
+
+
+@pytest.mark.parametrize("proj", ["gate_proj", "up_proj"])
+def test_per_expert_gate_or_up_alone_is_one_shared_a(proj, tmp_path):
+    """Only one of gate_proj / up_proj: its A serves both halves (the other half's B is zero), so the slot
+    shrinks once; the ΔW is that projection's alone."""
+    spec = tiny_spec("qwen3_moe")
+    E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    g = torch.Generator().manual_seed(1)
+    tensors, want = {}, torch.zeros(E, 2 * I, H)
+    rows = slice(0, I) if proj == "gate_proj" else slice(I, 2 * I)
+    for e in range(E):
+        a, b = torch.randn(3, H, generator=g), torch.randn(I, 3, generator=g)
+        tensors[f"base_model.model.model.layers.0.mlp.experts.{e}.{proj}.lora_A.weight"] = a
+        tensors[f"base_model.model.model.layers.0.mlp.experts.{e}.{proj}.lora_B.weight"] = b
+        want[e, rows] = (6 / 3) * b @ a
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 3, "lora_alpha": 6, "target_modules": [proj], "bias": "none"}))
+    ex = load_lora_adapter("one", tmp_path, spec, max_rank=3).experts[0]
+    assert ex.up_a is None and ex.gate_up_a.shape == (E, 3, H)
+    torch.testing.assert_close(gate_up_delta(ex), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family,kind,targets", [

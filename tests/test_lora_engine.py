@@ -39,8 +39,11 @@ CASES = [(f, "target_parameters") for f in TINY_FAMILIES] + [("mixtral", "per-ex
 @pytest.mark.parametrize("family,expert_format", CASES)
 def test_attention_and_expert_lora_match_peft(tmp_path, family, expert_format):
     base = save_base_checkpoint(family, tmp_path / "base")
-    path, pm = make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1, expert_format=expert_format)
-    engine = make_engine(base, lora_modules={"ad": str(path)})
+    per_expert = expert_format == "per-expert"
+    path, pm = make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1, expert_format=expert_format,
+                                 separate_gate_up=per_expert)
+    # per-expert: gate_proj and up_proj with their own rank-4 A's fit --max-lora-rank 4 (not stacked into rank 8)
+    engine = make_engine(base, lora_modules={"ad": str(path)}, max_lora_rank=4 if per_expert else 16)
     prompt = prompts_for([13], seed=2)[0]
     ours = prompt_logits(engine, prompt, "ad")
     with torch.no_grad():
@@ -48,6 +51,27 @@ def test_attention_and_expert_lora_match_peft(tmp_path, family, expert_format):
     assert (ours - theirs).abs().max().item() <= 1e-4
     out = engine.generate([prompt], SamplingParams(max_tokens=16, **GREEDY), lora="ad")[0]
     assert out.token_ids == peft_greedy(pm, prompt, 16)
+
+
+def test_separate_gate_up_is_stacked_or_refused_without_up_a_buffers(tmp_path):
+    """lora_separate_gate_up off: separate rank-4 gate and up LoRAs are held as one rank-8 LoRA, so --max-lora-rank 4
+    refuses them by name (and names the flag), --max-lora-rank 8 serves them with PEFT's logits; auto (None) turns
+    the up A buffers on for them."""
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path, pm = make_peft_adapter(family, tmp_path / "ad", kind="experts", rank=4, seed=5, expert_format="per-expert",
+                                 separate_gate_up=True)
+    with pytest.raises(LoRAAdapterError, match=r"rank 8, above its max_lora_rank 4 .*--lora-separate-gate-up"):
+        make_engine(base, lora_modules={"ad": str(path)}, max_lora_rank=4, lora_separate_gate_up=False)
+    stacked = make_engine(base, lora_modules={"ad": str(path)}, max_lora_rank=8, lora_separate_gate_up=False)
+    auto = make_engine(base, lora_modules={"ad": str(path)}, max_lora_rank=4)
+    assert not stacked.lora_manager.pool.separate_gate_up and auto.lora_manager.pool.separate_gate_up
+    prompt = prompts_for([11], seed=6)[0]
+    with torch.no_grad():
+        theirs = pm(input_ids=torch.tensor([prompt])).logits[0].float()
+    for engine, rank in ((stacked, 8), (auto, 4)):
+        assert (prompt_logits(engine, prompt, "ad") - theirs).abs().max().item() <= 1e-4
+        assert engine.lora_manager.pool.slot_ranks.max().item() == rank
 
 
 @pytest.mark.parametrize("family,kind,lora_kw", [
@@ -208,9 +232,10 @@ def test_pinned_adapter_is_never_evicted(tmp_path):
 def test_slot_buffers_never_move_and_unloaded_slots_are_zeroed(tmp_path):
     family = "qwen2_moe"
     base = save_base_checkpoint(family, tmp_path / "base")
-    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=60)
+    # a: separate gate_proj / up_proj A's per expert; b: one fused gate_up A
+    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=60, expert_format="per-expert", separate_gate_up=True)
     b, _ = make_peft_adapter(family, tmp_path / "b", rank=2, seed=61)
-    engine = make_engine(base, enable_lora=True, max_loras=1)
+    engine = make_engine(base, enable_lora=True, max_loras=1, lora_separate_gate_up=True)
     model = engine.runner.model
 
     def buffers():
@@ -220,17 +245,28 @@ def test_slot_buffers_never_move_and_unloaded_slots_are_zeroed(tmp_path):
                 out += [lin.lora_a, lin.lora_b]
             bufs = getattr(layer.mlp, "lora_bufs", None)
             if bufs is not None:
-                out += [bufs.gate_up_a, bufs.gate_up_b, bufs.down_a, bufs.down_b]
+                out += [bufs.gate_up_a, bufs.gate_up_b, bufs.down_a, bufs.down_b, bufs.up_a, bufs.gate_up_separate]
         return [t for t in out if t is not None]
+
+    expert_bufs = [layer.mlp.lora_bufs for layer in model.layers if getattr(layer.mlp, "lora_bufs", None)]
+    assert expert_bufs
 
     ptrs = [t.data_ptr() for t in buffers()]
     prompt = prompts_for([5], seed=62)[0]
     engine.load_lora("a", str(a))
     engine.load_lora("b", str(b))
-    engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY), lora="a")
+    first_a = prompt_logits(engine, prompt, "a")
     assert engine.lora_manager.pool.slot_ranks.tolist() == [4]
+    for bufs in expert_bufs:  # a gate A and an up A, each of rank 4
+        assert bufs.gate_up_separate.tolist() == [1] and bufs.up_a[0, :, :4].abs().sum() > 0
     engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY), lora="b")  # evicts a from the one slot
     assert engine.lora_manager.pool.slot_ranks.tolist() == [2]
+    for bufs in expert_bufs:  # one A; a's up A is gone
+        assert bufs.gate_up_separate.tolist() == [0] and bufs.up_a[0].abs().sum() == 0
+    again_a = prompt_logits(engine, prompt, "a")  # back to separate A's in the same slot
+    assert [bufs.gate_up_separate.tolist() for bufs in expert_bufs] == [[1]] * len(expert_bufs)
+    assert torch.equal(again_a, first_a)
+    engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY), lora="b")
     q_rows = model.layers[0].self_attn.qkv_proj.lora_a[0, 0]
     assert q_rows[2:].abs().sum() == 0 and q_rows[:2].abs().sum() > 0  # rank columns beyond 2 are zero
     engine.unload_lora("b")
@@ -269,6 +305,10 @@ def test_default_max_lora_rank_is_16_and_the_pool_logs_its_bytes_per_target(tmp_
     assert f"{L} slots x rank {R}" in line and all(k in line for k in want) and "--max-lora-rank" in line
     rank64 = Engine(EngineConfig(**cfg, max_lora_rank=64)).lora_manager.pool
     assert rank64.nbytes == 4 * pool.nbytes  # the pool scales with max_lora_rank
+    # separate gate and up A's: an up A [H] per rank and expert slot, and a per-slot int32 flag per sparse layer
+    separate = Engine(EngineConfig(**cfg, lora_separate_gate_up=True)).lora_manager.pool
+    assert separate.nbytes_by_target["experts"] == want["experts"] + 4 * L * (R * sparse * E * H + sparse)
+    assert not pool.separate_gate_up and separate.separate_gate_up
 
 
 def test_pinning_the_last_slot_that_queued_requests_need_is_refused(tmp_path):

@@ -19,10 +19,12 @@ from peft_fixtures import make_peft_adapter, save_base_checkpoint
 LP_TOL = 1e-4  # fp32: logits (so logprobs) within 1e-4 of the single-rank engine
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
 
-# family -> (config overrides, adapters: name -> (kind, rank)). olmoe runs with one KV head: both ranks then
-# hold a replica of it, and its full-width k_norm spans the replicas.
+# per-expert gate_proj / up_proj LoRAs with their own A's (a gate half and an up half in the slot)
+SEPARATE_GATE_UP = dict(expert_format="per-expert", separate_gate_up=True)
+# family -> (config overrides, adapters: name -> (kind, rank[, adapter format])). olmoe runs with one KV head: both
+# ranks then hold a replica of it, and its full-width k_norm spans the replicas.
 CASES = {
-    "qwen3_moe": ({}, {"attn": ("attn", 2), "experts": ("experts", 8), "dense": ("dense-mlp", 4)}),
+    "qwen3_moe": ({}, {"attn": ("attn", 2), "experts": ("experts", 8, SEPARATE_GATE_UP), "dense": ("dense-mlp", 4)}),
     "qwen2_moe": ({}, {"attn": ("attn", 2), "experts": ("attn+experts", 4), "shared": ("shared-expert", 8)}),
     "mixtral": ({}, {"attn": ("attn", 2), "experts": ("experts", 8), "all": ("all-linear+router", 4)}),
     "olmoe": ({"num_key_value_heads": 1}, {"attn": ("attn", 4), "experts": ("attn+experts", 2),
@@ -72,8 +74,8 @@ def test_tp2_and_ep2_equal_tp1_with_mixed_adapters_hot_load_and_eviction(tmp_pat
     overrides, kinds = CASES[family]
     base = save_base_checkpoint(family, tmp_path / "base", **overrides)
     paths = {name: str(make_peft_adapter(family, tmp_path / name, kind=kind, rank=rank, seed=i + 1,
-                                         config_overrides=overrides)[0])
-             for i, (name, (kind, rank)) in enumerate(kinds.items())}
+                                         config_overrides=overrides, **(fmt[0] if fmt else {}))[0])
+             for i, (name, (kind, rank, *fmt)) in enumerate(kinds.items())}
     first, second, late = list(paths)
     # two slots for three adapters: the later batches evict
     kw = dict(lora_modules={first: paths[first], second: paths[second]}, max_loras=2,
@@ -113,12 +115,14 @@ def test_tp2_and_ep2_equal_tp1_with_mixed_adapters_hot_load_and_eviction(tmp_pat
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_triton_kernels_on_sharded_shapes_equal_tp1(tmp_path, tp_engine, expert_parallel):
     """The Triton kernels (interpreted on CPU) at a rank's shapes: half the intermediate dim, or half the
-    experts with the other rank's pairs skipped; an expert adapter rides along."""
+    experts with the other rank's pairs skipped; expert adapters ride along, a fused gate_up one and one with
+    separate gate and up A's."""
     family = "qwen2_moe"
     base = save_base_checkpoint(family, tmp_path / "base")
     path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
-    kw = dict(lora_modules={"ad": path}, max_loras=1)
-    ps, loras = prompts(2, seed=3), [None, "ad"]
+    sep = str(make_peft_adapter(family, tmp_path / "sep", kind="experts", rank=4, seed=2, **SEPARATE_GATE_UP)[0])
+    kw = dict(lora_modules={"ad": path, "sep": sep}, max_loras=2)
+    ps, loras = prompts(3, seed=3), [None, "ad", "sep"]
     sp = SamplingParams(max_tokens=2, **GREEDY)
     ref = Engine(config(base, **kw)).generate(ps, sp, lora=loras)
     two = tp_engine(config(base, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,

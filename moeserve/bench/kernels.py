@@ -71,11 +71,15 @@ HIDDEN, INTER, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
 DEVICE = "cuda"
 NUM_SETS = 4  # weight/input sets one timed graph rotates through (each >> L2)
 LORA_SLOTS, LORA_MAX_RANK = 8, 64
-LORA_CASES = {  # name -> (rank of each slot, adapters in use)
-    "lora1_r16": ([16] + [0] * 7, 1),
-    "lora4_r16": ([16] * 4 + [0] * 4, 4),
-    "lora8_r16": ([16] * 8, 8),
-    "lora1_r8_of_64": ([8] + [0] * 7, 1),
+LORA_CASES = {  # name -> (rank of each slot, adapters in use, up A's: None = pool without them, else per-slot flags)
+    "lora1_r16": ([16] + [0] * 7, 1, None),
+    "lora4_r16": ([16] * 4 + [0] * 4, 4, None),
+    "lora8_r16": ([16] * 8, 8, None),
+    "lora1_r8_of_64": ([8] + [0] * 7, 1, None),
+    # lora_separate_gate_up pools: 4 adapters with separate gate and up A's (two gate_up shrinks each), and 4
+    # with one A (what fused gate_up adapters pay for the option: should equal lora4_r16)
+    "lora4_r16_sep": ([16] * 4 + [0] * 4, 4, [1] * 8),
+    "lora4_r16_sep1A": ([16] * 4 + [0] * 4, 4, [0] * 8),
 }
 
 
@@ -104,7 +108,7 @@ def make_lora_pool(gen):
                            dtype=torch.bfloat16) * 0.02
 
     return (normal(LORA_MAX_RANK, HIDDEN), normal(2 * INTER, LORA_MAX_RANK),
-            normal(LORA_MAX_RANK, INTER), normal(HIDDEN, LORA_MAX_RANK))
+            normal(LORA_MAX_RANK, INTER), normal(HIDDEN, LORA_MAX_RANK), normal(LORA_MAX_RANK, HIDDEN))
 
 
 def make_inputs(batch: int, gen):
@@ -115,9 +119,12 @@ def make_inputs(batch: int, gen):
 
 
 def lora_args(pool, batch: int, case: str) -> MoELoRAArgs:
-    ranks, in_use = LORA_CASES[case]
+    ranks, in_use, separate = LORA_CASES[case]
     slots = (torch.arange(batch, device=DEVICE) % in_use).to(torch.int32)
-    return MoELoRAArgs(slots, torch.tensor(ranks, dtype=torch.int32, device=DEVICE), *pool)
+    *factors, up_a = pool
+    flags = None if separate is None else torch.tensor(separate, dtype=torch.int32, device=DEVICE)
+    return MoELoRAArgs(slots, torch.tensor(ranks, dtype=torch.int32, device=DEVICE), *factors,
+                       None if separate is None else up_a, flags)
 
 
 def time_moe(weights, inputs, loras=None, **kw) -> float:
@@ -181,7 +188,11 @@ def lora_touched_bytes(lora: MoELoRAArgs, topk_ids) -> float:
     ranks = lora.slot_ranks.long()[slots.clamp(min=0)]
     keys = (slots * NUM_EXPERTS + topk_ids.long())[(slots >= 0) & (ranks > 0)].unique()
     per_rank = (HIDDEN + 2 * INTER + INTER + HIDDEN) * 2
-    return float(lora.slot_ranks.long()[keys // NUM_EXPERTS].sum()) * per_rank
+    total = float(lora.slot_ranks.long()[keys // NUM_EXPERTS].sum()) * per_rank
+    if lora.up_a is not None:  # the up A's of separate slots
+        sep = lora.gate_up_separate.long()[keys // NUM_EXPERTS]
+        total += float((lora.slot_ranks.long()[keys // NUM_EXPERTS] * sep).sum()) * HIDDEN * 2
+    return total
 
 
 def lora_reference(weights, inputs, lora: MoELoRAArgs, tokens: int = 64):
@@ -190,7 +201,7 @@ def lora_reference(weights, inputs, lora: MoELoRAArgs, tokens: int = 64):
     (w13, w2), (x, tw, ti) = weights[0], inputs[0]
     n = min(tokens, x.shape[0])
     sub = MoELoRAArgs(lora.token_slots[:n], lora.slot_ranks, lora.gate_up_a, lora.gate_up_b,
-                      lora.down_a, lora.down_b)
+                      lora.down_a, lora.down_b, lora.up_a, lora.gate_up_separate)
     ref = fused_moe_ref(x[:n], w13, w2, tw[:n], ti[:n], sub).float()
     return ref, fused_moe_ref(x[:n], w13, w2, tw[:n], ti[:n]).float()
 

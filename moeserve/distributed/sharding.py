@@ -141,8 +141,6 @@ def checkpoint_slices(name: str, shape: tuple[int, ...], sh: TensorSharding):
 
 def shard_adapter(adapter, sh: TensorSharding):
     """The part of a parsed adapter (global shapes) that rank `sh.rank` holds (see the module docstring)."""
-    from moeserve.lora.adapter import ExpertLoRA
-
     dense = {}
     for (layer, target), (a, b) in adapter.dense.items():
         module = target.rsplit(".", 1)[-1]  # "shared_expert.down_proj" -> "down_proj"
@@ -159,9 +157,11 @@ def shard_adapter(adapter, sh: TensorSharding):
     experts = {}
     if sh.expert_parallel:
         e0, e1 = sh.expert_range()
+        def own(t):  # this rank's experts of a factor (every factor leads with the expert dim)
+            return None if t is None else t[e0:e1].contiguous()
+
         for layer, ex in adapter.experts.items():
-            experts[layer] = ExpertLoRA(*(None if t is None else t[e0:e1].contiguous()
-                                          for t in (ex.gate_up_a, ex.gate_up_b, ex.down_a, ex.down_b)))
+            experts[layer] = dataclasses.replace(ex, **{f.name: own(getattr(ex, f.name)) for f in dataclasses.fields(ex)})
         return dataclasses.replace(adapter, dense=dense, experts=experts)
     for layer, ex in adapter.experts.items():
         gate_up_b = down_a = None
@@ -172,7 +172,8 @@ def shard_adapter(adapter, sh: TensorSharding):
         if ex.down_a is not None:
             lo, hi = sh.part(ex.down_a.shape[2])
             down_a = ex.down_a[:, :, lo:hi].contiguous()
-        experts[layer] = ExpertLoRA(ex.gate_up_a, gate_up_b, down_a, ex.down_b)
+        # the A's of gate_up (gate_up_a, and up_a where gate and up have their own) stay whole
+        experts[layer] = dataclasses.replace(ex, gate_up_b=gate_up_b, down_a=down_a)
     return dataclasses.replace(adapter, dense=dense, experts=experts)
 
 

@@ -2,6 +2,7 @@
 
     out[t] = sum_k w[t,k] * (W2_e @ h + dD),   e = topk_ids[t,k]
     h = silu(g) * u,  [g | u] = W13_e @ x_t + dGU
+    dGU = [Bg A x_t | Bu A' x_t],  A' = the slot's up A where it has separate gate and up A's, else A
 
 Two paths, chosen from the number of (token, k) pairs only (so a CUDA graph of a batch
 size always records the same kernels):
@@ -54,6 +55,10 @@ class MoELoRAArgs:
     gate_up_b: torch.Tensor  # [L, E, 2I, R]  (LoRA scaling folded in)
     down_a: torch.Tensor  # [L, E, R, I]
     down_b: torch.Tensor  # [L, E, H, R]
+    # pools with separate gate and up A's (lora_separate_gate_up): the up rows' own A, read only for slots
+    # flagged 1 in gate_up_separate [L] int32; None: every slot's up rows use gate_up_a (no UP_HALF code)
+    up_a: torch.Tensor | None = None  # [L, E, R, H], gate_up_a's layout
+    gate_up_separate: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,9 @@ class MoEPlan:
     lora_down_splits: int = 2  # programs sharing one block's shrink over I
     lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
     lora_shrink_warps: int = 4
-    # sorted-path LoRA expands in the GEMM epilogues (bench candidates; the defaults are the walk)
+    # sorted-path LoRA expands in the GEMM epilogues (bench candidates; the defaults are the walk).
+    # A gate_up GEMM of a pool with separate up A's (UP_HALF) ignores both and takes the plain
+    # walk, lora_block_expand, which alone walks the up halves; its down GEMM still uses them.
     lora_epilogue_prefetch: str = "none"  # "before_k_loop": first item(s)' loads before the K loop
     lora_epilogue_items: int = 0  # >0 (power of 2): that many (slot, rank step) items loaded at
     #                              once and added in one dot, the rest walked as with 0
@@ -120,12 +127,15 @@ def _moe_gate_up_kernel(
     num_pairs, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_gu,
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+    separate_ptr, stride_sh, up_col0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
-    LORA_ITEMS: tl.constexpr = 0, LORA_PREFETCH: tl.constexpr = False,
+    UP_HALF: tl.constexpr, LORA_ITEMS: tl.constexpr = 0, LORA_PREFETCH: tl.constexpr = False,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
-    aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink)."""
+    aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
+    columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand),
+    which takes the plain walk (LORA_ITEMS 0, no prefetch)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -142,6 +152,8 @@ def _moe_gate_up_kernel(
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
     if HAS_LORA:
+        tl.static_assert(not UP_HALF or (LORA_ITEMS == 0 and not LORA_PREFETCH),
+                         "the up halves are walked by lora_block_expand only")
         if LORA_PREFETCH:  # the epilogue's first loads ride under the weight stream below
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
@@ -181,10 +193,11 @@ def _moe_gate_up_kernel(
             acc = lora_expand_walk(acc, w_cur, w_r0, w_mine, w_rank, w_s, w_b, slots, row_ranks,
                                    rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
                                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-        else:  # today's walk: every item's loads after the K loop, one item in flight
+        else:  # the plain walk: every item's loads after the K loop, one item in flight
             acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
                                     offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
-                                    stride_bn, K_SPLITS, RANK_STEP)
+                                    stride_bn, separate_ptr, stride_sh, up_col0, K_SPLITS,
+                                    RANK_STEP, UP_HALF)
     out_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
     tl.store(out_ptrs, acc.to(gu_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & (offs_n < N)[None, :])
@@ -260,10 +273,10 @@ def _moe_down_kernel(
             acc = lora_expand_walk(acc, w_cur, w_r0, w_mine, w_rank, w_s, w_b, slots, row_ranks,
                                    rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
                                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-        else:  # today's walk: every item's loads after the K loop, one item in flight
+        else:  # the plain walk: every item's loads after the K loop, one item in flight
             acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
                                     offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
-                                    stride_bn, K_SPLITS, RANK_STEP)
+                                    stride_bn, slots_ptr, 0, N, K_SPLITS, RANK_STEP, False)
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     acc = acc * weights[:, None]
     out_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
@@ -274,24 +287,31 @@ def _moe_down_kernel(
 def _lora_expand_rows(
     slots_ptr, ranks_ptr, b_ptr, shrunk_ptr, pair, token, expert, rows,
     stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    separate_ptr, stride_sh, up_row0,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, UP_HALF: tl.constexpr,
 ):
     """B[slot, expert][rows, :rank] @ (sum over splits of shrunk[pair, split, :rank]);
-    zero when the token has no adapter."""
+    zero when the token has no adapter. UP_HALF: rows >= up_row0 of a slot flagged separate
+    use the up half (shrunk + stride_sh), which other slots never read."""
     slot = tl.load(slots_ptr + token).to(tl.int32)
     rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
     rank = tl.where(slot >= 0, rank, 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     offs_s = tl.arange(0, BLOCK_S)
-    partials = tl.load(shrunk_ptr + pair.to(tl.int64) * stride_sp + offs_s[:, None] * stride_ss
-                       + offs_r[None, :],
-                       mask=(offs_s < num_splits)[:, None] & r_ok[None, :], other=0.0)
-    shrunk = tl.sum(partials, 0)
+    part_ptrs = (shrunk_ptr + pair.to(tl.int64) * stride_sp + offs_s[:, None] * stride_ss
+                 + offs_r[None, :])
+    part_mask = (offs_s < num_splits)[:, None] & r_ok[None, :]
+    shrunk = tl.sum(tl.load(part_ptrs, mask=part_mask, other=0.0), 0)[None, :]
     b_ptrs = (b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
               + rows.to(tl.int64)[:, None] * stride_bn + offs_r[None, :])
     b = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
-    return tl.sum(b.to(tl.float32) * shrunk[None, :], 1)
+    if UP_HALF:
+        rank_up = tl.where(tl.load(separate_ptr + tl.maximum(slot, 0)) != 0, rank, 0)
+        up_mask = (offs_s < num_splits)[:, None] & (offs_r < rank_up)[None, :]
+        shrunk_up = tl.sum(tl.load(part_ptrs + stride_sh, mask=up_mask, other=0.0), 0)
+        shrunk = tl.where(((rows >= up_row0) & (rank_up > 0))[:, None], shrunk_up[None, :], shrunk)
+    return tl.sum(b.to(tl.float32) * shrunk, 1)
 
 
 @triton.jit
@@ -301,8 +321,9 @@ def _gemv_gate_up_kernel(
     num_experts, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_gu,
     stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
+    separate_ptr, stride_sh, up_row0,
     HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, UP_HALF: tl.constexpr,
 ):
     """gu[pair, tile] = W13_e[tile] @ x[token] (+ LoRA expand), fp32; one program per (pair, tile)."""
     pair = tl.program_id(0)
@@ -321,7 +342,8 @@ def _gemv_gate_up_kernel(
     if HAS_LORA:  # issued before the main loop so its loads overlap the weight stream
         delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, token,
                                   expert, rows, stride_bl, stride_be, stride_bn, stride_sp,
-                                  stride_ss, num_splits, BLOCK_R, BLOCK_S)
+                                  stride_ss, num_splits, separate_ptr, stride_sh, up_row0,
+                                  BLOCK_R, BLOCK_S, UP_HALF)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -366,7 +388,8 @@ def _gemv_down_kernel(
     if HAS_LORA:
         delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair,
                                   pair // top_k, expert, rows, stride_bl, stride_be, stride_bn,
-                                  stride_sp, stride_ss, num_splits, BLOCK_R, BLOCK_S)
+                                  stride_sp, stride_ss, num_splits, slots_ptr, 0, 0,
+                                  BLOCK_R, BLOCK_S, False)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -433,26 +456,36 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
 
     has_lora = lora is not None
     block_r = lora_rank_block(lora) if has_lora else 16
+    up_half = has_lora and lora.up_a is not None
+    if has_lora:  # partials [pairs, (2 halves,) splits, R]
+        shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a)
+        gu_b = lora.gate_up_b
+        gu_b_args = (*gu_b.stride()[:3], shrunk_gu.stride(0), shrunk_gu.stride(-2), shrunk_gu.shape[-2],
+                     lora.gate_up_separate if up_half else topk_ids, shrunk_gu.stride(1) if up_half else 0, inter)
+        gu_lora = (lora.token_slots, lora.slot_ranks, gu_b, shrunk_gu)
+        gu_splits = triton.next_power_of_2(shrunk_gu.shape[-2])
+    else:
+        gu_b_args, gu_splits = (0, 0, 0, 0, 0, 0, topk_ids, 0, 0), 1
+        gu_lora = (topk_ids, topk_ids, x, x)  # unused placeholders
 
-    def epilogue_lora(src, from_gate_up):
-        """Launch args of a GEMV's LoRA expand; runs the per-pair shrink of that GEMV's input first."""
-        if not has_lora:
-            return (topk_ids, topk_ids, x, x), (0,) * 6, 1  # unused placeholders
-        a, b = (lora.down_a, lora.down_b) if from_gate_up else (lora.gate_up_a, lora.gate_up_b)
-        shrunk = lora_shrink_pairs(src, a, topk_ids, lora, from_gate_up=from_gate_up)
-        return ((lora.token_slots, lora.slot_ranks, b, shrunk),
-                (*b.stride()[:3], *shrunk.stride()[:2], shrunk.shape[1]), triton.next_power_of_2(shrunk.shape[1]))
-
-    gu_lora, gu_b_args, gu_splits = epilogue_lora(x, from_gate_up=False)
     t = plan.gate_up
     _gemv_gate_up_kernel[(num_pairs, triton.cdiv(two_i, t.block_n))](
         x, w13, gu, topk_ids, *gu_lora,
         num_experts, top_k, two_i, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *gu_b_args,
         HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
-        BLOCK_S=gu_splits, EVEN_K=hidden % t.block_k == 0, num_warps=t.num_warps, num_stages=t.num_stages)
+        BLOCK_S=gu_splits, EVEN_K=hidden % t.block_k == 0, UP_HALF=up_half,
+        num_warps=t.num_warps, num_stages=t.num_stages)
 
-    d_lora, d_b_args, d_splits = epilogue_lora(gu, from_gate_up=True)
+    if has_lora:
+        shrunk_d = lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True)
+        d_b = lora.down_b
+        d_b_args = (*d_b.stride()[:3], *shrunk_d.stride()[:2], shrunk_d.shape[1])
+        d_lora = (lora.token_slots, lora.slot_ranks, d_b, shrunk_d)
+        d_splits = triton.next_power_of_2(shrunk_d.shape[1])
+    else:
+        d_b_args, d_splits = (0, 0, 0, 0, 0, 0), 1
+        d_lora = (topk_ids, topk_ids, x, x)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
     _gemv_down_kernel[(num_pairs, triton.cdiv(hidden, t.block_n))](
@@ -492,30 +525,37 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan):
     num_blocks = aligned.block_groups.numel()
     has_lora = lora is not None
 
+    up_half = has_lora and lora.up_a is not None
+
     def epilogue_lora(from_gate_up, src, splits):
         """Launch args of a GEMM's LoRA epilogue; runs the shrink of that GEMM's input first."""
         if not has_lora:
             return (topk_ids, topk_ids, x, x), (0,) * 5, 1  # unused placeholders
         a, b = (lora.down_a, lora.down_b) if from_gate_up else (lora.gate_up_a, lora.gate_up_b)
+        up_a = lora.up_a if up_half and not from_gate_up else None
         if b.stride(3) != 1:
             raise ValueError(f"LoRA {'down' if from_gate_up else 'gate_up'} B buffer must be contiguous along the "
                              f"rank (stride {b.stride(3)}, shape {tuple(b.shape)})")
         shrunk = lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
                                    block_k=plan.lora_shrink_block_k, splits=splits,
-                                   lanes=plan.lora_shrink_lanes, num_warps=plan.lora_shrink_warps)
+                                   lanes=plan.lora_shrink_lanes, num_warps=plan.lora_shrink_warps,
+                                   up_a=up_a)
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
-                (*shrunk.stride()[:2], *b.stride()[:3]), shrunk.shape[0])
+                (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])
 
     epilogue = _epilogue_constexprs(plan) if has_lora else {}
+    gate_up_epilogue = {} if up_half else epilogue  # the up halves walk in lora_block_expand only
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
     ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
+    halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half else (topk_ids, 0, two_i)
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
         x, w13, gu, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, two_i, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides,
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, **epilogue, num_warps=t.num_warps, num_stages=t.num_stages)
+        RANK_STEP=RANK_STEP, UP_HALF=up_half, **gate_up_epilogue, num_warps=t.num_warps,
+        num_stages=t.num_stages)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
@@ -578,6 +618,9 @@ def fused_moe_ref(
     weights = topk_weights.float()
     slots = lora.token_slots.tolist() if lora is not None else [-1] * num_tokens
     ranks = lora.slot_ranks.tolist() if lora is not None else []
+    separate = set()  # slots whose up rows use their own up A
+    if lora is not None and lora.up_a is not None:
+        separate = {s for s, f in enumerate(lora.gate_up_separate.tolist()) if f}
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     for t in range(num_tokens):
         xt = x[t].float()
@@ -589,8 +632,10 @@ def fused_moe_ref(
             gate_up = w13[e].float() @ xt
             if s >= 0 and ranks[s] > 0:
                 r = ranks[s]
-                gate_up = gate_up + lora.gate_up_b[s, e, :, :r].float() @ (
-                    lora.gate_up_a[s, e, :r].float() @ xt)
+                a = lora.gate_up_a[s, e, :r].float()
+                a_up = lora.up_a[s, e, :r].float() if s in separate else a
+                b = lora.gate_up_b[s, e, :, :r].float()
+                gate_up = gate_up + torch.cat([b[:inter] @ (a @ xt), b[inter:] @ (a_up @ xt)])
             h = F.silu(gate_up[:inter]) * gate_up[inter:]
             y = w2[e].float() @ h
             if s >= 0 and ranks[s] > 0:

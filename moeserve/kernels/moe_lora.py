@@ -22,6 +22,12 @@ for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
   with separate LoRA kernels measured slower or equal on the H200 and was removed after cfefc5c;
   numbers in fused_moe.)
 
+Separate gate and up A's (lora_separate_gate_up): a slot flagged in `gate_up_separate` has its
+up rows' own A in `up_a` (same shape as gate_up_a); the gate_up shrinks then also write an up
+half of the partials for that slot's rows, and the expands read it for the up columns. The
+flag is read per slot in-kernel: a slot with one A shrinks once and never reads up_a, and a
+pool without up_a compiles none of it (UP_HALF=False).
+
 Pairs without an adapter (slot -1, rank 0) are skipped inside the kernels: their rows of
 the shrink buffers are never written and never read, and their outputs are bitwise the
 no-LoRA kernels'.
@@ -58,13 +64,14 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def _lora_shrink_pairs_kernel(
-    src_ptr, a_ptr, out_ptr, topk_ids_ptr, slots_ptr, ranks_ptr,
+    src_ptr, a_ptr, out_ptr, topk_ids_ptr, slots_ptr, ranks_ptr, up_a_ptr, separate_ptr,
     num_experts, top_k, K,
-    stride_src, stride_al, stride_ae, stride_ar, stride_op, stride_os,
-    FROM_GATE_UP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_src, stride_al, stride_ae, stride_ar, stride_op, stride_os, stride_oh,
+    FROM_GATE_UP: tl.constexpr, UP_HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[pair, split, :rank] = A[slot, expert][:rank, split cols] @ v[split cols],
-    v = x[token], or silu(g) * u of gu[pair] (fp32 rows [g | u])."""
+    """out[pair, (half,) split, :rank] = A[slot, expert][:rank, split cols] @ v[split cols],
+    v = x[token], or silu(g) * u of gu[pair] (fp32 rows [g | u]). UP_HALF: slots flagged
+    separate also write half 1 from up_a (same strides as A)."""
     pair = tl.program_id(0)
     split = tl.program_id(1)
     token = pair // top_k
@@ -85,29 +92,42 @@ def _lora_shrink_pairs_kernel(
     else:
         v = tl.load(src_ptr + token.to(tl.int64) * stride_src + offs_k, mask=k_ok,
                     other=0.0).to(tl.float32)
-    a_ptrs = (a_ptr + slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+    a_offs = (slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
               + offs_r[:, None] * stride_ar + offs_k[None, :])
-    a = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    a_mask = r_ok[:, None] & k_ok[None, :]
+    a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
     part = tl.sum(a.to(tl.float32) * v[None, :], 1)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_op + split * stride_os + offs_r, part,
-             mask=r_ok)
+    out_ptrs = out_ptr + pair.to(tl.int64) * stride_op + split * stride_os + offs_r
+    tl.store(out_ptrs, part, mask=r_ok)
+    if UP_HALF:
+        if tl.load(separate_ptr + slot) != 0:
+            a = tl.load(up_a_ptr + a_offs, mask=a_mask, other=0.0)
+            tl.store(out_ptrs + stride_oh, tl.sum(a.to(tl.float32) * v[None, :], 1), mask=r_ok)
 
 
 def lora_shrink_pairs(src: torch.Tensor, a: torch.Tensor, topk_ids: torch.Tensor, lora,
-                      from_gate_up: bool) -> torch.Tensor:
-    """Per-pair split shrink for the decode path -> fp32 partials [pairs, splits, rank block]."""
+                      from_gate_up: bool, up_a: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair split shrink for the decode path -> fp32 partials [pairs, splits, rank block], or
+    with `up_a` (gate_up of a pool with separate up A's) [pairs, 2, splits, rank block], half 1
+    written only for the pairs of slots flagged in lora.gate_up_separate."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     block_r = lora_rank_block(lora)
     k = a.shape[3]
     block_k = min(shrink_block_k(block_r), triton.next_power_of_2(k))
     splits = triton.cdiv(k, block_k)
-    out = torch.empty(num_pairs, splits, block_r, dtype=torch.float32, device=src.device)
+    up_half = up_a is not None
+    if up_half and up_a.stride() != a.stride():
+        raise ValueError(f"up_a {tuple(up_a.shape)} must have gate_up_a's layout {tuple(a.shape)}")
+    out = torch.empty(num_pairs, *((2,) if up_half else ()), splits, block_r, dtype=torch.float32,
+                      device=src.device)
     _lora_shrink_pairs_kernel[(num_pairs, splits)](
         src, a, out, topk_ids, lora.token_slots, lora.slot_ranks,
+        up_a if up_half else a, lora.gate_up_separate if up_half else lora.slot_ranks,
         a.shape[1], top_k, k,
-        src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(1),
-        FROM_GATE_UP=from_gate_up, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+        src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(-2),
+        out.stride(1) if up_half else 0,
+        FROM_GATE_UP=from_gate_up, UP_HALF=up_half, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -136,17 +156,33 @@ def _next_slot(slots, cur):
 
 
 @triton.jit
-def _expand_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
-                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                       K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
-    """Operands of one (slot, rank step) of the expand: the shrink rows of the slot (partials
-    summed, other rows 0) and B[slot, expert][offs_n, r0:r0 + RANK_STEP]. Nothing is read for
-    cur == _NO_SLOT."""
+def _slot_separate(cur, separate_ptr, UP_HALF: tl.constexpr):
+    """1 where slot `cur` has separate gate and up A's (UP_HALF pools only), else 0."""
+    sep = cur * 0
+    if UP_HALF:
+        sep = tl.load(separate_ptr + tl.where(cur < _NO_SLOT, cur, 0))
+    return sep
+
+
+@triton.jit
+def _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
+                       offs_n, n_ok, up_col0, stride_sk, stride_sr, stride_sh, stride_bl,
+                       stride_be, stride_bn, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
+                       UP_HALF: tl.constexpr):
+    """Operands of one (slot, half, rank step) of the expand: the shrink rows of the slot
+    (partials summed, other rows 0) and B[slot, expert][offs_n, r0:r0 + RANK_STEP]. A slot with
+    separate A's (sep) expands half 0 into the gate columns (< up_col0) and half 1 into the up
+    columns; a slot with one A expands half 0 into all. Nothing is read for cur == _NO_SLOT."""
     mine = slots == cur
     rank = tl.max(tl.where(mine, row_ranks, 0), 0)
     r = r0 + tl.arange(0, RANK_STEP)
     r_ok = r < rank
     s_ptrs = scratch_ptr + rows.to(tl.int64)[:, None] * stride_sr + r[None, :]
+    if UP_HALF:
+        s_ptrs += half * stride_sh
+        col_lo = tl.where((sep != 0) & (half == 1), up_col0, 0)
+        col_hi = tl.where((sep != 0) & (half == 0), up_col0, 1 << 30)
+        n_ok = n_ok & (offs_n >= col_lo) & (offs_n < col_hi)
     s_mask = mine[:, None] & r_ok[None, :]
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)
     for ks in tl.static_range(1, K_SPLITS):
@@ -159,15 +195,26 @@ def _expand_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expe
 
 
 @triton.jit
+def _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
+                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+    """_expand_step_loads of an expand without an up half: what the plan's epilogue options
+    (lora_expand_first / _walk / _rest) walk; a GEMM with UP_HALF takes lora_block_expand."""
+    return _expand_step_loads(cur, 0, 0, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
+                              offs_n, n_ok, 0, stride_sk, stride_sr, 0, stride_bl, stride_be,
+                              stride_bn, K_SPLITS, RANK_STEP, False)
+
+
+@triton.jit
 def lora_expand_first(slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                       K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
     """Loads of the block's first (slot, rank step) item -> the walk state `lora_expand_walk` takes."""
     cur = _next_slot(slots, -1)
     r0 = cur * 0
-    mine, rank, s, b = _expand_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
-                                          expert, offs_n, offs_n < N, stride_sk, stride_sr,
-                                          stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+    mine, rank, s, b = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
+                                         expert, offs_n, offs_n < N, stride_sk, stride_sr,
+                                         stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
     return cur, r0, mine, rank, s, b
 
 
@@ -183,7 +230,7 @@ def lora_expand_walk(acc, cur, r0, mine, rank, s, b, slots, row_ranks, rows, scr
         more = r0 + RANK_STEP < rank
         nxt = tl.where(more, cur, _next_slot(slots, cur))
         nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
-        nxt_mine, nxt_rank, nxt_s, nxt_b = _expand_step_loads(
+        nxt_mine, nxt_rank, nxt_s, nxt_b = _one_a_step_loads(
             nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
             stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
         acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
@@ -194,28 +241,49 @@ def lora_expand_walk(acc, cur, r0, mine, rank, s, b, slots, row_ranks, rows, scr
 @triton.jit
 def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+                      separate_ptr, stride_sh, up_col0,
+                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr):
     """GEMM epilogue: acc[rows of slot s] += shrink[rows] @ B[s, expert][offs_n, :rank]^T for every
     slot s of the block, the shrink being the sum of K_SPLITS fp32 partials at scratch rows `rows`.
     Walks (slot, rank step) items, loading the next item's operands before the current dot so one
     memory round trip is in flight while the previous item computes. Rows without an adapter
-    come back bitwise unchanged. (The walk of lora_expand_walk, kept as its own copy so that the
-    default epilogue compiles exactly as before the plan's epilogue options.)"""
+    come back bitwise unchanged. UP_HALF (gate_up with separate up A's; columns >= up_col0 are
+    the up rows): a separate slot walks the halves its columns need, half 1 from scratch +
+    stride_sh, so on a tile within one half it costs the same steps as a slot with one A."""
     n_ok = offs_n < N
     cur = _next_slot(slots, -1)
+    sep = _slot_separate(cur, separate_ptr, UP_HALF)
+    half = cur * 0
+    if UP_HALF:  # a separate slot starts at the up half on a tile of up columns only
+        tile_lo = tl.min(offs_n, 0)
+        tile_hi = tl.minimum(tl.max(offs_n, 0) + 1, N)
+        half = tl.where((sep != 0) & (tile_lo >= up_col0), 1, 0)
     r0 = cur * 0
-    mine, rank, s, b = _expand_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
-                                          expert, offs_n, n_ok, stride_sk, stride_sr, stride_bl,
-                                          stride_be, stride_bn, K_SPLITS, RANK_STEP)
+    mine, rank, s, b = _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr,
+                                          b_ptr, expert, offs_n, n_ok, up_col0, stride_sk,
+                                          stride_sr, stride_sh, stride_bl, stride_be, stride_bn,
+                                          K_SPLITS, RANK_STEP, UP_HALF)
     while cur < _NO_SLOT:
         more = r0 + RANK_STEP < rank
-        nxt = tl.where(more, cur, _next_slot(slots, cur))
         nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
+        if UP_HALF:  # after the last rank step: the up half where this slot needs it, else the next slot
+            up_next = (r0 + RANK_STEP >= rank) & (sep != 0) & (half == 0) & (tile_hi > up_col0)
+            stay = more | up_next
+            nxt = tl.where(stay, cur, _next_slot(slots, cur))
+            nxt_sep = tl.where(stay, sep, _slot_separate(nxt, separate_ptr, UP_HALF))
+            nxt_half = tl.where(more, half, tl.where(up_next, 1, tl.where(
+                (nxt_sep != 0) & (tile_lo >= up_col0), 1, 0)))
+        else:
+            nxt = tl.where(more, cur, _next_slot(slots, cur))
+            nxt_sep = sep
+            nxt_half = half
         nxt_mine, nxt_rank, nxt_s, nxt_b = _expand_step_loads(
-            nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
-            stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+            nxt, nxt_half, nxt_sep, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
+            offs_n, n_ok, up_col0, stride_sk, stride_sr, stride_sh, stride_bl, stride_be,
+            stride_bn, K_SPLITS, RANK_STEP, UP_HALF)
         acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
-        cur, r0, mine, rank, s, b = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
+        cur, half, sep, r0, mine, rank, s, b = (nxt, nxt_half, nxt_sep, nxt_r0, nxt_mine, nxt_rank,
+                                                nxt_s, nxt_b)
     return acc
 
 
@@ -267,10 +335,10 @@ def lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratc
     more items than the group holds: many slots, or ranks above 16)."""
     acc = tl.where(covered[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
     if cur < _NO_SLOT:
-        mine, rank, s1, b1 = _expand_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr,
-                                                b_ptr, expert, offs_n, offs_n < N, stride_sk,
-                                                stride_sr, stride_bl, stride_be, stride_bn,
-                                                K_SPLITS, RANK_STEP)
+        mine, rank, s1, b1 = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr,
+                                               b_ptr, expert, offs_n, offs_n < N, stride_sk,
+                                               stride_sr, stride_bl, stride_be, stride_bn,
+                                               K_SPLITS, RANK_STEP)
         acc = lora_expand_walk(acc, cur, r0, mine, rank, s1, b1, slots, row_ranks, rows,
                                scratch_ptr, b_ptr, expert, offs_n, N, stride_sk, stride_sr,
                                stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
@@ -278,18 +346,47 @@ def lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratc
 
 
 @triton.jit
+def _shrink_slot(a_base, out_ptrs, src_rows, mine, rank, k_lo, k_hi, K, stride_ar,
+                 FROM_GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 RANK_STEP: tl.constexpr):
+    """out[rows of the slot, :rank] = v[rows, k_lo:k_hi] @ A[:rank, k_lo:k_hi]^T, A at a_base."""
+    dtype = a_base.dtype.element_ty
+    offs_k = tl.arange(0, BLOCK_K)
+    for r0 in range(0, rank, RANK_STEP):
+        r = r0 + tl.arange(0, RANK_STEP)
+        r_ok = r < rank
+        acc = tl.zeros((BLOCK_M, RANK_STEP), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < k_hi
+            v_mask = mine[:, None] & k_ok[None, :]
+            if FROM_GATE_UP:
+                gate = tl.load(src_rows + k[None, :], mask=v_mask, other=0.0)
+                up = tl.load(src_rows + K + k[None, :], mask=v_mask, other=0.0)
+                v = _silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype)
+            else:
+                v = tl.load(src_rows + k[None, :], mask=v_mask, other=0.0).to(dtype)
+            at = tl.load(a_base + r[None, :] * stride_ar + k[:, None],
+                         mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(v, at, acc)
+        tl.store(out_ptrs + r[None, :], acc, mask=mine[:, None] & r_ok[None, :])
+
+
+@triton.jit
 def _lora_block_shrink_kernel(
     src_ptr, a_ptr, scratch_ptr, slots_ptr, ranks_ptr, sorted_ids_ptr, block_groups_ptr,
+    up_a_ptr, separate_ptr,
     num_pairs, top_k, K, K_PER_SPLIT,
-    stride_src, stride_al, stride_ae, stride_ar, stride_sk, stride_sr,
+    stride_src, stride_al, stride_ae, stride_ar, stride_sk, stride_sr, stride_sh,
     FROM_GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    RANK_STEP: tl.constexpr, LANES: tl.constexpr,
+    RANK_STEP: tl.constexpr, LANES: tl.constexpr, UP_HALF: tl.constexpr,
 ):
     """scratch[split, row, :rank] = v[row, split cols] @ A[slot, expert][:rank, split cols]^T for
     the rows of each adapter slot of one expert block. v = x[token], or silu(g) * u of the bf16
     gu row the down GEMM reads. The distinct slots of a block are dealt round-robin to LANES
     programs (they own disjoint rows). Only rows with an adapter, rank columns < rank, are
-    written."""
+    written. UP_HALF: slots flagged separate also write scratch + stride_sh from up_a (same
+    strides as A)."""
     blk = tl.program_id(0)
     split = tl.program_id(1)
     lane = tl.program_id(2)
@@ -304,10 +401,8 @@ def _lora_block_shrink_kernel(
         src_rows = src_ptr + pairs.to(tl.int64)[:, None] * stride_src
     else:
         src_rows = src_ptr + (pairs // top_k).to(tl.int64)[:, None] * stride_src
-    dtype = a_ptr.dtype.element_ty
     k_lo = split * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    offs_k = tl.arange(0, BLOCK_K)
     out_ptrs = scratch_ptr + split * stride_sk + rows.to(tl.int64)[:, None] * stride_sr
     cur = _next_slot(slots, -1)
     for _skip in range(lane):
@@ -315,37 +410,27 @@ def _lora_block_shrink_kernel(
     while cur < _NO_SLOT:
         mine = slots == cur
         rank = tl.max(tl.where(mine, row_ranks, 0), 0)
-        a_base = a_ptr + cur.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
-        for r0 in range(0, rank, RANK_STEP):
-            r = r0 + tl.arange(0, RANK_STEP)
-            r_ok = r < rank
-            acc = tl.zeros((BLOCK_M, RANK_STEP), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                k = k0 + offs_k
-                k_ok = k < k_hi
-                v_mask = mine[:, None] & k_ok[None, :]
-                if FROM_GATE_UP:
-                    gate = tl.load(src_rows + k[None, :], mask=v_mask, other=0.0)
-                    up = tl.load(src_rows + K + k[None, :], mask=v_mask, other=0.0)
-                    v = _silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype)
-                else:
-                    v = tl.load(src_rows + k[None, :], mask=v_mask, other=0.0).to(dtype)
-                at = tl.load(a_base + r[None, :] * stride_ar + k[:, None],
-                             mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-                acc = tl.dot(v, at, acc)
-            tl.store(out_ptrs + r[None, :], acc, mask=mine[:, None] & r_ok[None, :])
+        a_offs = cur.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+        _shrink_slot(a_ptr + a_offs, out_ptrs, src_rows, mine, rank, k_lo, k_hi, K, stride_ar,
+                     FROM_GATE_UP, BLOCK_M, BLOCK_K, RANK_STEP)
+        if UP_HALF:
+            if tl.load(separate_ptr + cur) != 0:
+                _shrink_slot(up_a_ptr + a_offs, out_ptrs + stride_sh, src_rows, mine, rank, k_lo,
+                             k_hi, K, stride_ar, FROM_GATE_UP, BLOCK_M, BLOCK_K, RANK_STEP)
         for _lane in tl.static_range(LANES):
             cur = _next_slot(slots, cur)
 
 
 def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks, lora,
                       top_k: int, *, from_gate_up: bool, block_k: int = 128, splits: int = 4,
-                      lanes: int = 1, num_warps: int = 4,
+                      lanes: int = 1, num_warps: int = 4, up_a: torch.Tensor | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Shrink grouped by the base expert blocks -> fp32 partials [splits, aligned rows, R]
-    (row = position in `aligned.sorted_ids`), to be summed over splits by `lora_block_expand`.
-    `src` is x [T, H] or, with `from_gate_up`, gu [pairs, 2I]. Grid: (blocks, splits, lanes),
-    all from static shapes and config; `out` (tests) lets a caller see which entries were written."""
+    (row = position in `aligned.sorted_ids`), to be summed over splits by `lora_block_expand`;
+    with `up_a` (gate_up of a pool with separate up A's) [2, splits, rows, R], half 1 written
+    for the rows of slots flagged in lora.gate_up_separate. `src` is x [T, H] or, with
+    `from_gate_up`, gu [pairs, 2I]. Grid: (blocks, splits, lanes), all from static shapes and
+    config; `out` (tests) lets a caller see which entries were written."""
     num_blocks = aligned.block_groups.numel()
     num_rows = aligned.sorted_ids.numel()
     block_m = num_rows // num_blocks
@@ -356,30 +441,42 @@ def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks
     splits = triton.cdiv(k, k_per_split)
     if a.stride(3) != 1 or src.stride(1) != 1:
         raise ValueError("lora_block_shrink needs LoRA A and its input contiguous along K")
+    up_half = up_a is not None
+    if up_half and up_a.stride() != a.stride():
+        raise ValueError(f"up_a {tuple(up_a.shape)} must have gate_up_a's layout {tuple(a.shape)}")
+    shape = (*((2,) if up_half else ()), splits, num_rows, a.shape[2])
     if out is None:
-        out = torch.empty(splits, num_rows, a.shape[2], dtype=torch.float32, device=src.device)
-    if out.shape != (splits, num_rows, a.shape[2]) or out.stride(2) != 1:
-        raise ValueError(f"shrink buffer {tuple(out.shape)} is not ({splits}, {num_rows}, {a.shape[2]})")
+        out = torch.empty(shape, dtype=torch.float32, device=src.device)
+    if out.shape != shape or out.stride(-1) != 1:
+        raise ValueError(f"shrink buffer {tuple(out.shape)} is not {shape}")
     lanes = max(1, min(lanes, block_m, lora.slot_ranks.numel()))
     _lora_block_shrink_kernel[(num_blocks, splits, lanes)](
         src, a, out, lora.token_slots, lora.slot_ranks, aligned.sorted_ids, aligned.block_groups,
+        up_a if up_half else a, lora.gate_up_separate if up_half else lora.slot_ranks,
         num_pairs, top_k, k, k_per_split,
-        src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(1),
+        src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(-3), out.stride(-2),
+        out.stride(0) if up_half else 0,
         FROM_GATE_UP=from_gate_up, BLOCK_M=block_m, BLOCK_K=block_k, RANK_STEP=RANK_STEP,
-        LANES=lanes, num_warps=num_warps)
+        LANES=lanes, UP_HALF=up_half, num_warps=num_warps)
     return out
 
 
 def lora_block_shrink_ref(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks, lora,
-                          top_k: int, *, from_gate_up: bool) -> dict[int, torch.Tensor]:
+                          top_k: int, *, from_gate_up: bool,
+                          up_a: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
     """Plain-torch twin of `lora_block_shrink`, summed over splits: {aligned row: fp32 shrink
-    [rank]} for every row with an adapter (the rows the kernel writes)."""
+    [rank]} for every row with an adapter (the rows the kernel writes). With `up_a`: the up half,
+    {row: shrink} for the rows of slots flagged separate only."""
     num_pairs = lora.token_slots.numel() * top_k
     k = a.shape[3]
     sorted_ids = aligned.sorted_ids.tolist()
     block_m = len(sorted_ids) // aligned.block_groups.numel()
     groups = aligned.block_groups.tolist()
     slots, ranks = lora.token_slots.tolist(), lora.slot_ranks.tolist()
+    if up_a is not None:
+        separate = lora.gate_up_separate.tolist()
+        slots = [s if s >= 0 and separate[s] else -1 for s in slots]
+        a = up_a
     out = {}
     for row, pair in enumerate(sorted_ids):
         if pair >= num_pairs or groups[row // block_m] < 0:

@@ -21,10 +21,14 @@ from moeserve.layers.batch import LoRABatch
 
 @dataclass
 class ExpertLoRABuffers:
-    gate_up_a: torch.Tensor  # [L, E, R, H]
+    gate_up_a: torch.Tensor  # [L, E, R, H]: A of the gate rows, and of the up rows where the slot has one A
     gate_up_b: torch.Tensor  # [L, E, 2I, R]
     down_a: torch.Tensor  # [L, E, R, I]
     down_b: torch.Tensor  # [L, E, H, R]
+    # only with lora_separate_gate_up: the up rows' own A, read for slots whose flag is 1 (an adapter with
+    # separate gate and up LoRAs, each of rank r); a slot with flag 0 never reads up_a
+    up_a: torch.Tensor | None = None  # [L, E, R, H]
+    gate_up_separate: torch.Tensor | None = None  # [L] int32
 
 
 def _lora_delta(inp, a, b, token_slots, slots):
@@ -52,8 +56,14 @@ def moe_experts_torch(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None
         weight = (topk_weights * (topk_ids == e)).sum(dim=-1, keepdim=True)  # [T, 1]
         gu = x @ w13[e].t()
         if use_lora:
-            d = _lora_delta(x.to(b.gate_up_a.dtype), b.gate_up_a[:, e], b.gate_up_b[:, e], lora.token_slots,
-                            lora.active_slots)
+            xa = x.to(b.gate_up_a.dtype)
+            if b.up_a is None:
+                d = _lora_delta(xa, b.gate_up_a[:, e], b.gate_up_b[:, e], lora.token_slots, lora.active_slots)
+            else:  # up rows: each slot's own up A where it has one (flag 1), its one A otherwise
+                up_a = torch.where(b.gate_up_separate.view(-1, 1, 1) != 0, b.up_a[:, e], b.gate_up_a[:, e])
+                d = torch.cat([
+                    _lora_delta(xa, b.gate_up_a[:, e], b.gate_up_b[:, e, :inter], lora.token_slots, lora.active_slots),
+                    _lora_delta(xa, up_a, b.gate_up_b[:, e, inter:], lora.token_slots, lora.active_slots)], dim=-1)
             gu = torch.where(has_adapter, gu + d.to(gu.dtype), gu)
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
         y = h @ w2[e].t()
@@ -151,7 +161,8 @@ class MoEBlock(nn.Module):
             args = None
             if use_lora:
                 b = self.lora_bufs
-                args = self._fused.MoELoRAArgs(lora.token_slots, lora.slot_ranks, b.gate_up_a, b.gate_up_b, b.down_a, b.down_b)
+                args = self._fused.MoELoRAArgs(lora.token_slots, lora.slot_ranks, b.gate_up_a, b.gate_up_b, b.down_a,
+                                               b.down_b, b.up_a, b.gate_up_separate)
             out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args)
         else:
             out = moe_experts_torch(x, self.w13, self.w2, topk_w, topk_ids, lora, self.lora_bufs if use_lora else None)

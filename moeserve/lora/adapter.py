@@ -2,7 +2,8 @@
 
 The result is one fixed layout the slot pool can copy from: dense targets (attention, dense MLP, shared expert,
 the MoE router and qwen2's shared-expert gate) as (A [r, in], B [out, r]),
-routed experts as stacked [E, ...] factors with gate and up fused into one gate_up LoRA, every
+routed experts as stacked [E, ...] factors with gate and up as one gate_up LoRA (one A for both, or a
+gate A and an up A of the same rank: separate gate and up LoRAs of rank r cost rank r, not 2r), every
 tensor fp32, on CPU, contiguous, with the LoRA scaling (alpha/r, or alpha/sqrt(r) with rsLoRA)
 already folded into B.
 
@@ -116,21 +117,43 @@ def validate_adapter_name(name: str) -> None:
 
 @dataclass
 class ExpertLoRA:
-    """Routed-expert LoRA of one sparse layer; None where not targeted; scaling folded into B."""
+    """Routed-expert LoRA of one sparse layer; None where not targeted; scaling folded into B.
+    gate_up: ΔW rows [:I] (gate) = B[:, :I] @ gate_up_a, rows [I:] (up) = B[:, I:] @ (up_a, or
+    gate_up_a where up_a is None: one A shared by gate and up, as a fused gate_up LoRA has)."""
     gate_up_a: Tensor | None  # [E, r_gu, H]
     gate_up_b: Tensor | None  # [E, 2I, r_gu]
     down_a: Tensor | None  # [E, r_d, I]
     down_b: Tensor | None  # [E, H, r_d]
+    up_a: Tensor | None = None  # [E, r_gu, H]: the up rows' own A (separate gate and up LoRAs)
+
+    def stacked_gate_up(self) -> tuple[Tensor, Tensor]:
+        """Separate gate and up A's as one gate_up LoRA of rank 2·r_gu (A stacked, B block-diagonal), for a
+        slot pool that holds no up A (lora_separate_gate_up off)."""
+        r, inter = self.gate_up_a.shape[1], self.gate_up_b.shape[1] // 2
+        b = torch.zeros(*self.gate_up_b.shape[:2], 2 * r, dtype=self.gate_up_b.dtype)
+        b[:, :inter, :r] = self.gate_up_b[:, :inter]
+        b[:, inter:, r:] = self.gate_up_b[:, inter:]
+        return torch.cat([self.gate_up_a, self.up_a], dim=1), b
 
 
 @dataclass
 class LoRAAdapter:
     name: str
     path: str
-    rank: int  # max rank over all its tensors (gate and up stacked count as one rank r_g + r_u)
+    rank: int  # max rank over all its tensors (separate gate and up LoRAs count max(r_g, r_u))
     dense: dict[tuple[int, str], tuple[Tensor, Tensor]]  # (layer, target) -> (A [r, in], B [out, r])
     experts: dict[int, ExpertLoRA]  # layer -> routed-expert LoRA
     target_modules: frozenset[str]  # e.g. {"q_proj", "v_proj", "experts"}
+
+    @property
+    def separate_gate_up(self) -> bool:
+        """Some layer's routed experts have separate gate and up A's."""
+        return any(ex.up_a is not None for ex in self.experts.values())
+
+    @property
+    def stacked_rank(self) -> int:
+        """The slot rank it needs in a pool without an up A (its separate gate and up A's stacked)."""
+        return max([self.rank] + [2 * ex.gate_up_a.shape[1] for ex in self.experts.values() if ex.up_a is not None])
 
 
 def load_lora_adapter(name: str, path, spec: ModelSpec, max_rank: int, *,
@@ -181,9 +204,8 @@ def _load(ctx: _Ctx, spec: ModelSpec, max_rank: int) -> LoRAAdapter:
     dense = {k: (_finish(a), _finish(b)) for k, (a, b) in sorted(dense.items())}
     rank, where = _max_rank(dense, experts)
     if rank > max_rank:
-        note = " (separate gate and up LoRAs are stacked into one, so their ranks add)" if "gate_up" in where else ""
         raise ctx.error(f"{WEIGHTS_FILE} ({where})",
-                        f"LoRA rank {rank} exceeds the engine's max_lora_rank {max_rank} (--max-lora-rank){note}")
+                        f"LoRA rank {rank} exceeds the engine's max_lora_rank {max_rank} (--max-lora-rank)")
     targets = {t for (_, t) in dense} | ({"experts"} if experts else set())
     return LoRAAdapter(name=ctx.name, path=str(ctx.path), rank=rank, dense=dense, experts=experts,
                        target_modules=frozenset(targets))
@@ -860,26 +882,33 @@ def _expert_stack(proj: _ExpertProj, E: int, fan_in: int, fan_out: int) -> tuple
 
 def _assemble_experts(ctx, spec, layer: int, projs: dict[str, _ExpertProj]) -> ExpertLoRA:
     E, H, I = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-    gate_up_a = gate_up_b = down_a = down_b = None
+    gate_up_a = gate_up_b = down_a = down_b = up_a = None
     if "gate_up" in projs:
         for half in ("gate", "up"):
             if half in projs:
                 raise ctx.error(f"{WEIGHTS_FILE}[{projs[half].key}]", f"layer {layer} experts have both a fused "
                                 f"gate_up LoRA ({projs['gate_up'].key}) and a separate {half} LoRA")
         gate_up_a, gate_up_b = _expert_stack(projs["gate_up"], E, H, 2 * I)
+    elif "gate" in projs and "up" in projs:
+        # a gate A and an up A side by side, each zero-padded to rank max(r_g, r_u); B's halves likewise
+        ga, gb = _expert_stack(projs["gate"], E, H, I)
+        ua, ub = _expert_stack(projs["up"], E, H, I)
+        r = max(ga.shape[1], ua.shape[1])
+        gate_up_a, up_a = torch.zeros(E, r, H), torch.zeros(E, r, H)
+        gate_up_a[:, :ga.shape[1]] = ga
+        up_a[:, :ua.shape[1]] = ua
+        gate_up_b = torch.zeros(E, 2 * I, r)
+        gate_up_b[:, :I, :gb.shape[2]] = gb
+        gate_up_b[:, I:, :ub.shape[2]] = ub
     elif "gate" in projs or "up" in projs:
-        # gate and up as one LoRA of rank r_g + r_u: A stacked, B block-diagonal
-        empty = (torch.zeros(E, 0, H), torch.zeros(E, I, 0))
-        ga, gb = _expert_stack(projs["gate"], E, H, I) if "gate" in projs else empty
-        ua, ub = _expert_stack(projs["up"], E, H, I) if "up" in projs else empty
-        rg, ru = ga.shape[1], ua.shape[1]
-        gate_up_a = torch.cat([ga, ua], dim=1)
-        gate_up_b = torch.zeros(E, 2 * I, rg + ru)
-        gate_up_b[:, :I, :rg] = gb
-        gate_up_b[:, I:, rg:] = ub
+        # only one of them: its A serves both halves (the other half's B rows are zero), one shrink
+        half = "gate" if "gate" in projs else "up"
+        gate_up_a, b = _expert_stack(projs[half], E, H, I)
+        gate_up_b = torch.zeros(E, 2 * I, b.shape[2])
+        (gate_up_b[:, :I] if half == "gate" else gate_up_b[:, I:]).copy_(b)
     if "down" in projs:
         down_a, down_b = _expert_stack(projs["down"], E, I, H)
-    return ExpertLoRA(*(None if t is None else _finish(t) for t in (gate_up_a, gate_up_b, down_a, down_b)))
+    return ExpertLoRA(*(None if t is None else _finish(t) for t in (gate_up_a, gate_up_b, down_a, down_b, up_a)))
 
 
 def _finish(t: Tensor) -> Tensor:

@@ -67,8 +67,12 @@ class LoRAManager:
         self.config, self.spec = config, spec
         self._parsed_at_start: dict[str, LoRAAdapter] = {}  # lora_modules read to infer targets, kept for register
         targets = self._resolve_targets(config)
+        separate = config.lora_separate_gate_up
+        if separate is None:  # auto: what the start-up adapters need
+            separate = any(self._start_adapter(name, path).separate_gate_up
+                           for name, path in config.lora_modules.items())
         self.pool = LoRASlotPool(spec, model, config.max_loras, config.max_lora_rank, targets, device,
-                                 config.torch_dtype)
+                                 config.torch_dtype, separate_gate_up=separate)
         self.live: dict[str, LoRAVersion] = {}  # name -> the version requests for it bind to (live or draining)
         self.host_cache: OrderedDict[tuple[str, int], LoRAAdapter] = OrderedDict()  # (name, version) -> parsed
         self.slot_ver: list[LoRAVersion | None] = [None] * config.max_loras
@@ -90,11 +94,17 @@ class LoRAManager:
         if config.lora_modules:
             targets: set[str] = set()
             for name, path in config.lora_modules.items():
-                a = load_lora_adapter(name, path, self.spec, config.max_lora_rank, serve_dtype=config.torch_dtype)
-                self._parsed_at_start[name] = a
+                a = self._start_adapter(name, path)
                 targets |= {t.split(".")[0] if t.startswith("shared_expert") else t for t in a.target_modules}
             return targets
         return set(ALL_TARGETS)
+
+    def _start_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """A lora_modules adapter, read once at start (kept for register_configured)."""
+        if name not in self._parsed_at_start:
+            self._parsed_at_start[name] = load_lora_adapter(name, path, self.spec, self.config.max_lora_rank,
+                                                            serve_dtype=self.config.torch_dtype)
+        return self._parsed_at_start[name]
 
     # ---- registry ---------------------------------------------------------------------------
     @property

@@ -41,8 +41,11 @@ def describe_by_target(nbytes_by_target: dict[str, int]) -> str:
 
 class LoRASlotPool:
     def __init__(self, spec: ModelSpec, model: MoEForCausalLM, max_loras: int, max_rank: int,
-                 targets: set[str], device: torch.device, dtype: torch.dtype):
+                 targets: set[str], device: torch.device, dtype: torch.dtype, separate_gate_up: bool = False):
         self.spec, self.model, self.targets = spec, model, targets
+        # an up A per expert slot next to the gate_up A: adapters with separate gate and up LoRAs of rank r then
+        # cost rank r (otherwise they are stacked into rank 2r); +H per rank of every expert slot
+        self.separate_gate_up = separate_gate_up
         self.max_loras, self.max_rank = max_loras, max_rank
         self.slot_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
         # bytes reserved per target group: logged at start, since the pool is sized before the KV cache
@@ -50,13 +53,15 @@ class LoRASlotPool:
         self.nbytes_by_target: dict[str, int] = {}
         elem = torch.empty((), dtype=dtype).element_size()
 
-        def count(group: str, *shape):
-            self.nbytes_by_target[group] = self.nbytes_by_target.get(group, 0) + math.prod(shape) * elem
+        def count(group: str, *shape):  # 1-d: a per-slot int32 flag
+            size = elem if len(shape) > 1 else 4
+            self.nbytes_by_target[group] = self.nbytes_by_target.get(group, 0) + math.prod(shape) * size
 
         self._walk(count)  # sizes first: a pool that cannot fit is refused by name, not by an allocator error
         self.nbytes = sum(self.nbytes_by_target.values())
         self._check_device_memory(device)
-        self._walk(lambda group, *shape: torch.zeros(*shape, dtype=dtype, device=device))
+        self._walk(lambda group, *shape: torch.zeros(*shape, dtype=dtype if len(shape) > 1 else torch.int32,
+                                                     device=device))
         logger.info("LoRA slot pool: %d slots x rank %d, %s in all (%s); lower --max-loras / --max-lora-rank "
                     "or set --lora-target-modules to reserve less",
                     max_loras, max_rank, format_bytes(self.nbytes), describe_by_target(self.nbytes_by_target)
@@ -89,8 +94,10 @@ class LoRASlotPool:
                 E, H, inter = mlp.w2.shape  # the layer's own shapes: a tensor-parallel rank holds a slice of inter
                 bufs = [make("experts", *shape) for shape in ((L, E, R, H), (L, E, 2 * inter, R), (L, E, R, inter),
                                                               (L, E, H, R))]
+                up_a = make("experts", L, E, R, H) if self.separate_gate_up else None
+                flags = make("experts", L) if self.separate_gate_up else None
                 if bufs[0] is not None:
-                    mlp.lora_bufs = ExpertLoRABuffers(*bufs)
+                    mlp.lora_bufs = ExpertLoRABuffers(*bufs, up_a=up_a, gate_up_separate=flags)
             if mlp.shared_expert is not None and "shared_expert" in targets:
                 attach("shared_expert", mlp.shared_expert.gate_up_proj, True)
                 attach("shared_expert", mlp.shared_expert.down_proj, True)
@@ -137,6 +144,12 @@ class LoRASlotPool:
                     f"adapter {adapter.name!r} targets {target} (layer {layer_idx}) but the engine's LoRA targets are "
                     f"{sorted(self.targets)}; start it with lora_target_modules (--lora-target-modules) including "
                     f"{group!r}")
+        if not self.separate_gate_up and adapter.stacked_rank > self.max_rank:
+            raise LoRAAdapterError(
+                f"adapter {adapter.name!r} has separate gate_proj and up_proj LoRAs on the routed experts; this "
+                f"engine holds them stacked into one LoRA of rank {adapter.stacked_rank}, above its max_lora_rank "
+                f"{self.max_rank} (--max-lora-rank); start it with lora_separate_gate_up (--lora-separate-gate-up) "
+                f"so that each costs rank {adapter.rank}")
         for layer_idx in adapter.experts:
             if self.model.layers[layer_idx].mlp.lora_bufs is None:
                 raise LoRAAdapterError(
@@ -152,8 +165,9 @@ class LoRASlotPool:
                     linear.lora_b[slot].zero_()
             bufs = getattr(layer.mlp, "lora_bufs", None)
             if bufs is not None:
-                for t in (bufs.gate_up_a, bufs.gate_up_b, bufs.down_a, bufs.down_b):
-                    t[slot].zero_()
+                for t in (bufs.gate_up_a, bufs.gate_up_b, bufs.down_a, bufs.down_b, bufs.up_a, bufs.gate_up_separate):
+                    if t is not None:
+                        t[slot].zero_()
         self.slot_ranks[slot] = 0
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -168,14 +182,20 @@ class LoRASlotPool:
         for layer_idx, ex in adapter.experts.items():
             bufs = self.model.layers[layer_idx].mlp.lora_bufs
             if ex.gate_up_a is not None:
-                r = ex.gate_up_a.shape[1]
-                bufs.gate_up_a[slot, :, :r].copy_(ex.gate_up_a)
-                bufs.gate_up_b[slot, :, :, :r].copy_(ex.gate_up_b)
+                a, b = ex.gate_up_a, ex.gate_up_b
+                if ex.up_a is not None and bufs.up_a is not None:
+                    bufs.up_a[slot, :, :a.shape[1]].copy_(ex.up_a)
+                    bufs.gate_up_separate[slot] = 1
+                elif ex.up_a is not None:  # no up A in this pool: one LoRA of rank 2r (check_fits allowed it)
+                    a, b = ex.stacked_gate_up()
+                r = a.shape[1]
+                bufs.gate_up_a[slot, :, :r].copy_(a)
+                bufs.gate_up_b[slot, :, :, :r].copy_(b)
             if ex.down_a is not None:
                 r = ex.down_a.shape[1]
                 bufs.down_a[slot, :, :r].copy_(ex.down_a)
                 bufs.down_b[slot, :, :, :r].copy_(ex.down_b)
-        self.slot_ranks[slot] = adapter.rank
+        self.slot_ranks[slot] = adapter.rank if self.separate_gate_up else adapter.stacked_rank
 
     @staticmethod
     def _linears(layer):

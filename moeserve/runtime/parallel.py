@@ -293,7 +293,7 @@ class ParallelModelRunner(ModelRunner):
 
     def shard_lora_pool(self, pool):
         """Wrap rank 0's slot pool so that every load and clear also happens on the other ranks."""
-        self._send(("lora_pool", sorted(pool.targets), pool.max_loras, pool.max_rank))
+        self._send(("lora_pool", sorted(pool.targets), pool.max_loras, pool.max_rank, pool.separate_gate_up))
         self._expect_ok("allocating its LoRA slot pool")
         return ShardedLoRAPool(pool, self)
 

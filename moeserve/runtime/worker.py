@@ -70,11 +70,11 @@ class Worker:
             tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             runner.prev_tokens = self.tp.broadcast(tokens, src=0)
 
-    def lora_pool(self, targets, max_loras: int, max_rank: int) -> None:
+    def lora_pool(self, targets, max_loras: int, max_rank: int, separate_gate_up: bool) -> None:
         from moeserve.lora.slot_pool import LoRASlotPool
 
         self.runner.lora_pool = LoRASlotPool(self.spec, self.runner.model, max_loras, max_rank, set(targets),
-                                             self.device, self.config.torch_dtype)
+                                             self.device, self.config.torch_dtype, separate_gate_up=separate_gate_up)
 
     def lora_load(self, slot: int, adapter) -> None:
         from moeserve.distributed.sharding import shard_adapter
