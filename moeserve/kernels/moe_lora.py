@@ -16,11 +16,12 @@ for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
   `lora_block_shrink` walks the distinct adapter slots of each expert block (no second
   alignment, no sorting) and writes the block's shrink as fp32 partials split along K; the
   expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`), so gu and y
-  are written once. The plan's epilogue options (MoEPlan.lora_epilogue_*, bench candidates) issue
-  the first item's loads before the GEMM's K loop, and/or load a group of items at once and add
-  them in one dot (`lora_expand_group`), walking the rest. (A second, (slot, expert) alignment
-  with separate LoRA kernels measured slower or equal on the H200 and was removed after cfefc5c;
-  numbers in fused_moe.)
+  are written once. The plan's epilogue options (MoEPlan.lora_epilogue_*) issue the first
+  item's loads before the GEMM's K loop, and/or load a group of items at once and add them in
+  one dot (`lora_expand_group`), walking the rest; default_plan loads 4 at block_m=16. The
+  gate_up expand of a pool with up halves always walks (`lora_block_expand`). (A second,
+  (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 and
+  was removed after cfefc5c; numbers in fused_moe.)
 
 Separate gate and up A's (lora_separate_gate_up): a slot flagged in `gate_up_separate` has its
 up rows' own A in `up_a` (same shape as gate_up_a); the gate_up shrinks then also write an up
