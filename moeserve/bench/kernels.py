@@ -239,11 +239,13 @@ def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 
 
 
 # LoRA-epilogue variants of the sorted path (MoEPlan.lora_epilogue_*): same base kernels, the
-# expand's loads issued before the K loop and/or a group of (slot, rank step) items loaded at once
+# expand's loads issued before the K loop and/or a group of (slot, rank step) items loaded at once.
+# Each sets both knobs, so it means the same whatever default_plan picks (items 4 at block_m 16).
 EPILOGUE_VARIANTS = {
-    "epi_prefetch": dict(lora_epilogue_prefetch="before_k_loop"),
-    "epi_items2": dict(lora_epilogue_items=2),
-    "epi_items4": dict(lora_epilogue_items=4),
+    "epi_walk": dict(lora_epilogue_prefetch="none", lora_epilogue_items=0),
+    "epi_prefetch": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=0),
+    "epi_items2": dict(lora_epilogue_prefetch="none", lora_epilogue_items=2),
+    "epi_items4": dict(lora_epilogue_prefetch="none", lora_epilogue_items=4),
     "epi_prefetch_items2": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=2),
     "epi_prefetch_items4": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=4),
 }
@@ -307,7 +309,7 @@ def sweep_lora(batch: int, weights, inputs, pools, rounds: int = 2, only: str = 
 
 
 PROFILE_BATCHES = (8, 64, 256)
-PROFILE_LORA_PLANS = ("default", "epi_prefetch", "epi_items4", "epi_prefetch_items2")
+PROFILE_LORA_PLANS = ("default", "epi_walk", "epi_items2", "epi_items4")
 
 
 def _kernel_split(calls, forwards: int) -> list[tuple[str, float, float]]:
