@@ -302,12 +302,49 @@ def test_sorted_lora_mixed_ranks_matches_references(shape):
     assert torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
 
 
-def test_sorted_lora_after_hot_load_and_eviction():
+@pytest.mark.parametrize("prefetch,items", [("none", 1), ("none", 2), ("none", 4),
+                                            ("before_k_loop", 0), ("before_k_loop", 4)],
+                         ids=["items1", "items2", "items4", "prefetch", "prefetch_items4"])
+def test_sorted_lora_epilogue_variants_match_references(prefetch, items):
+    """The LoRA-epilogue plan options (loads before the K loop; a group of items loaded at once and
+    added in one dot, the rest walked) on the mixed-rank case: blocks hold up to 6 (slot, rank step)
+    items (ranks 8, 16, 64), more than either group; NaN wherever the kernels must not read."""
+    problem, ranks, slots, clean, dirty = _mixed_lora_problem(24, 64, 32, seed=11)
+    x, w13, w2, weights, ids = problem
+    _assert_blocks_mix_slots(ids, slots, ranks, SMALL_TILE.block_m)
+    plan = replace(SMALL_PLAN, lora_epilogue_prefetch=prefetch, lora_epilogue_items=items)
+    out = fused_moe(*problem, MoELoRAArgs(slots, ranks, *dirty), plan=plan)
+    ref = fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+    assert _rel(out, _torch_reference(problem, ranks, slots, clean)) < 1e-5
+    base = fused_moe(*problem, plan=plan)
+    ref_base = fused_moe_ref(*problem)
+    assert _size_ratio(ref - ref_base, ref_base) > 0.3, "the test adapters must matter"
+    assert _rel(out - base, ref - ref_base) < 1e-4
+    no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
+    assert torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
+    assert torch.equal(_bits(base), _bits(fused_moe(*problem, plan=SMALL_PLAN)))
+
+
+def test_sorted_lora_epilogue_options_are_checked():
+    problem, ranks, slots, clean, _ = _mixed_lora_problem(24, 64, 32, seed=12)
+    lora = MoELoRAArgs(slots, ranks, *clean)
+    with pytest.raises(ValueError, match="lora_epilogue_items 3"):
+        fused_moe(*problem, lora, plan=replace(SMALL_PLAN, lora_epilogue_items=3))
+    with pytest.raises(ValueError, match="lora_epilogue_prefetch 'early'"):
+        fused_moe(*problem, lora, plan=replace(SMALL_PLAN, lora_epilogue_prefetch="early"))
+
+
+@pytest.mark.parametrize("items", [0, 4], ids=["walk", "items4"])
+def test_sorted_lora_after_hot_load_and_eviction(items):
     """Slot buffers change in place between two calls (same tensors, as in a captured graph):
-    slot 4 is loaded (rank 16) and slot 1 evicted (rank 0, left NaN); tokens move to slot 4."""
+    slot 4 is loaded (rank 16) and slot 1 evicted (rank 0, left NaN); tokens move to slot 4.
+    The plain walk and the epilogue that loads 4 items at once (default_plan's at block_m 16)."""
     problem, ranks, slots, clean, dirty = _mixed_lora_problem(24, 64, 32, seed=8)
     lora = MoELoRAArgs(slots, ranks, *dirty)
-    first = fused_moe(*problem, lora, plan=SMALL_PLAN)
+    plan = replace(SMALL_PLAN, lora_epilogue_items=items)
+    first = fused_moe(*problem, lora, plan=plan)
     assert _rel(first, fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))) < 1e-5
 
     gen = torch.Generator(DEV).manual_seed(9)
@@ -320,11 +357,11 @@ def test_sorted_lora_after_hot_load_and_eviction():
         w_clean[1].zero_()  # the pool zeroes an unloaded slot; the kernels must not even read it
     ranks[4], ranks[1] = 16, 0
     slots[::3] = 4
-    second = fused_moe(*problem, lora, plan=SMALL_PLAN)
+    second = fused_moe(*problem, lora, plan=plan)
     ref = fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))
     assert torch.isfinite(second).all()
     assert _rel(second, ref) < 1e-5
-    base = fused_moe(*problem, plan=SMALL_PLAN)
+    base = fused_moe(*problem, plan=plan)
     no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
     assert any(slots[t] == 1 for t in no_adapter), "tokens still pointing at the evicted slot"
     assert torch.equal(_bits(second[no_adapter]), _bits(base[no_adapter]))
@@ -407,12 +444,24 @@ def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
                 assert torch.equal(out[-1], base[-1])  # the token without an adapter
 
 
+# default: default_plan's own epilogue (items 4 at block_m 16, the walk at 64); the others set both knobs
+EPILOGUE_VARIANTS = {"default": {},
+                     "walk": {"lora_epilogue_prefetch": "none", "lora_epilogue_items": 0},
+                     "prefetch": {"lora_epilogue_prefetch": "before_k_loop", "lora_epilogue_items": 0},
+                     "items2": {"lora_epilogue_prefetch": "none", "lora_epilogue_items": 2},
+                     "items4": {"lora_epilogue_prefetch": "none", "lora_epilogue_items": 4},
+                     "prefetch_items4": {"lora_epilogue_prefetch": "before_k_loop",
+                                         "lora_epilogue_items": 4}}
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("num_tokens", [16, 64, 256, 512, 1024])
-def test_gpu_sorted_lora_bf16_mixed_ranks(num_tokens):
+@pytest.mark.parametrize("num_tokens,epilogue", [(t, "default") for t in (16, 64, 256, 512, 1024)] + [
+    (t, v) for t in (64, 256, 1024) for v in EPILOGUE_VARIANTS if v != "default"])
+def test_gpu_sorted_lora_bf16_mixed_ranks(num_tokens, epilogue):
     """Sorted path at Qwen3-30B-A3B shapes: 7 adapters of ranks 8/16/64 in a rank-64 pool, an
-    evicted slot and tokens without adapter; NaN wherever the kernels must not read."""
+    evicted slot and tokens without adapter; NaN wherever the kernels must not read. The default
+    plan at every T, and every LoRA-epilogue variant."""
     q = QWEN3_MOE
     gen, x, w13, w2, weights, ids = _moe_problem(
         num_tokens, q["top_k"], q["num_experts"], q["hidden"], q["inter"], 20 + num_tokens,
@@ -425,7 +474,7 @@ def test_gpu_sorted_lora_bf16_mixed_ranks(num_tokens):
         for slot, r in enumerate(slot_ranks):
             _rank_cols(w, which, slot, r).fill_(float("nan"))
     slots = (torch.arange(num_tokens, device="cuda") % 9 - 1).to(torch.int32)  # -1, 0, ..., 7
-    plan = default_plan(num_tokens, q["top_k"], decode=False)
+    plan = replace(default_plan(num_tokens, q["top_k"], decode=False), **EPILOGUE_VARIANTS[epilogue])
     out = fused_moe(x, w13, w2, weights, ids, MoELoRAArgs(slots, ranks, *dirty), plan=plan)
     n = min(num_tokens, 128)  # the per-pair reference is slow: rows are independent
     ref = fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n],

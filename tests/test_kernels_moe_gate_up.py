@@ -12,6 +12,8 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any module with @triton.jit is imported
 
+from dataclasses import replace  # noqa: E402
+
 import pytest  # noqa: E402
 
 from moeserve.kernels import moe_lora  # noqa: E402
@@ -32,6 +34,7 @@ SMALL_TILE = GemmTile(block_m=16, block_n=16, block_k=16, num_warps=4, num_stage
 SORTED_PLAN = MoEPlan(False, SMALL_TILE, SMALL_TILE, lora_shrink_block_k=16, lora_gate_up_splits=3,
                       lora_down_splits=2, lora_shrink_lanes=2)
 DECODE_PLAN = MoEPlan(True, SMALL_TILE, SMALL_TILE)
+SORTED_ITEMS_PLAN = replace(SORTED_PLAN, lora_epilogue_items=4)  # default_plan's epilogue at block_m 16
 
 
 def _rel(out, ref):
@@ -132,9 +135,32 @@ def test_slot_reloaded_from_separate_to_one_a_and_back():
             lora.gate_up_separate[0] = separate
         dirty.up_a[0].copy_(clean.up_a[0]) if separate else None
         ref = fused_moe_ref(*problem, clean)
-        for plan in (DECODE_PLAN, SORTED_PLAN):
+        for plan in (DECODE_PLAN, SORTED_PLAN, SORTED_ITEMS_PLAN):
             out = fused_moe(*problem, dirty, plan=plan)
-            assert torch.isfinite(out).all() and _rel(out, ref) < 1e-5, (separate, plan.decode)
+            assert torch.isfinite(out).all() and _rel(out, ref) < 1e-5, (separate, plan)
+
+
+@pytest.mark.parametrize("items", [2, 4], ids=["items2", "items4"])
+def test_epilogue_items_on_a_pool_with_up_halves(items):
+    """The sorted path's epilogue items on a pool with up A's: its gate_up GEMM walks the up halves
+    (lora_block_expand), its down GEMM loads the items. Ranks 8/16/64 in a rank-64 pool (rank 64: more
+    items than a group holds), separate and one-A slots, an empty separate-flagged slot, rows without an
+    adapter; NaN wherever nothing may be read. Against the fp32 reference and the plain walk's output."""
+    ranks, separate = [8, 16, 64, 8, 0], [1, 0, 1, 0, 1]
+    problem, slots, clean, dirty = make_problem(16, 2, 4, 48, 40, seed=21, ranks=ranks, separate=separate,
+                                                max_rank=64, std=0.15)
+    plan = replace(SORTED_PLAN, lora_epilogue_items=items)
+    out = fused_moe(*problem, dirty, plan=plan)
+    ref = fused_moe_ref(*problem, clean)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 1e-5
+    assert _rel(ref, fused_moe_ref(*problem, _one_a(clean))) > 1e-2, "the up A's must matter"
+    assert _rel(out, fused_moe(*problem, dirty, plan=SORTED_PLAN)) < 1e-5
+    base = fused_moe(*problem, plan=plan)
+    ref_base = fused_moe_ref(*problem)
+    assert _rel(out - base, ref - ref_base) < 1e-4
+    no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
+    assert no_adapter and torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
 
 
 @pytest.mark.parametrize("lanes", [1, 2])

@@ -1,7 +1,7 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
-                                     [--sweep] [--lora-sweep] [--profile]
+                                     [--sweep] [--lora-sweep [--lora-variants 'epi_*']] [--profile]
                                      [--parts moe,router,dense_lora,norm_rotary,gemv,attention]
 
 Measures, in one process on one GPU:
@@ -17,8 +17,11 @@ Measures, in one process on one GPU:
   (first 64 tokens): max |out - ref| / max |ref| and the relative error of the LoRA delta itself;
 - the alignment kernel against its torch reference.
 `--sweep` also times block-size candidates and both paths per batch, and the sorted-path LoRA
-tiles (`--lora-sweep` runs only the latter: shrink K step, splits, lanes, warps, base tiles);
-`--profile` prints per-kernel GPU time at a few batch sizes. Prints the tables last, writes
+tiles (`--lora-sweep` runs only the latter: LoRA-epilogue variants, shrink K step, splits, lanes,
+warps, base tiles; all timed in turn twice, medians; a table of the epilogue variants last);
+`--profile` prints per-kernel GPU time per forward at T = 8, 64, 256 for MoE alone and MoE + 4
+adapters (default plan and a few epilogue variants, each profiled alone), the gate_up and down
+shrinks named apart, and a table of the shrink / GEMM split last. Prints the tables last, writes
 kernels_bench.json.
 
 `--parts router` times the MoE routing (router GEMM, softmax, top-k, renorm, cast) at T = 1, 8, 64,
@@ -39,6 +42,7 @@ time at read bandwidth; its own table and attention_merge_bench.json. Not in the
 """
 
 import argparse
+import fnmatch
 import json
 import statistics
 import time
@@ -239,10 +243,25 @@ def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 
     return out
 
 
+# LoRA-epilogue variants of the sorted path (MoEPlan.lora_epilogue_*): same base kernels, the
+# expand's loads issued before the K loop and/or a group of (slot, rank step) items loaded at once.
+# Each sets both knobs, so it means the same whatever default_plan picks (items 4 at block_m 16).
+EPILOGUE_VARIANTS = {
+    "epi_walk": dict(lora_epilogue_prefetch="none", lora_epilogue_items=0),
+    "epi_prefetch": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=0),
+    "epi_items2": dict(lora_epilogue_prefetch="none", lora_epilogue_items=2),
+    "epi_items4": dict(lora_epilogue_prefetch="none", lora_epilogue_items=4),
+    "epi_prefetch_items2": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=2),
+    "epi_prefetch_items4": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=4),
+}
+
+
 def _lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
     """Around the default sorted plan: one knob at a time, then a few combinations."""
     gu, dn = plan.gate_up, plan.down
     v = {"default": plan}
+    for name, options in EPILOGUE_VARIANTS.items():
+        v[name] = replace(plan, **options)
     for bk in (64, 256):
         v[f"shrink_k{bk}"] = replace(plan, lora_shrink_block_k=bk)
     for gs, ds in ((2, 1), (8, 3), (8, 6), (16, 6)):
@@ -262,43 +281,96 @@ def _lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
     return v
 
 
-def sweep_lora(batch: int, weights, inputs, pools) -> list[dict]:
+def sweep_lora(batch: int, weights, inputs, pools, rounds: int = 2, only: str = "*") -> list[dict]:
     """4 rank-16 adapters, (MoE + LoRA) / MoE with the same base plan, over the sorted-path LoRA
-    tiles (shrink K step, K splits, slot lanes, warps, base GEMM tiles)."""
+    tiles (epilogue variants, shrink K step, K splits, slot lanes, warps, base GEMM tiles); all
+    variants timed in turn, `rounds` times (medians). The epilogue variants also report the
+    relative error of their LoRA delta against the fp32 reference (first 64 tokens). `only`: comma list
+    of fnmatch patterns of the variant names to time ("default" is always timed)."""
     loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
     if batch * TOP_K <= 64:
         return []  # decode path: no sorted-path LoRA kernels
-    plans = _lora_variants(default_plan(batch, TOP_K, decode=False))
+    patterns = ["default", *only.split(",")]
+    plans = {name: plan for name, plan in _lora_variants(default_plan(batch, TOP_K, decode=False)).items()
+             if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+    times = {name: ([], []) for name in plans}
+    for _ in range(rounds):
+        for name, plan in plans.items():
+            _try_time(times[name][0], {}, weights, inputs, plan=plan)
+            _try_time(times[name][1], {}, weights, inputs, loras, plan=plan)
+    reference = lora_reference(weights, inputs, loras[0])
     rows = []
     for name, plan in plans.items():
-        base, lora = [], []
-        _try_time(base, {}, weights, inputs, plan=plan)
-        _try_time(lora, {}, weights, inputs, loras, plan=plan)
-        if base and lora:
-            rows.append({"variant": name, "base_us": base[0]["us"], "lora_us": lora[0]["us"],
-                         "ratio": lora[0]["us"] / base[0]["us"]})
+        base, lora = times[name]
+        if not (base and lora):
+            continue
+        row = {"variant": name, "base_us": statistics.median(r["us"] for r in base),
+               "lora_us": statistics.median(r["us"] for r in lora)}
+        row["ratio"] = row["lora_us"] / row["base_us"]
+        if name == "default" or name in EPILOGUE_VARIANTS:
+            row["delta_rel_err"] = lora_errors(weights, inputs, loras[0], plan, reference)["delta_rel_err"]
+        rows.append(row)
     return rows
 
 
-def profile(batch: int, weights, inputs, pool) -> str:
-    """Per-kernel GPU time of a few eager calls (base and 4 adapters)."""
+PROFILE_BATCHES = (8, 64, 256)
+PROFILE_LORA_PLANS = ("default", "epi_walk", "epi_items2", "epi_items4")
+
+
+def _kernel_split(calls, forwards: int) -> list[tuple[str, float, float]]:
+    """(kernel, launches per forward, us per forward) of `calls` under the profiler, in launch order of
+    first appearance. A LoRA shrink is named after the GEMM it feeds (the next GEMM launched), so the
+    gate_up and down shrinks are told apart."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    loras = [lora_args(pool[i], batch, "lora4_r16") for i in range(NUM_SETS)]
-    for lora in (None, loras):  # warm up
-        time_moe(weights, inputs, lora)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            for i, ((w13, w2), (x, tw, ti)) in enumerate(zip(weights, inputs)):
-                fused_moe(x, w13, w2, tw, ti, None)
-                fused_moe(x, w13, w2, tw, ti, loras[i])
+        calls()
         torch.cuda.synchronize()
-    lines = []
-    for evt in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total):
-        if evt.self_device_time_total > 0:
-            lines.append(f"  {evt.count:>5} x {evt.self_device_time_total / evt.count:>8.1f} us  "
-                         f"{evt.key[:70]}")
-    return f"per-kernel (batch {batch}, 5 rounds x {NUM_SETS} sets, base + lora4):\n" + "\n".join(lines[:16])
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    names = [e.name for e in kernels]
+    for i, name in enumerate(names):
+        if "lora_block_shrink" in name:
+            feeds = next((n for n in names[i + 1:] if "_moe_gate_up_kernel" in n or "_moe_down_kernel" in n), "?")
+            names[i] = f"{name} -> {feeds}"
+    split: dict[str, list[float]] = {}
+    for name, e in zip(names, kernels):
+        entry = split.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.end - e.time_range.start
+    return [(name, n / forwards, us / forwards) for name, (n, us) in split.items()]
+
+
+def profile(batch: int, weights, inputs, pool) -> dict:
+    """Per-kernel GPU time per forward of eager calls: MoE alone, then MoE + 4 rank-16 adapters
+    under the default plan and a few LoRA-epilogue variants (each mode profiled on its own, so the
+    LoRA GEMMs are not averaged with the base ones)."""
+    loras = [lora_args(pool[i], batch, "lora4_r16") for i in range(NUM_SETS)]
+    plan = default_plan(batch, TOP_K)
+    variants = _lora_variants(plan) if not plan.decode else {"default": plan}
+    modes = {"moe": (None, plan)}
+    modes.update({f"lora4 {v}": (loras, variants[v]) for v in PROFILE_LORA_PLANS if v in variants})
+    rounds = 5
+    out = {}
+    for mode, (lora, mode_plan) in modes.items():
+        time_moe(weights, inputs, lora, plan=mode_plan)  # compile and warm up
+
+        def calls(lora=lora, mode_plan=mode_plan):
+            for _ in range(rounds):
+                for i, ((w13, w2), (x, tw, ti)) in enumerate(zip(weights, inputs)):
+                    fused_moe(x, w13, w2, tw, ti, lora[i] if lora else None, plan=mode_plan)
+
+        out[mode] = _kernel_split(calls, rounds * NUM_SETS)
+    return out
+
+
+def profile_table(batch: int, split: dict) -> str:
+    lines = [f"per-kernel us per forward (batch {batch}, eager, 5 rounds x {NUM_SETS} sets):"]
+    for mode, rows in split.items():
+        lines.append(f"  {mode}: total {sum(us for _, _, us in rows):.1f} us")
+        lines += [f"    {us:>8.1f} us  {n:>4.1f}x  {name[:90]}" for name, n, us in rows]
+    return "\n".join(lines)
 
 
 def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -> None:
@@ -328,15 +400,16 @@ def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -
         print(f"  sweep best: {_tile_label(best)} {best['us']:.1f} us  | "
               + " ".join(f"{_tile_label(r)}={r['us']:.0f}" for r in rows), flush=True)
     if args.sweep or args.lora_sweep:
-        lora_rows = sweep_lora(batch, weights, inputs, pools)
+        lora_rows = sweep_lora(batch, weights, inputs, pools, only=args.lora_variants)
         report["sweep_lora"][batch] = lora_rows
         print("  lora4 sweep: " + "  ".join(
             f"{r['variant']} {r['base_us']:.0f}->{r['lora_us']:.0f} us x{r['ratio']:.3f}"
             for r in lora_rows), flush=True)
-    if args.profile and batch in (8, 64, 256):
-        table = profile(batch, weights, inputs, pools)
-        report["profile"][batch] = table
-        print(table, flush=True)
+    if args.profile and batch in PROFILE_BATCHES:
+        split = profile(batch, weights, inputs, pools)
+        report["profile"][batch] = {mode: [{"kernel": k, "per_forward": n, "us": us} for k, n, us in rows]
+                                    for mode, rows in split.items()}
+        print(profile_table(batch, split), flush=True)
 
 
 ROUTER_BATCHES = (1, 8, 64, 256, 512)
@@ -415,6 +488,9 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
     ap.add_argument("--lora-sweep", action="store_true",
                     help="time sorted-path MoE-LoRA tile candidates, 4 rank-16 adapters")
+    ap.add_argument("--lora-variants", default="*",
+                    help="comma list of fnmatch patterns: the --lora-sweep variants to time (e.g. 'epi_*'); "
+                         "the default plan is always timed")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
     known = {"moe", "router", "dense_lora", "norm_rotary", "gemv", "attention"}
     ap.add_argument("--parts", default="moe,router,dense_lora,norm_rotary",
@@ -487,8 +563,41 @@ def main(argv=None):
               + " ".join(f"{r[c]['ratio']:>14.3f}" for c in LORA_CASES)
               + f" {r['align_us']:>8.1f} {r['align_ref_us']:>6.1f}")
     print_lora_table(report["batches"])
+    print_epilogue_tables(report["sweep_lora"], report["profile"])
     save()
     return 0
+
+
+def print_epilogue_tables(sweep_rows: dict, profiles: dict) -> None:
+    """The sorted-path LoRA-epilogue variants against the default (from --lora-sweep), and the
+    split of a forward between shrinks and GEMMs (from --profile)."""
+    names = ["default", *EPILOGUE_VARIANTS]
+    if any(sweep_rows.values()):
+        print("\nMoE-LoRA epilogue variants, 4 rank-16 adapters: (MoE + LoRA) / MoE [LoRA us / default's], "
+              "d = rel. error of the LoRA delta")
+        print(f"{'batch':>5} " + " ".join(f"{n:>24}" for n in names))
+        for batch, rows in sweep_rows.items():
+            by_name = {r["variant"]: r for r in rows}
+            if "default" not in by_name:
+                continue
+            ref = by_name["default"]["lora_us"]
+            cells = []
+            for n in names:
+                r = by_name.get(n)
+                cells.append(f"{r['ratio']:.3f} [{r['lora_us'] / ref:.3f}] d{r.get('delta_rel_err', float('nan')):.0e}"
+                             if r else "-")  # not asked for (--lora-variants), or failed (printed above)
+            print(f"{batch:>5} " + " ".join(f"{c:>24}" for c in cells))
+    if profiles:
+        print("\nMoE forward split (us per forward, eager): shrinks, gate_up GEMM, down GEMM, the rest")
+        print(f"{'batch':>5} {'mode':>28} {'total':>7} {'shrinks':>8} {'gate_up':>8} {'down':>8} {'rest':>7}")
+        for batch, modes in profiles.items():
+            for mode, rows in modes.items():
+                total = sum(r["us"] for r in rows)
+                shrink = sum(r["us"] for r in rows if "shrink" in r["kernel"])
+                gate_up = sum(r["us"] for r in rows if "gate_up_kernel" in r["kernel"] and "shrink" not in r["kernel"])
+                down = sum(r["us"] for r in rows if "down_kernel" in r["kernel"] and "shrink" not in r["kernel"])
+                print(f"{batch:>5} {mode:>28} {total:>7.1f} {shrink:>8.1f} {gate_up:>8.1f} {down:>8.1f} "
+                      f"{total - shrink - gate_up - down:>7.1f}")
 
 
 def print_lora_table(rows: list[dict]) -> None:

@@ -40,6 +40,10 @@ from moeserve.kernels.moe_lora import (
     block_slots,
     lora_block_expand,
     lora_block_shrink,
+    lora_expand_first,
+    lora_expand_group,
+    lora_expand_rest,
+    lora_expand_walk,
     lora_rank_block,
     lora_shrink_pairs,
 )
@@ -79,6 +83,13 @@ class MoEPlan:
     lora_down_splits: int = 2  # programs sharing one block's shrink over I
     lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
     lora_shrink_warps: int = 4
+    # sorted-path LoRA expands in the GEMM epilogues (the field defaults are the plain walk;
+    # default_plan picks items=4 for its block_m=16 tiles). A gate_up GEMM of a pool with separate
+    # up A's (UP_HALF) ignores both and takes the plain walk, lora_block_expand, which alone walks
+    # the up halves; its down GEMM still uses them.
+    lora_epilogue_prefetch: str = "none"  # "before_k_loop": first item(s)' loads before the K loop
+    lora_epilogue_items: int = 0  # >0 (power of 2): that many (slot, rank step) items loaded at
+    #                              once and added in one dot, the rest walked as with 0
 
 
 # Pairs at or below this run the alignment-free GEMV path (H200, Qwen3-30B-A3B shapes:
@@ -98,7 +109,10 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoE
         return MoEPlan(True, tile, tile)
     if num_pairs <= 2048:  # few rows per expert: short blocks, wide N tiles
         tile = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
-        return MoEPlan(False, tile, tile)
+        # LoRA expand: 4 (slot, rank step) items loaded at once, one dot. H200, 4 rank-16 adapters,
+        # (MoE + LoRA) / MoE: T=64 1.364 -> 1.312, T=256 1.496 -> 1.387 (the walk -> items 4)
+        return MoEPlan(False, tile, tile, lora_epilogue_items=4)
+    # block_m=64 keeps the walk: its items spill registers (T=512: 1.540 walk, 1.913 items 4)
     return MoEPlan(False, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
                    GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3))
 
@@ -122,19 +136,23 @@ def _moe_gate_up_kernel(
     separate_ptr, stride_sh, up_col0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
-    UP_HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, LORA_ITEMS: tl.constexpr = 0,
+    LORA_PREFETCH: tl.constexpr = False,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
-    columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand)."""
-    pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K loop
+    columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand),
+    which takes the plain walk (LORA_ITEMS 0, no prefetch). With LoRA the kernel waits for the
+    shrink just launched only before its epilogue (late wait), unless the epilogue's loads are
+    prefetched before the K loop."""
+    pdl_launch.enter_late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
-        pdl_launch.late(USE_PDL, HAS_LORA)
+        pdl_launch.late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
@@ -144,6 +162,20 @@ def _moe_gate_up_kernel(
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
+    if HAS_LORA:
+        tl.static_assert(not UP_HALF or (LORA_ITEMS == 0 and not LORA_PREFETCH),
+                         "the up halves are walked by lora_block_expand only")
+        if LORA_PREFETCH:  # the epilogue's first loads ride under the weight stream below
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+            if LORA_ITEMS > 0:
+                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
+            else:
+                w_cur, w_r0, w_mine, w_rank, w_s, w_b = lora_expand_first(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -156,13 +188,28 @@ def _moe_gate_up_kernel(
         acc = tl.dot(a, b.to(a.dtype), acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    pdl_launch.late(USE_PDL, HAS_LORA)
+    pdl_launch.late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
     if HAS_LORA:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-        acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n,
-                                N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                separate_ptr, stride_sh, up_col0, K_SPLITS, RANK_STEP, UP_HALF)
+        if not LORA_PREFETCH:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+            if LORA_ITEMS > 0:
+                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
+        if LORA_ITEMS > 0:
+            acc = lora_expand_rest(acc, g_s, g_b, g_rows, g_cur, g_r0, slots, row_ranks, rows,
+                                   shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr,
+                                   stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        elif LORA_PREFETCH:
+            acc = lora_expand_walk(acc, w_cur, w_r0, w_mine, w_rank, w_s, w_b, slots, row_ranks,
+                                   rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                                   stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        else:  # the plain walk: every item's loads after the K loop, one item in flight
+            acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
+                                    offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
+                                    stride_bn, separate_ptr, stride_sh, up_col0, K_SPLITS,
+                                    RANK_STEP, UP_HALF)
     out_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
     tl.store(out_ptrs, acc.to(gu_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & (offs_n < N)[None, :])
@@ -177,17 +224,18 @@ def _moe_down_kernel(
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, USE_PDL: tl.constexpr,
+    LORA_ITEMS: tl.constexpr = 0, LORA_PREFETCH: tl.constexpr = False,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded; the routing weight scales base and delta together."""
-    pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K loop
+    pdl_launch.enter_late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
-        pdl_launch.late(USE_PDL, HAS_LORA)
+        pdl_launch.late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
@@ -196,6 +244,18 @@ def _moe_down_kernel(
     gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
+    if HAS_LORA:
+        if LORA_PREFETCH:  # the epilogue's first loads ride under the weight stream below
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+            if LORA_ITEMS > 0:
+                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
+            else:
+                w_cur, w_r0, w_mine, w_rank, w_s, w_b = lora_expand_first(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -211,13 +271,27 @@ def _moe_down_kernel(
         acc = tl.dot(a, b, acc)
         gate_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    pdl_launch.late(USE_PDL, HAS_LORA)
+    pdl_launch.late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
     if HAS_LORA:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-        acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n,
-                                N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                slots_ptr, 0, N, K_SPLITS, RANK_STEP, False)
+        if not LORA_PREFETCH:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+            if LORA_ITEMS > 0:
+                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
+                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
+        if LORA_ITEMS > 0:
+            acc = lora_expand_rest(acc, g_s, g_b, g_rows, g_cur, g_r0, slots, row_ranks, rows,
+                                   shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr,
+                                   stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        elif LORA_PREFETCH:
+            acc = lora_expand_walk(acc, w_cur, w_r0, w_mine, w_rank, w_s, w_b, slots, row_ranks,
+                                   rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
+                                   stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        else:  # the plain walk: every item's loads after the K loop, one item in flight
+            acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
+                                    offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
+                                    stride_bn, slots_ptr, 0, N, K_SPLITS, RANK_STEP, False)
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     acc = acc * weights[:, None]
     out_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
@@ -457,6 +531,20 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
+EPILOGUE_PREFETCH = ("none", "before_k_loop")
+
+
+def _epilogue_constexprs(plan: MoEPlan) -> dict:
+    """GEMM constexprs of the plan's LoRA-epilogue variant (none with lora=None: that kernel
+    compiles exactly as without the options)."""
+    items, prefetch = plan.lora_epilogue_items, plan.lora_epilogue_prefetch
+    if prefetch not in EPILOGUE_PREFETCH:
+        raise ValueError(f"lora_epilogue_prefetch {prefetch!r} is not one of {EPILOGUE_PREFETCH}")
+    if items < 0 or items & (items - 1):
+        raise ValueError(f"lora_epilogue_items {items} is not 0 or a power of two")
+    return {"LORA_ITEMS": items, "LORA_PREFETCH": prefetch == "before_k_loop"}
+
+
 def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -489,6 +577,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
                 (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])
 
+    epilogue = _epilogue_constexprs(plan) if has_lora else {}
+    gate_up_epilogue = {} if up_half else epilogue  # the up halves walk in lora_block_expand only
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
     ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
     halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half else (topk_ids, 0, two_i)
@@ -498,7 +588,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, UP_HALF=up_half, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
+        RANK_STEP=RANK_STEP, UP_HALF=up_half, **gate_up_epilogue, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=t.num_warps,
         num_stages=t.num_stages)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
@@ -510,7 +601,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
+        RANK_STEP=RANK_STEP, **epilogue, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
         num_stages=t.num_stages)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 

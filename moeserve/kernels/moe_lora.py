@@ -16,8 +16,12 @@ for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
   `lora_block_shrink` walks the distinct adapter slots of each expert block (no second
   alignment, no sorting) and writes the block's shrink as fp32 partials split along K; the
   expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`), so gu and y
-  are written once. (A second, (slot, expert) alignment with separate LoRA kernels measured
-  slower or equal on the H200 and was removed after cfefc5c; numbers in fused_moe.)
+  are written once. The plan's epilogue options (MoEPlan.lora_epilogue_*) issue the first
+  item's loads before the GEMM's K loop, and/or load a group of items at once and add them in
+  one dot (`lora_expand_group`), walking the rest; default_plan loads 4 at block_m=16. The
+  gate_up expand of a pool with up halves always walks (`lora_block_expand`). (A second,
+  (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 and
+  was removed after cfefc5c; numbers in fused_moe.)
 
 Separate gate and up A's (lora_separate_gate_up): a slot flagged in `gate_up_separate` has its
 up rows' own A in `up_a` (same shape as gate_up_a); the gate_up shrinks then also write an up
@@ -196,6 +200,50 @@ def _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr, 
 
 
 @triton.jit
+def _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
+                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+    """_expand_step_loads of an expand without an up half: what the plan's epilogue options
+    (lora_expand_first / _walk / _rest) walk; a GEMM with UP_HALF takes lora_block_expand."""
+    return _expand_step_loads(cur, 0, 0, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
+                              offs_n, n_ok, 0, stride_sk, stride_sr, 0, stride_bl, stride_be,
+                              stride_bn, K_SPLITS, RANK_STEP, False)
+
+
+@triton.jit
+def lora_expand_first(slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
+                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+    """Loads of the block's first (slot, rank step) item -> the walk state `lora_expand_walk` takes."""
+    cur = _next_slot(slots, -1)
+    r0 = cur * 0
+    mine, rank, s, b = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
+                                         expert, offs_n, offs_n < N, stride_sk, stride_sr,
+                                         stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+    return cur, r0, mine, rank, s, b
+
+
+@triton.jit
+def lora_expand_walk(acc, cur, r0, mine, rank, s, b, slots, row_ranks, rows, scratch_ptr, b_ptr,
+                     expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                     K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+    """Walks (slot, rank step) items from the loaded item `cur, r0` on, loading the next item's
+    operands before the current dot so one memory round trip is in flight while the previous
+    item computes."""
+    n_ok = offs_n < N
+    while cur < _NO_SLOT:
+        more = r0 + RANK_STEP < rank
+        nxt = tl.where(more, cur, _next_slot(slots, cur))
+        nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
+        nxt_mine, nxt_rank, nxt_s, nxt_b = _one_a_step_loads(
+            nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
+            stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
+        cur, r0, mine, rank, s, b = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
+    return acc
+
+
+@triton.jit
 def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                       separate_ptr, stride_sh, up_col0,
@@ -241,6 +289,64 @@ def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, o
         acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
         cur, half, sep, r0, mine, rank, s, b = (nxt, nxt_half, nxt_sep, nxt_r0, nxt_mine, nxt_rank,
                                                 nxt_s, nxt_b)
+    return acc
+
+
+@triton.jit
+def lora_expand_group(slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
+                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
+    """Operands of the block's first ITEMS (slot, rank step) items, all loads issued at once, laid
+    side by side along the rank: s [BLOCK_M, ITEMS * RANK_STEP] (the shrink of a row sits only in
+    the columns of its own slot's items, 0 elsewhere) and b [ITEMS * RANK_STEP, BLOCK_N], so one
+    dot s @ b adds every item's delta. Returns (s, b, rows covered, slot and rank start of the
+    item after them: where lora_expand_walk goes on). Columns of missing items are masked."""
+    cols: tl.constexpr = ITEMS * RANK_STEP
+    col = tl.arange(0, cols)
+    col_item = col // RANK_STEP
+    col_slot = tl.full([cols], _NO_SLOT, tl.int32)
+    col_r = col % RANK_STEP
+    col_rank = tl.zeros([cols], dtype=tl.int32)
+    cur = _next_slot(slots, -1)
+    r0 = cur * 0
+    for i in tl.static_range(ITEMS):  # scalar walk over the item list: no memory traffic
+        rank = tl.max(tl.where(slots == cur, row_ranks, 0), 0)
+        here = col_item == i
+        col_slot = tl.where(here, cur, col_slot)
+        col_r = tl.where(here, r0 + col % RANK_STEP, col_r)
+        col_rank = tl.where(here, rank, col_rank)
+        more = r0 + RANK_STEP < rank
+        cur = tl.where(more, cur, _next_slot(slots, cur))
+        r0 = tl.where(more, r0 + RANK_STEP, 0)
+    col_ok = col_r < col_rank  # false for missing items (rank 0) and beyond a slot's rank
+    match = (slots[:, None] == col_slot[None, :]) & col_ok[None, :]
+    s_ptrs = scratch_ptr + rows.to(tl.int64)[:, None] * stride_sr + col_r[None, :]
+    s = tl.load(s_ptrs, mask=match, other=0.0)
+    for ks in tl.static_range(1, K_SPLITS):
+        s += tl.load(s_ptrs + ks * stride_sk, mask=match, other=0.0)
+    b_ptrs = (b_ptr + tl.where(col_ok, col_slot, 0).to(tl.int64)[:, None] * stride_bl
+              + expert.to(tl.int64) * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn
+              + col_r[:, None])
+    b = tl.load(b_ptrs, mask=col_ok[:, None] & (offs_n < N)[None, :], other=0.0)
+    covered = tl.max(match.to(tl.int32), 1) > 0
+    return s, b, covered, cur, r0
+
+
+@triton.jit
+def lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
+                     expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                     K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+    """Adds the group of lora_expand_group in one dot, then walks the items after it (blocks with
+    more items than the group holds: many slots, or ranks above 16)."""
+    acc = tl.where(covered[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
+    if cur < _NO_SLOT:
+        mine, rank, s1, b1 = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr,
+                                               b_ptr, expert, offs_n, offs_n < N, stride_sk,
+                                               stride_sr, stride_bl, stride_be, stride_bn,
+                                               K_SPLITS, RANK_STEP)
+        acc = lora_expand_walk(acc, cur, r0, mine, rank, s1, b1, slots, row_ranks, rows,
+                               scratch_ptr, b_ptr, expert, offs_n, N, stride_sk, stride_sr,
+                               stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
     return acc
 
 
