@@ -147,6 +147,9 @@ SWEEP_TILES = [  # sorted path: gate_up and down (block_m, block_n, block_k, num
     ((32, 128, 128, 4, 3),) * 2, ((32, 128, 64, 4, 4),) * 2,
     ((64, 128, 64, 8, 3),) * 2, ((64, 128, 128, 8, 3),) * 2,
     ((64, 128, 64, 8, 3), (64, 256, 64, 8, 3)),
+    # large-B candidates: 32-row blocks (fewer second blocks per expert at T >= 256), 8 warps, wider N
+    ((32, 128, 64, 4, 3),) * 2, ((32, 64, 128, 4, 3),) * 2, ((32, 128, 128, 8, 3),) * 2,
+    ((32, 128, 64, 4, 3), (32, 256, 64, 8, 3)), ((16, 256, 64, 8, 3),) * 2, ((32, 128, 64, 8, 4),) * 2,
 ]
 SWEEP_GEMV = [  # decode path: (block_n, block_k, num_warps, num_stages)
     (16, 256, 4, 1), (32, 128, 4, 1), (16, 128, 4, 1), (32, 256, 8, 1),
