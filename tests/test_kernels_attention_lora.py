@@ -13,13 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
 
 from moeserve.kernels.lora_dense import RANK_BLOCK, _dense_lora, dense_lora, dense_lora_ref  # noqa: E402
-from moeserve.layers.attention import TritonAttentionBackend  # noqa: E402
-from moeserve.layers.batch import AttentionMetadata  # noqa: E402
 from moeserve.layers.linear import dense_lora_torch  # noqa: E402
 from moeserve.kernels.paged_attention import (  # noqa: E402
-    DECODE_BLOCK_N,
-    _launch_decode,
-    decode_counter_slots,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -96,79 +91,6 @@ def test_decode_default_splits_and_dtype():
     assert got.dtype == torch.float16
     want = paged_decode_attention_ref(q, k, v, tables, ctx, 0.3)
     torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
-
-
-# (context per row, n_heads, n_kv): padded rows, ragged contexts, GQA groups of 4 (MQA), 3 and 1 (MHA)
-MERGE_CASES = {
-    "b1_mqa": ([37], 4, 1),
-    "b4_gqa3": ([0, 50, 1, 16], 6, 2),
-    "b5_mha": ([33, 0, 45, 7, 0], 3, 3),
-}
-
-
-@pytest.mark.parametrize("case", list(MERGE_CASES))
-@pytest.mark.parametrize("num_splits", [1, 2, 4, 7])
-def test_decode_fused_merge_equals_merge_kernel(case, num_splits):
-    """Splits merged by the last split program to arrive equal the merge kernel's bitwise, both match the reference,
-    and the arrival counters are zero after each call: a second call with new contexts (one more padded row) reuses
-    them. Outputs start as NaN, so an unwritten row fails. The first call merges 2 splits per step (several steps,
-    the last one partly past the active splits), the second the default."""
-    lengths, n_heads, n_kv = MERGE_CASES[case]
-    gen = torch.Generator().manual_seed(len(lengths) * 100 + num_splits)
-    head_dim, batch = 16, len(lengths)
-    k, v, tables = make_cache(lengths, 8, n_kv, head_dim, torch.float32, "cpu", gen)
-    counters = torch.zeros(decode_counter_slots(batch, n_kv) + 3, dtype=torch.int32)  # a layer's: room to spare
-    scale = head_dim**-0.5
-
-    def decode(q, ctx, call, **kw):
-        out = torch.full(q.shape, float("nan"))
-        if call == 0:
-            return _launch_decode(q, k, v, tables, ctx, scale, num_splits, out, block_n=DECODE_BLOCK_N, num_warps=4,
-                                  num_stages=2, merge_chunk=2, **kw)
-        return paged_decode_attention(q, k, v, tables, ctx, scale, num_splits=num_splits, out=out, **kw)
-
-    for call, ctx_list in enumerate((lengths, [n // 2 for n in lengths])):
-        ctx = torch.tensor(ctx_list, dtype=torch.int32)
-        q = torch.randn(batch, n_heads, head_dim, generator=gen)
-        fused = decode(q, ctx, call, counters=counters)
-        assert not counters.any(), call
-        two = decode(q, ctx, call, fused_merge=False)
-        assert torch.equal(fused, two), call
-        torch.testing.assert_close(fused, paged_decode_attention_ref(q, k, v, tables, ctx, scale),
-                                   rtol=1e-5, atol=1e-5)
-        for b, n in enumerate(ctx_list):
-            if n == 0:
-                assert torch.equal(fused[b], torch.zeros_like(fused[b]))
-
-
-def test_decode_fused_merge_counters_checked():
-    gen = torch.Generator().manual_seed(5)
-    k, v, tables = make_cache([9, 20], 8, 2, 16, torch.float32, "cpu", gen)
-    q = torch.randn(2, 4, 16, generator=gen)
-    ctx = torch.tensor([9, 20], dtype=torch.int32)
-    with pytest.raises(ValueError, match="counters"):
-        paged_decode_attention(q, k, v, tables, ctx, 0.25, num_splits=2, counters=torch.zeros(3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="counters"):
-        paged_decode_attention(q, k, v, tables, ctx, 0.25, num_splits=2, counters=torch.zeros(4))
-
-
-def test_triton_backend_decode_merges_with_layer_counters():
-    """The backend merges in the split kernel when the layer's counters cover the batch, else in the merge kernel
-    (leaving the counters alone); both give the merge kernel's result."""
-    gen = torch.Generator().manual_seed(6)
-    lengths = [21, 0, 40]
-    k, v, tables = make_cache(lengths, 8, 2, 16, torch.float32, "cpu", gen)
-    q = torch.randn(3, 6, 16, generator=gen)
-    ctx = torch.tensor(lengths, dtype=torch.int32)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.int64), block_tables=tables, context_lens=ctx,
-                             is_decode=True)
-    want = paged_decode_attention(q, k, v, tables, ctx, 0.25, fused_merge=False)
-    backend = TritonAttentionBackend()
-    for counters in (torch.zeros(6, dtype=torch.int32), torch.full((5,), 7, dtype=torch.int32), None):
-        before = None if counters is None else counters.clone()
-        assert torch.equal(backend.decode(q, k, v, meta, 0.25, counters), want)
-        if counters is not None:
-            assert torch.equal(counters, before)  # zeros left zero; too few never touched
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -352,65 +274,6 @@ def test_gpu_decode_qwen3_bf16(batch):
         assert rel_err(got, want) < 1e-2, splits
         if batch > 1:
             assert torch.equal(got[batch // 2], torch.zeros_like(got[0]))
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("batch", [1, 2, 4, 8, 64])
-def test_gpu_decode_fused_merge_bf16_cuda_graph(batch):
-    """bf16 at Qwen3-30B-A3B shapes: the fused merge equals the merge kernel bitwise (default and explicit splits);
-    a captured fused decode replayed twice with new contexts, tables and queries equals eager bitwise, with the
-    counters zero after each replay."""
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(batch)
-    n_heads, n_kv, d = QWEN3["n_heads"], QWEN3["n_kv"], QWEN3["head_dim"]
-    block_size, max_blocks = 16, 128  # contexts up to 2048
-    num_blocks = 1 + batch * max_blocks
-    k = torch.randn(num_blocks, block_size, n_kv, d, generator=gen, device=dev).bfloat16()
-    v = torch.randn(num_blocks, block_size, n_kv, d, generator=gen, device=dev).bfloat16()
-    scale = d**-0.5
-    q = torch.zeros(batch, n_heads, d, dtype=torch.bfloat16, device=dev)
-    tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=dev)
-    ctx = torch.zeros(batch, dtype=torch.int32, device=dev)
-    out = torch.empty(batch, n_heads, d, dtype=torch.bfloat16, device=dev)
-    counters = torch.zeros(decode_counter_slots(batch, n_kv), dtype=torch.int32, device=dev)
-
-    def fill(trial):
-        lengths = torch.randint(1, max_blocks * block_size + 1, (batch,), generator=gen, device=dev)
-        lengths[0] = (300, 512, 2048)[trial]  # one short, one 512, one full context
-        if batch > 1:
-            lengths[1 + trial % (batch - 1)] = 0  # a padded row that moves
-        ctx.copy_(lengths.int())
-        tables.copy_((torch.randperm(num_blocks - 1, generator=gen, device=dev)[: batch * max_blocks] + 1)
-                     .view(batch, max_blocks).int())
-        q.copy_(torch.randn(q.shape, generator=gen, device=dev))
-
-    def step():
-        paged_decode_attention(q, k, v, tables, ctx, scale, out=out, counters=counters)
-
-    fill(0)
-    for splits in (None, 7):
-        fused = paged_decode_attention(q, k, v, tables, ctx, scale, num_splits=splits, counters=counters)
-        two = paged_decode_attention(q, k, v, tables, ctx, scale, num_splits=splits, fused_merge=False)
-        assert torch.equal(fused, two), splits
-        assert not counters.any()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for trial in (1, 2):
-        fill(trial)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert not counters.any(), trial
-        eager = paged_decode_attention(q, k, v, tables, ctx, scale, fused_merge=False)
-        assert torch.equal(out, eager), trial
-        assert rel_err(out, paged_decode_attention_ref(q, k, v, tables, ctx, scale)) < 1e-2, trial
-        assert torch.equal(out[ctx == 0], torch.zeros_like(out[ctx == 0]))
 
 
 @gpu

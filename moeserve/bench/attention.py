@@ -2,9 +2,6 @@
 
     python -m moeserve.bench.attention --out DIR [--quick]
 
-The split merge, fused into the split kernel vs the separate merge kernel, is `bench kernels --parts attention`
-(`merge_rows` / `print_merge_table` here).
-
 Every timing is a CUDA-graph replay of many calls (launch overhead as in graph decode), each
 call on a different copy of the data, with the copies together far larger than L2, as when
 48 layers run between two calls of one layer. Prints tables; writes DIR/attention_bench.json.
@@ -15,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
@@ -25,7 +21,6 @@ from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.kernels.paged_attention import (
     DECODE_BLOCK_N,
     _launch_decode,
-    decode_counter_slots,
     default_num_splits,
     paged_decode_attention,
 )
@@ -96,71 +91,6 @@ def bench_decode(batch: int, ctx: int, gen, variants: list[dict]):
         rows.append(dict(kernel="sdpa_contiguous_gqa", batch=batch, ctx=ctx, error=repr(exc)[:200]))
     del sets
     return rows
-
-
-# ----------------------------------------------------------------------------- split merge: fused vs two kernels
-
-MERGE_BATCHES = (1, 2, 4, 8, 64, 256)
-MERGE_CONTEXTS = (512, 2048)
-MERGE_ROUNDS = 5  # interleaved repeats of (fused, two kernels)
-
-
-def active_splits(ctx: int, splits: int, block_n: int = DECODE_BLOCK_N) -> int:
-    """Splits that hold KV tiles at this context (the rest exit at once)."""
-    tiles = math.ceil(ctx / block_n)
-    return math.ceil(tiles / math.ceil(tiles / splits))
-
-
-def bench_merge(batch: int, ctx: int, gen) -> dict:
-    """Default-split decode with the merge in the split kernel vs in the merge kernel: medians of µs per call over
-    MERGE_ROUNDS interleaved rounds of CUDA-graph replays, and whether the two outputs are bitwise equal."""
-    kv_bytes = batch * ctx * N_KV * HEAD_DIM * 2 * 2
-    sets, ctx_lens = decode_setup(batch, ctx, copies_for(kv_bytes), gen)
-    scale = HEAD_DIM**-0.5
-    outs = [torch.empty_like(s[0]) for s in sets]
-    counters = torch.zeros(decode_counter_slots(batch, N_KV), dtype=torch.int32, device="cuda")
-    splits = default_num_splits(batch, N_KV, sets[0][3].shape[1], BLOCK_SIZE, torch.device("cuda"))
-    modes = {"fused": dict(fused_merge=True, counters=counters), "two_kernel": dict(fused_merge=False)}
-    results = {name: paged_decode_attention(*sets[0][:4], ctx_lens, scale, **kw) for name, kw in modes.items()}
-    times = {name: [] for name in modes}
-    for _ in range(MERGE_ROUNDS):
-        for name, kw in modes.items():
-            times[name].append(graph_time_us(
-                [lambda s=s, o=o, kw=kw: paged_decode_attention(*s[:4], ctx_lens, scale, out=o, **kw)
-                 for s, o in zip(sets, outs)]))
-    del sets
-    us = {name: statistics.median(t) for name, t in times.items()}
-    return dict(batch=batch, ctx=ctx, num_splits=splits, active_splits=active_splits(ctx, splits),
-                kv_bytes=kv_bytes, fused_us=us["fused"], two_kernel_us=us["two_kernel"],
-                bitwise_equal=bool(torch.equal(results["fused"], results["two_kernel"])),
-                counters_zero=not bool(counters.any()))
-
-
-def merge_rows(gen, save=None) -> list[dict]:
-    rows = []
-    for batch in MERGE_BATCHES:
-        for ctx in MERGE_CONTEXTS:
-            rows.append(bench_merge(batch, ctx, gen))
-            if save is not None:
-                save(rows)
-            r = rows[-1]
-            print(f"decode merge B={batch} ctx={ctx}: fused {r['fused_us']:.1f} us, two kernels "
-                  f"{r['two_kernel_us']:.1f} us", flush=True)
-    return rows
-
-
-def print_merge_table(rows: list[dict], read_gbps: float | None = None) -> None:
-    print(f"\ndecode attention, split merge fused into the split kernel vs the merge kernel (bf16, {N_HEADS} q / {N_KV} "
-          f"kv heads x {HEAD_DIM}, block {BLOCK_SIZE}, default splits; CUDA-graph replays over copies >> L2, medians "
-          f"of {MERGE_ROUNDS} interleaved rounds); active = splits holding KV tiles at this context")
-    floor = f" {'floor us':>8}" if read_gbps else ""
-    print(f"{'B':>4} {'ctx':>5} {'splits':>6} {'active':>6} {'fused us':>9} {'2-kernel us':>11} {'ratio':>6} "
-          f"{'bitwise':>7}{floor}")
-    for r in rows:
-        cell = f" {r['kv_bytes'] / (read_gbps * 1e3):>8.2f}" if read_gbps else ""
-        print(f"{r['batch']:>4} {r['ctx']:>5} {r['num_splits']:>6} {r['active_splits']:>6} {r['fused_us']:>9.2f} "
-              f"{r['two_kernel_us']:>11.2f} {r['fused_us'] / r['two_kernel_us']:>6.3f} "
-              f"{'yes' if r['bitwise_equal'] and r['counters_zero'] else 'NO':>7}{cell}")
 
 
 # Tile configs were swept once (block_n 32/64/128 x warps 4/8 x stages 2/3): the defaults were best or within

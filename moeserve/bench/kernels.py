@@ -2,7 +2,7 @@
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
                                      [--sweep] [--lora-sweep [--lora-variants 'epi_*']] [--profile]
-                                     [--parts moe,router,dense_lora,norm_rotary,gemv,attention]
+                                     [--parts moe,router,dense_lora,norm_rotary,gemv]
 
 Measures, in one process on one GPU:
 - read bandwidth: a large device-to-device copy (read + write counted) and a large
@@ -36,9 +36,6 @@ and norm_rotary_bench.json.
 Part `gemv` (bench/gemv.py): the Triton GEMV against cuBLAS for the dense projections of the presets at
 T = 1, 2 (the rows it serves), with and without the fused LoRA expand (`--sweep`: a config sweep, best per shape);
 its own table and gemv_bench.json. Not in the default parts: `--parts gemv [--sweep]`.
-Part `attention` (bench/attention.py): decode attention at B = 1, 2, 4, 8, 64, 256 and context 512 / 2048 with the
-split merge fused into the split kernel against the separate merge kernel, interleaved (medians), with the KV bytes'
-time at read bandwidth; its own table and attention_merge_bench.json. Not in the default parts either.
 """
 
 import argparse
@@ -495,12 +492,11 @@ def main(argv=None):
                     help="comma list of fnmatch patterns: the --lora-sweep variants to time (e.g. 'epi_*'); "
                          "the default plan is always timed")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
-    known = {"moe", "router", "dense_lora", "norm_rotary", "gemv", "attention"}
+    known = {"moe", "router", "dense_lora", "norm_rotary", "gemv"}
     ap.add_argument("--parts", default="moe,router,dense_lora,norm_rotary",
                     help="comma list: moe (fused MoE and MoE-LoRA), router (routing), dense_lora (one- vs two-launch "
                          "dense LoRA), norm_rotary (fused norms, attention prologue), gemv (Triton GEMV vs cuBLAS "
-                         "at T <= 8, with the LoRA expand fused), attention (decode split merge: fused vs merge "
-                         "kernel)")
+                         "at T <= 8, with the LoRA expand fused)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if not parts <= known:
@@ -519,13 +515,11 @@ def main(argv=None):
     if "router" in parts:
         router = bench_router(gen)
         (out_dir / "router_bench.json").write_text(json.dumps({"device": device, **router}, indent=1))
-    if not parts & {"moe", "dense_lora", "gemv", "attention"}:
+    if not parts & {"moe", "dense_lora", "gemv"}:
         return 0
     bw = read_bandwidth()
     print(f"{device}: copy {bw['copy_gbps']:.0f} GB/s (read+write), "
           f"read-only sum {bw['read_gbps']:.0f} GB/s", flush=True)
-    if "attention" in parts:
-        run_attention_merge(out_dir, gen, device, bw)
     if "gemv" in parts:
         run_gemv(out_dir, args.sweep, gen, device, bw)
     if not parts & {"moe", "dense_lora"}:
@@ -630,17 +624,6 @@ def run_gemv(out_dir: Path, sweep: bool, gen, device: str, bw: dict) -> None:
 
     gemv.run(sweep, gen, rows, save, bw["read_gbps"])
     gemv.print_table(rows, bw["read_gbps"])
-
-
-def run_attention_merge(out_dir: Path, gen, device: str, bw: dict) -> None:
-    from moeserve.bench import attention
-
-    def save(rows):
-        (out_dir / "attention_merge_bench.json").write_text(
-            json.dumps({"device": device, "bandwidth": bw, "rows": rows}, indent=1))
-
-    rows = attention.merge_rows(gen, save)
-    attention.print_merge_table(rows, bw["read_gbps"])
 
 
 def run_norm_rotary(out_dir: Path) -> None:

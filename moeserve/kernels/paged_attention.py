@@ -7,13 +7,10 @@ GQA: query head h reads kv head h // (n_heads // n_kv_heads). Every program hand
 query heads of one kv head (as extra rows of its tile), so each K/V tile is read once.
 
 Decode is flash-decoding: programs (sequence, kv head, split) each reduce a contiguous range
-of the sequence's KV tiles to a partial output plus its log-sum-exp, and the splits are merged
-by the last split program of each (sequence, kv head) to finish (an arrival counter per pair,
-left zero for the next launch), or by a small second kernel; both merge in split order with
-the same arithmetic, so they agree bitwise. The split count depends on static shapes only, and
-each sequence's context is divided among the splits inside the kernel, so the grid never
-depends on context_lens (decode is captured in CUDA graphs) and nothing syncs with the host;
-splits past a sequence's tiles exit at once and are not merged.
+of the sequence's KV tiles to a partial output plus its log-sum-exp, and a small second
+kernel merges the splits. The split count depends on static shapes only, and each sequence's
+context is divided among the splits inside the kernel, so the grid never depends on
+context_lens (decode is captured in CUDA graphs) and nothing syncs with the host.
 """
 from __future__ import annotations
 
@@ -36,11 +33,6 @@ DECODE_BLOCK_N = 16 if _INTERPRET else 64  # KV tokens per inner step
 PREFILL_BLOCK_M = 16 if _INTERPRET else 128  # rows (query tokens x heads of a group) per program
 PREFILL_BLOCK_N = 16 if _INTERPRET else 64
 MAX_DECODE_SPLITS = 64
-MERGE_CHUNK = 8  # splits the merge reads per step
-# Arrival counters a layer owns for the fused merge (one per sequence x kv head). Default split
-# counts exceed 1 only while batch * n_kv < 3 * SMs (396 on an H200), so this covers every decode
-# that merges with default splits, with room for tuning; larger batches merge in the second kernel.
-DECODE_COUNTER_SLOTS = 2048
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -82,59 +74,9 @@ def default_num_splits(batch: int, n_kv_heads: int, max_blocks: int, block_size:
 
 
 @triton.jit
-def _split_range(ctx, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """A split's KV tiles [tile_lo, tile_hi) and how many splits of the sequence hold any tile
-    (the first ones; 0 for padded rows): each sequence's context is divided among the splits here."""
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    active_splits = tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1))
-    return tile_lo, tile_hi, active_splits
-
-
-@triton.jit
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, head_mask, active_splits, num_heads,
-                  stride_ob, stride_oh,
-                  ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """out[seq, heads] = the active splits' partial outputs weighted by exp2(lse - max lse).
-
-    Both decode paths merge here, split after split in a fixed order with element-wise
-    arithmetic only (no cross-lane sums), so the result does not depend on the caller's tile
-    shape or warps: the fused and the two-kernel paths agree bitwise. Only the active splits are
-    read, MERGE_CHUNK of them per step (their loads in flight together). Partials are read past
-    L1 (.cg): in the fused path other programs wrote them during this launch."""
-    d = tl.arange(0, HEAD_DIM_PAD)
-    sp = tl.arange(0, SPLITS_PAD)
-    rows = (seq * num_heads + heads) * NUM_SPLITS  # [ROWS]: each head's split 0
-    lse_all = tl.load(part_lse_ptr + rows[:, None] + sp[None, :],
-                      mask=head_mask[:, None] & (sp < active_splits)[None, :], other=float("-inf"),
-                      cache_modifier=".cg")
-    m = tl.max(lse_all, 1)  # max is exact in any order
-    m = tl.where(m == float("-inf"), 0.0, m)  # no active split (padded row): every weight is 0
-    num = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-    den = tl.zeros([ROWS], tl.float32)
-    for s0 in range(0, active_splits, MERGE_CHUNK):
-        for j in tl.static_range(MERGE_CHUNK):
-            s = s0 + j
-            # (a [ROWS] compare: the interpreter mistypes a bool vector & a bool scalar)
-            ok = head_mask & (s + tl.zeros([ROWS], tl.int32) < active_splits)
-            lse = tl.load(part_lse_ptr + rows + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp2(lse - m)  # 0 past the active splits
-            o = tl.load(part_out_ptr + (rows + s)[:, None] * HEAD_DIM_PAD + d[None, :], mask=ok[:, None],
-                        other=0.0, cache_modifier=".cg")
-            num = num + w[:, None] * o
-            den = den + w
-    res = num / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & (d < HEAD_DIM)[None, :])
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -144,39 +86,30 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_launch.enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_kv = tl.num_programs(1)
-    num_heads = num_kv * GROUP
+    num_heads = tl.num_programs(1) * GROUP
+
+    # This split's share of the sequence's KV tiles (empty for padded rows: context 0).
+    ctx = tl.load(context_lens_ptr + seq)
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
     head = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    out_offs = seq * stride_ob + head[:, None] * stride_oh + d[None, :]
-    out_mask = g_mask[:, None] & d_mask[None, :]
-
-    # This split's share of the sequence's KV tiles; splits past the context's tiles have none.
-    ctx = tl.load(context_lens_ptr + seq)
-    tile_lo, tile_hi, active_splits = _split_range(ctx, split, BLOCK_N, NUM_SPLITS)
-    if tile_lo >= tile_hi:
-        # No work: the merge skips this split. A padded row (context 0) outputs zeros, written
-        # here unless the separate merge kernel writes them.
-        if NUM_SPLITS == 1 or FUSED_MERGE:
-            if (split == 0) & (active_splits == 0):
-                tl.store(out_ptr + out_offs, tl.zeros([GROUP_PAD, HEAD_DIM_PAD], out_ptr.dtype.element_ty),
-                         mask=out_mask)
-        return
-
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
-                mask=out_mask, other=0.0).to(COMPUTE)
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE)
+
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
@@ -201,43 +134,43 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
         m = m_new
 
-    o = acc / l[:, None]  # l > 0: the split has a valid key
+    nonempty = l > 0
+    o = acc / tl.where(nonempty, l, 1.0)[:, None]  # empty split / padded row: acc is 0
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + out_offs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
         row = (seq * num_heads + head) * NUM_SPLITS + split  # [GROUP_PAD]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], o, mask=g_mask[:, None])
-        tl.store(part_lse_ptr + row, m + tl.log2(l), mask=g_mask)
-        if FUSED_MERGE:
-            # The last active split of this (sequence, kv head) to finish merges all of them, in
-            # split order: which program that is never changes the values.
-            counter = counters_ptr + seq * num_kv + kv_head
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == active_splits - 1:
-                tl.debug_barrier()
-                # the group's heads only (GROUP_PAD pads to the tl.dot minimum)
-                gm = tl.arange(0, MERGE_ROWS)
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head * GROUP + gm, gm < GROUP,
-                              active_splits, num_heads, stride_ob, stride_oh,
-                              MERGE_ROWS, NUM_SPLITS, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, HEAD_DIM_PAD)
-                tl.atomic_xchg(counter, 0)  # zero again for the next launch / graph replay
+        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr,
     stride_ob, stride_oh,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_launch.enter(USE_PDL)
     seq = tl.program_id(0)
-    head = tl.program_id(1) + tl.arange(0, 1)
-    ctx = tl.load(context_lens_ptr + seq)
-    _, _, active_splits = _split_range(ctx, 0, BLOCK_N, NUM_SPLITS)
-    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, head, head >= 0, active_splits, tl.num_programs(1),
-                  stride_ob, stride_oh, 1, NUM_SPLITS, SPLITS_PAD, MERGE_CHUNK, HEAD_DIM, HEAD_DIM_PAD)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    sp_mask = sp < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + sp, mask=sp_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (padded row): weights all 0
+    w = tl.exp2(lse - m)
+    o = tl.load(part_out_ptr + (row * NUM_SPLITS + sp)[:, None] * HEAD_DIM_PAD + d[None, :],
+                mask=sp_mask[:, None], other=0.0)
+    num = tl.sum(w[:, None] * o, 0)
+    den = tl.sum(w, 0)
+    res = num / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
 
 
 def _check_cache(q, k_cache, v_cache):
@@ -251,19 +184,13 @@ def _check_cache(q, k_cache, v_cache):
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                           num_splits: int | None = None, out=None, fused_merge: bool = True,
-                           counters: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                           num_splits: int | None = None, out=None, pdl: bool = False) -> torch.Tensor:
     """One query token per sequence. q [B, n_heads, head_dim] -> [B, n_heads, head_dim] (q dtype).
 
     context_lens counts the sequence's tokens in the cache including the current one; rows with
     context 0 (padding) output zeros and read no cache. Launch shapes depend only on tensor
-    shapes, so the call can be captured in a CUDA graph and replayed with new lengths/tables.
-
-    `fused_merge` (with more than one split): the last split program of each (sequence, kv head)
-    merges the splits in the same launch, else a second kernel does; the two agree bitwise.
-    `counters`: its arrival counters, int32 zeros, at least B * n_kv_heads of them, owned by the
-    caller and left zero after every launch (allocated here when None, which costs a memset).
-    `pdl`: launched with programmatic dependent launch (kernels/pdl.py).
+    shapes, so the call can be captured in a CUDA graph and replayed with new lengths/tables. `pdl`: both
+    launches with programmatic dependent launch (kernels/pdl.py).
     """
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     batch = q.shape[0]
@@ -275,46 +202,24 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if num_splits is None:
         num_splits = default_num_splits(batch, n_kv, block_tables.shape[1], block_size, q.device)
     _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
-                   block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2, fused_merge=fused_merge, counters=counters,
-                   pdl=pdl)
+                   block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2, pdl=pdl)
     return out
 
 
-def decode_counter_slots(batch: int, n_kv_heads: int) -> int:
-    """Arrival counters the fused merge needs: one per (sequence, kv head)."""
-    return batch * n_kv_heads
-
-
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
-                   block_n, num_warps, num_stages, fused_merge=True, counters=None, merge_chunk=MERGE_CHUNK,
-                   pdl=False):
-    """`merge_chunk`: splits whose partials the merge loads per step (part of the merge's arithmetic order only
-    through zeros added past the last split: keep it the same for runs compared bitwise)."""
+                   block_n, num_warps, num_stages, pdl=False):
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     batch = q.shape[0]
     head_dim_pad = triton.next_power_of_2(head_dim)
-    if num_splits < 1:
-        raise ValueError(f"num_splits={num_splits} must be >= 1")
-    fused_merge = fused_merge and num_splits > 1
     if num_splits > 1:
-        # Partial results, laid out [B, n_heads, splits, head_dim_pad]; only splits holding tiles write theirs.
+        # Partial results, laid out [B, n_heads, splits, head_dim_pad]; every entry is written.
         part_out = torch.empty((batch, n_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, n_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    if fused_merge:
-        need = decode_counter_slots(batch, n_kv)
-        if counters is None:
-            counters = torch.zeros(need, dtype=torch.int32, device=q.device)
-        if counters.dtype != torch.int32 or counters.numel() < need or not counters.is_contiguous():
-            raise ValueError(f"counters: need >= {need} contiguous int32 (batch {batch} x {n_kv} kv heads), "
-                             f"got {counters.numel()} {counters.dtype}")
-    else:
-        counters = out  # unused
-    splits_pad = triton.next_power_of_2(num_splits)
     _decode_split_kernel[(batch, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_lse, counters,
+        out, part_out, part_lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -324,16 +229,15 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, FUSED_MERGE=fused_merge,
-        MERGE_ROWS=triton.next_power_of_2(group), MERGE_CHUNK=merge_chunk,
+        NUM_SPLITS=num_splits,
         COMPUTE=_compute_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
         USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and not fused_merge:
+    if num_splits > 1:
         _decode_merge_kernel[(batch, n_heads)](
-            part_out, part_lse, context_lens, out,
+            part_out, part_lse, out,
             out.stride(0), out.stride(1),
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, MERGE_CHUNK=merge_chunk,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             USE_PDL=pdl, launch_pdl=pdl, num_warps=1 if head_dim_pad <= 64 else 2,
         )

@@ -16,7 +16,7 @@ class TorchAttentionBackend:
     """Reference paged attention. Decode is sync-free (gather all blocks + length mask);
     prefill loops over sequences using host-side lengths (eager only)."""
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, counters=None):
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         nh = q.shape[1]
         nkv = k_cache.shape[2]
         k = k_cache[meta.block_tables].flatten(1, 2)  # [B, max_blocks*bs, nkv, d]
@@ -58,12 +58,9 @@ class TritonAttentionBackend:
         self.k = paged_attention
         self.pdl = pdl  # launches with programmatic dependent launch (kernels/pdl.py)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, counters=None):
-        """`counters`: the layer's arrival counters (zeros); when they cover the batch the splits merge
-        inside the split kernel, else in a second kernel (never a memset inside a graph)."""
-        fused = counters is not None and counters.numel() >= self.k.decode_counter_slots(q.shape[0], k_cache.shape[2])
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return self.k.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                             fused_merge=fused, counters=counters if fused else None, pdl=self.pdl)
+                                             pdl=self.pdl)
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         # context_lens holds each sequence's length after this chunk: the kernel's seq_lens
@@ -101,11 +98,6 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = rotary
         self.backend = backend
-        # arrival counters of the Triton decode's fused split merge: zero between launches (each launch
-        # resets its own); one fixed size, so every captured graph sees the same buffer
-        counters = (torch.zeros(backend.k.DECODE_COUNTER_SLOTS, dtype=torch.int32)
-                    if isinstance(backend, TritonAttentionBackend) else None)
-        self.register_buffer("decode_counters", counters, persistent=False)
         self.prologue_kernels = None
         if fused_prologue:
             from moeserve.kernels import norm_rotary
@@ -152,7 +144,7 @@ class Attention(nn.Module):
     def attend(self, q, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Attention over the cache: [T, nh * d], the o_proj input."""
         if meta.is_decode:
-            o = self.backend.decode(q, k_cache, v_cache, meta, self.scale, self.decode_counters)
+            o = self.backend.decode(q, k_cache, v_cache, meta, self.scale)
         else:
             o = self.backend.prefill(q, k_cache, v_cache, meta, self.scale)
         return o.reshape(q.shape[0], self.nh * self.d)
