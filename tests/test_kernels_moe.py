@@ -444,7 +444,7 @@ def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
                 assert torch.equal(out[-1], base[-1])  # the token without an adapter
 
 
-# default: default_plan's own epilogue (items 4 at block_m 16, the walk at 64); the others set both knobs
+# default: default_plan's own epilogue (2 or 4 items at block_m 16, the walk at 64); the others set both knobs
 EPILOGUE_VARIANTS = {"default": {},
                      "walk": {"lora_epilogue_prefetch": "none", "lora_epilogue_items": 0},
                      "prefetch": {"lora_epilogue_prefetch": "before_k_loop", "lora_epilogue_items": 0},

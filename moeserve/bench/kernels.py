@@ -245,7 +245,7 @@ def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 
 
 # LoRA-epilogue variants of the sorted path (MoEPlan.lora_epilogue_*): same base kernels, the
 # expand's loads issued before the K loop and/or a group of (slot, rank step) items loaded at once.
-# Each sets both knobs, so it means the same whatever default_plan picks (items 4 at block_m 16).
+# Each sets both knobs, so it means the same whatever default_plan picks (2 or 4 items at block_m 16).
 EPILOGUE_VARIANTS = {
     "epi_walk": dict(lora_epilogue_prefetch="none", lora_epilogue_items=0),
     "epi_prefetch": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=0),

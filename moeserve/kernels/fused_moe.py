@@ -84,7 +84,7 @@ class MoEPlan:
     lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
     lora_shrink_warps: int = 4
     # sorted-path LoRA expands in the GEMM epilogues (the field defaults are the plain walk;
-    # default_plan picks items=4 for its block_m=16 tiles). A gate_up GEMM of a pool with separate
+    # default_plan picks 2 or 4 items for its block_m=16 tiles). A gate_up GEMM of a pool with separate
     # up A's (UP_HALF) ignores both and takes the plain walk, lora_block_expand, which alone walks
     # the up halves; its down GEMM still uses them.
     lora_epilogue_prefetch: str = "none"  # "before_k_loop": first item(s)' loads before the K loop
@@ -108,10 +108,14 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoE
                 else GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1))
         return MoEPlan(True, tile, tile)
     if num_pairs <= 2048:  # few rows per expert: short blocks, wide N tiles
-        tile = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
-        # LoRA expand: 4 (slot, rank step) items loaded at once, one dot. H200, 4 rank-16 adapters,
-        # (MoE + LoRA) / MoE: T=64 1.364 -> 1.312, T=256 1.496 -> 1.387 (the walk -> items 4)
-        return MoEPlan(False, tile, tile, lora_epilogue_items=4)
+        # H200 sweep (top-8): T=256 the K step 64 in 4 stages 366.7 us vs 383-385 (K 128, 3 stages), T=128 313 vs 316;
+        # the 32-row blocks were slower at every T (431-600 us)
+        tile = (GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3) if num_pairs <= 512
+                else GemmTile(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4))
+        # LoRA expand: (slot, rank step) items loaded together, one dot. H200, 4 rank-16 adapters, (MoE + LoRA) / MoE,
+        # the walk / 2 items / 4 items: T=16 1.258 / 1.241 / 1.304, T=64 1.376 / 1.309 / 1.325, T=256 1.501 / 1.424 /
+        # 1.398
+        return MoEPlan(False, tile, tile, lora_epilogue_items=2 if num_pairs <= 512 else 4)
     # block_m=64 keeps the walk: its items spill registers (T=512: 1.540 walk, 1.913 items 4)
     return MoEPlan(False, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
                    GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3))

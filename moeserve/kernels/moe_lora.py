@@ -18,7 +18,7 @@ for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
   expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`), so gu and y
   are written once. The plan's epilogue options (MoEPlan.lora_epilogue_*) issue the first
   item's loads before the GEMM's K loop, and/or load a group of items at once and add them in
-  one dot (`lora_expand_group`), walking the rest; default_plan loads 4 at block_m=16. The
+  one dot (`lora_expand_group`), walking the rest; default_plan loads 2 or 4 at block_m=16. The
   gate_up expand of a pool with up halves always walks (`lora_block_expand`). (A second,
   (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 and
   was removed after cfefc5c; numbers in fused_moe.)
