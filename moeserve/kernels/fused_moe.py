@@ -108,10 +108,9 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoE
                 else GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1))
         return MoEPlan(True, tile, tile)
     if num_pairs <= 2048:  # few rows per expert: short blocks, wide N tiles
-        # H200 sweep (top-8): T=256 the K step 64 in 4 stages 366.7 us vs 383-385 (K 128, 3 stages), T=128 313 vs 316;
-        # the 32-row blocks were slower at every T (431-600 us)
-        tile = (GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3) if num_pairs <= 512
-                else GemmTile(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4))
+        # H200 (top-8): K step 64 in 4 stages is faster without LoRA above 512 pairs (T=256 366.7 vs 383-385 us) but
+        # slower with 4 adapters (T=256 598 vs 543 us), so the K step stays 128; 32-row blocks were slower at every T
+        tile = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
         # LoRA expand: (slot, rank step) items loaded together, one dot. H200, 4 rank-16 adapters, (MoE + LoRA) / MoE,
         # the walk / 2 items / 4 items: T=16 1.258 / 1.241 / 1.304, T=64 1.376 / 1.309 / 1.325, T=256 1.501 / 1.424 /
         # 1.398
