@@ -225,20 +225,21 @@ def lora_errors(weights, inputs, lora: MoELoRAArgs, plan: MoEPlan, reference) ->
 
 
 def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 2) -> dict:
-    """Per LoRA case: MoE alone and MoE + LoRA (default plan), interleaved `rounds` times (medians)."""
-    plan = default_plan(batch, TOP_K)
+    """Per LoRA case: MoE alone and MoE + LoRA (each with its default plan), interleaved `rounds` times
+    (medians)."""
+    plan, lora_plan = default_plan(batch, TOP_K), default_plan(batch, TOP_K, lora=True)
     out = {}
     for case in LORA_CASES:
         loras = [lora_args(pools[i], batch, case) for i in range(NUM_SETS)]
         base_times, lora_times = [], []
         for _ in range(rounds):
             base_times.append(time_moe(weights, inputs, plan=plan))
-            lora_times.append(time_moe(weights, inputs, loras, plan=plan))
+            lora_times.append(time_moe(weights, inputs, loras, plan=lora_plan))
         lora_bytes = lora_touched_bytes(loras[0], inputs[0][2])
         row = {"base_us": statistics.median(base_times), "us": statistics.median(lora_times),
                "lora_mb": lora_bytes / 1e6, "lora_floor_us": lora_bytes / bw["read_gbps"] / 1e3}
         row["ratio"] = row["us"] / row["base_us"]
-        row.update(lora_errors(weights, inputs, loras[0], plan, lora_reference(weights, inputs, loras[0])))
+        row.update(lora_errors(weights, inputs, loras[0], lora_plan, lora_reference(weights, inputs, loras[0])))
         out[case] = row
     return out
 
@@ -291,7 +292,7 @@ def sweep_lora(batch: int, weights, inputs, pools, rounds: int = 2, only: str = 
     if batch * TOP_K <= 64:
         return []  # decode path: no sorted-path LoRA kernels
     patterns = ["default", *only.split(",")]
-    plans = {name: plan for name, plan in _lora_variants(default_plan(batch, TOP_K, decode=False)).items()
+    plans = {name: plan for name, plan in _lora_variants(default_plan(batch, TOP_K, decode=False, lora=True)).items()
              if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
     times = {name: ([], []) for name in plans}
     for _ in range(rounds):
@@ -347,8 +348,8 @@ def profile(batch: int, weights, inputs, pool) -> dict:
     under the default plan and a few LoRA-epilogue variants (each mode profiled on its own, so the
     LoRA GEMMs are not averaged with the base ones)."""
     loras = [lora_args(pool[i], batch, "lora4_r16") for i in range(NUM_SETS)]
-    plan = default_plan(batch, TOP_K)
-    variants = _lora_variants(plan) if not plan.decode else {"default": plan}
+    plan, lora_plan = default_plan(batch, TOP_K), default_plan(batch, TOP_K, lora=True)
+    variants = _lora_variants(lora_plan) if not lora_plan.decode else {"default": lora_plan}
     modes = {"moe": (None, plan)}
     modes.update({f"lora4 {v}": (loras, variants[v]) for v in PROFILE_LORA_PLANS if v in variants})
     rounds = 5

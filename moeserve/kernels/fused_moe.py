@@ -97,9 +97,11 @@ class MoEPlan:
 DECODE_MAX_PAIRS = 64
 
 
-def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoEPlan:
+def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False) -> MoEPlan:
     """Block sizes by problem size: a static table from the H200 sweep of
-    `python -m moeserve.bench.kernels --sweep`. `decode` forces a path."""
+    `python -m moeserve.bench.kernels --sweep`. `decode` forces a path; `lora`: the plan of a call with
+    adapters (its own base tile where the LoRA epilogue prefers one; the no-LoRA plan is what a LoRA-disabled
+    engine runs, so the no-LoRA graph stays bitwise that engine)."""
     num_pairs = num_tokens * top_k
     if decode is None:
         decode = num_pairs <= DECODE_MAX_PAIRS
@@ -108,9 +110,11 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None) -> MoE
                 else GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1))
         return MoEPlan(True, tile, tile)
     if num_pairs <= 2048:  # few rows per expert: short blocks, wide N tiles
-        # H200 (top-8): K step 64 in 4 stages is faster without LoRA above 512 pairs (T=256 366.7 vs 383-385 us) but
-        # slower with 4 adapters (T=256 598 vs 543 us), so the K step stays 128; 32-row blocks were slower at every T
-        tile = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
+        # H200 (top-8): above 512 pairs the K step 64 in 4 stages is faster without LoRA (T=256 366.7 / 368.2 us vs
+        # 383-390) but slower with 4 adapters (T=256 598 vs 543 us): LoRA calls keep K 128 in 3 stages there.
+        # 32-row blocks were slower at every T (431-600 us)
+        tile = (GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3) if num_pairs <= 512 or lora
+                else GemmTile(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4))
         # LoRA expand: (slot, rank step) items loaded together, one dot. H200, 4 rank-16 adapters, (MoE + LoRA) / MoE,
         # the walk / 2 items / 4 items: T=16 1.258 / 1.241 / 1.304, T=64 1.376 / 1.309 / 1.325, T=256 1.501 / 1.424 /
         # 1.398
@@ -632,7 +636,7 @@ def fused_moe(
     if num_tokens == 0:
         return torch.empty_like(x)
     if plan is None:
-        plan = default_plan(num_tokens, topk_ids.shape[1], decode)
+        plan = default_plan(num_tokens, topk_ids.shape[1], decode, lora=lora is not None)
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
