@@ -6,4 +6,9 @@ Modules:
 - fused_moe:       grouped-GEMM MoE (gate_up, fused SiLU*up, down, routed top-k sum) + MoE-LoRA
 - lora_dense:      multi-LoRA shrink/expand for dense projections, gathered by adapter slot
 - paged_attention: paged decode (split-K) and varlen prefill attention over the block cache
+- moe_lora:        expert-LoRA shrinks (per pair at decode, per expert block when sorted) and the expands the
+                   fused-MoE GEMM epilogues run
+- gemv:            dense projections at one or two rows, the dense-LoRA expand in its epilogue
+- norm_rotary:     residual add + RMSNorm; q/k norm + rotary + KV-cache write
+- pdl:             programmatic dependent launch (Hopper): every kernel above waits for its predecessor in-kernel
 """
