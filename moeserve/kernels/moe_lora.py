@@ -203,31 +203,11 @@ def _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr, 
 def _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                       K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
-    """_expand_step_loads of an expand without an up half: what lora_expand_walk / _rest walk; a
-    GEMM with UP_HALF takes lora_block_expand."""
+    """_expand_step_loads of an expand without an up half: what lora_expand_rest walks; a GEMM with
+    UP_HALF takes lora_block_expand."""
     return _expand_step_loads(cur, 0, 0, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
                               offs_n, n_ok, 0, stride_sk, stride_sr, 0, stride_bl, stride_be,
                               stride_bn, K_SPLITS, RANK_STEP, False)
-
-
-@triton.jit
-def lora_expand_walk(acc, cur, r0, mine, rank, s, b, slots, row_ranks, rows, scratch_ptr, b_ptr,
-                     expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                     K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
-    """Walks (slot, rank step) items from the loaded item `cur, r0` on, loading the next item's
-    operands before the current dot so one memory round trip is in flight while the previous
-    item computes."""
-    n_ok = offs_n < N
-    while cur < _NO_SLOT:
-        more = r0 + RANK_STEP < rank
-        nxt = tl.where(more, cur, _next_slot(slots, cur))
-        nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
-        nxt_mine, nxt_rank, nxt_s, nxt_b = _one_a_step_loads(
-            nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
-            stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-        acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
-        cur, r0, mine, rank, s, b = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
-    return acc
 
 
 @triton.jit
@@ -287,7 +267,7 @@ def lora_expand_group(slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n
     side by side along the rank: s [BLOCK_M, ITEMS * RANK_STEP] (the shrink of a row sits only in
     the columns of its own slot's items, 0 elsewhere) and b [ITEMS * RANK_STEP, BLOCK_N], so one
     dot s @ b adds every item's delta. Returns (s, b, rows covered, slot and rank start of the
-    item after them: where lora_expand_walk goes on). Columns of missing items are masked."""
+    item after them: where lora_expand_rest's walk goes on). Columns of missing items are masked."""
     cols: tl.constexpr = ITEMS * RANK_STEP
     col = tl.arange(0, cols)
     col_item = col // RANK_STEP
@@ -324,16 +304,25 @@ def lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratc
                      expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
     """Adds the group of lora_expand_group in one dot, then walks the items after it (blocks with
-    more items than the group holds: many slots, or ranks above 16)."""
+    more items than the group holds: many slots, or ranks above 16) as lora_block_expand does,
+    from item (cur, r0). (It is lora_block_expand's walk without up halves, started mid-slot; run
+    through lora_block_expand it moved instructions in the sm_90 code of both default-plan
+    epilogues, items and walk, so it stays a copy.)"""
     acc = tl.where(covered[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
-    if cur < _NO_SLOT:
+    if cur < _NO_SLOT:  # s, b of one item: other shapes than the group's
+        n_ok = offs_n < N
         mine, rank, s1, b1 = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr,
-                                               b_ptr, expert, offs_n, offs_n < N, stride_sk,
-                                               stride_sr, stride_bl, stride_be, stride_bn,
-                                               K_SPLITS, RANK_STEP)
-        acc = lora_expand_walk(acc, cur, r0, mine, rank, s1, b1, slots, row_ranks, rows,
-                               scratch_ptr, b_ptr, expert, offs_n, N, stride_sk, stride_sr,
-                               stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+                                               b_ptr, expert, offs_n, n_ok, stride_sk, stride_sr,
+                                               stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        while cur < _NO_SLOT:
+            more = r0 + RANK_STEP < rank
+            nxt = tl.where(more, cur, _next_slot(slots, cur))
+            nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
+            nxt_mine, nxt_rank, nxt_s, nxt_b = _one_a_step_loads(
+                nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
+                stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+            acc = tl.where(mine[:, None], tl.dot(s1.to(b1.dtype), b1, acc), acc)
+            cur, r0, mine, rank, s1, b1 = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
     return acc
 
 
