@@ -302,17 +302,15 @@ def test_sorted_lora_mixed_ranks_matches_references(shape):
     assert torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
 
 
-@pytest.mark.parametrize("prefetch,items", [("none", 1), ("none", 2), ("none", 4),
-                                            ("before_k_loop", 0), ("before_k_loop", 4)],
-                         ids=["items1", "items2", "items4", "prefetch", "prefetch_items4"])
-def test_sorted_lora_epilogue_variants_match_references(prefetch, items):
-    """The LoRA-epilogue plan options (loads before the K loop; a group of items loaded at once and
-    added in one dot, the rest walked) on the mixed-rank case: blocks hold up to 6 (slot, rank step)
-    items (ranks 8, 16, 64), more than either group; NaN wherever the kernels must not read."""
+@pytest.mark.parametrize("items", [1, 2, 4], ids=["items1", "items2", "items4"])
+def test_sorted_lora_epilogue_variants_match_references(items):
+    """The LoRA-epilogue plan option (a group of items loaded at once and added in one dot, the rest
+    walked) on the mixed-rank case: blocks hold up to 6 (slot, rank step) items (ranks 8, 16, 64),
+    more than any group; NaN wherever the kernels must not read."""
     problem, ranks, slots, clean, dirty = _mixed_lora_problem(24, 64, 32, seed=11)
     x, w13, w2, weights, ids = problem
     _assert_blocks_mix_slots(ids, slots, ranks, SMALL_TILE.block_m)
-    plan = replace(SMALL_PLAN, lora_epilogue_prefetch=prefetch, lora_epilogue_items=items)
+    plan = replace(SMALL_PLAN, lora_epilogue_items=items)
     out = fused_moe(*problem, MoELoRAArgs(slots, ranks, *dirty), plan=plan)
     ref = fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))
     assert torch.isfinite(out).all()
@@ -332,8 +330,6 @@ def test_sorted_lora_epilogue_options_are_checked():
     lora = MoELoRAArgs(slots, ranks, *clean)
     with pytest.raises(ValueError, match="lora_epilogue_items 3"):
         fused_moe(*problem, lora, plan=replace(SMALL_PLAN, lora_epilogue_items=3))
-    with pytest.raises(ValueError, match="lora_epilogue_prefetch 'early'"):
-        fused_moe(*problem, lora, plan=replace(SMALL_PLAN, lora_epilogue_prefetch="early"))
 
 
 @pytest.mark.parametrize("items", [0, 4], ids=["walk", "items4"])
@@ -444,14 +440,11 @@ def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
                 assert torch.equal(out[-1], base[-1])  # the token without an adapter
 
 
-# default: default_plan's own epilogue (2 or 4 items at block_m 16, the walk at 64); the others set both knobs
+# default: default_plan's own epilogue (2 or 4 items at block_m 16, the walk at 64); the others set it
 EPILOGUE_VARIANTS = {"default": {},
-                     "walk": {"lora_epilogue_prefetch": "none", "lora_epilogue_items": 0},
-                     "prefetch": {"lora_epilogue_prefetch": "before_k_loop", "lora_epilogue_items": 0},
-                     "items2": {"lora_epilogue_prefetch": "none", "lora_epilogue_items": 2},
-                     "items4": {"lora_epilogue_prefetch": "none", "lora_epilogue_items": 4},
-                     "prefetch_items4": {"lora_epilogue_prefetch": "before_k_loop",
-                                         "lora_epilogue_items": 4}}
+                     "walk": {"lora_epilogue_items": 0},
+                     "items2": {"lora_epilogue_items": 2},
+                     "items4": {"lora_epilogue_items": 4}}
 
 
 @pytest.mark.gpu

@@ -244,16 +244,13 @@ def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 
     return out
 
 
-# LoRA-epilogue variants of the sorted path (MoEPlan.lora_epilogue_*): same base kernels, the
-# expand's loads issued before the K loop and/or a group of (slot, rank step) items loaded at once.
-# Each sets both knobs, so it means the same whatever default_plan picks (2 or 4 items at block_m 16).
+# LoRA-epilogue variants of the sorted path (MoEPlan.lora_epilogue_items): same base kernels, the
+# walk or a group of (slot, rank step) items loaded at once. Each sets the knob, so it means the same
+# whatever default_plan picks (2 or 4 items at block_m 16).
 EPILOGUE_VARIANTS = {
-    "epi_walk": dict(lora_epilogue_prefetch="none", lora_epilogue_items=0),
-    "epi_prefetch": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=0),
-    "epi_items2": dict(lora_epilogue_prefetch="none", lora_epilogue_items=2),
-    "epi_items4": dict(lora_epilogue_prefetch="none", lora_epilogue_items=4),
-    "epi_prefetch_items2": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=2),
-    "epi_prefetch_items4": dict(lora_epilogue_prefetch="before_k_loop", lora_epilogue_items=4),
+    "epi_walk": dict(lora_epilogue_items=0),
+    "epi_items2": dict(lora_epilogue_items=2),
+    "epi_items4": dict(lora_epilogue_items=4),
 }
 
 

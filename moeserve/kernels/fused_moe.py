@@ -37,13 +37,8 @@ from moeserve.kernels import pdl as pdl_launch
 from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
-    block_slots,
-    lora_block_expand,
+    lora_block_epilogue,
     lora_block_shrink,
-    lora_expand_first,
-    lora_expand_group,
-    lora_expand_rest,
-    lora_expand_walk,
     lora_rank_block,
     lora_shrink_pairs,
 )
@@ -83,11 +78,11 @@ class MoEPlan:
     lora_down_splits: int = 2  # programs sharing one block's shrink over I
     lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
     lora_shrink_warps: int = 4
-    # sorted-path LoRA expands in the GEMM epilogues (the field defaults are the plain walk;
+    # sorted-path LoRA expands in the GEMM epilogues (the field default is the plain walk;
     # default_plan picks 2 or 4 items for its block_m=16 tiles). A gate_up GEMM of a pool with separate
-    # up A's (UP_HALF) ignores both and takes the plain walk, lora_block_expand, which alone walks
-    # the up halves; its down GEMM still uses them.
-    lora_epilogue_prefetch: str = "none"  # "before_k_loop": first item(s)' loads before the K loop
+    # up A's (UP_HALF) ignores it and takes the plain walk, lora_block_expand, which alone walks
+    # the up halves; its down GEMM still uses it. (Loads of the first item issued before the K loop
+    # lost or tied on the H200 at every T and were removed.)
     lora_epilogue_items: int = 0  # >0 (power of 2): that many (slot, rank step) items loaded at
     #                              once and added in one dot, the rest walked as with 0
 
@@ -144,22 +139,20 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
     UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, LORA_ITEMS: tl.constexpr = 0,
-    LORA_PREFETCH: tl.constexpr = False,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
     columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand),
-    which takes the plain walk (LORA_ITEMS 0, no prefetch). With LoRA the kernel waits for the
-    shrink just launched only before its epilogue (late wait), unless the epilogue's loads are
-    prefetched before the K loop."""
-    pdl_launch.enter_late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
+    which takes the plain walk (LORA_ITEMS 0). With LoRA the kernel waits for the shrink just
+    launched only before its epilogue (late wait)."""
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
-        pdl_launch.late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
@@ -169,20 +162,6 @@ def _moe_gate_up_kernel(
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
-    if HAS_LORA:
-        tl.static_assert(not UP_HALF or (LORA_ITEMS == 0 and not LORA_PREFETCH),
-                         "the up halves are walked by lora_block_expand only")
-        if LORA_PREFETCH:  # the epilogue's first loads ride under the weight stream below
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-            if LORA_ITEMS > 0:
-                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
-                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
-                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
-            else:
-                w_cur, w_r0, w_mine, w_rank, w_s, w_b = lora_expand_first(
-                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
-                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -195,28 +174,12 @@ def _moe_gate_up_kernel(
         acc = tl.dot(a, b.to(a.dtype), acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    pdl_launch.late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
+    pdl_launch.late(USE_PDL, HAS_LORA)
     if HAS_LORA:
-        if not LORA_PREFETCH:
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-            if LORA_ITEMS > 0:
-                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
-                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
-                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
-        if LORA_ITEMS > 0:
-            acc = lora_expand_rest(acc, g_s, g_b, g_rows, g_cur, g_r0, slots, row_ranks, rows,
-                                   shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr,
-                                   stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-        elif LORA_PREFETCH:
-            acc = lora_expand_walk(acc, w_cur, w_r0, w_mine, w_rank, w_s, w_b, slots, row_ranks,
-                                   rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
-                                   stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-        else:  # the plain walk: every item's loads after the K loop, one item in flight
-            acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
-                                    offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
-                                    stride_bn, separate_ptr, stride_sh, up_col0, K_SPLITS,
-                                    RANK_STEP, UP_HALF)
+        acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
+                                  lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
+                                  stride_be, stride_bn, separate_ptr, stride_sh, up_col0, BLOCK_M,
+                                  K_SPLITS, RANK_STEP, UP_HALF, LORA_ITEMS)
     out_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
     tl.store(out_ptrs, acc.to(gu_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & (offs_n < N)[None, :])
@@ -231,18 +194,18 @@ def _moe_down_kernel(
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, USE_PDL: tl.constexpr,
-    LORA_ITEMS: tl.constexpr = 0, LORA_PREFETCH: tl.constexpr = False,
+    LORA_ITEMS: tl.constexpr = 0,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded; the routing weight scales base and delta together."""
-    pdl_launch.enter_late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
-        pdl_launch.late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
@@ -251,18 +214,6 @@ def _moe_down_kernel(
     gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
-    if HAS_LORA:
-        if LORA_PREFETCH:  # the epilogue's first loads ride under the weight stream below
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-            if LORA_ITEMS > 0:
-                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
-                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
-                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
-            else:
-                w_cur, w_r0, w_mine, w_rank, w_s, w_b = lora_expand_first(
-                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
-                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -278,27 +229,12 @@ def _moe_down_kernel(
         acc = tl.dot(a, b, acc)
         gate_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    pdl_launch.late(USE_PDL, HAS_LORA and not LORA_PREFETCH)
-    if HAS_LORA:
-        if not LORA_PREFETCH:
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-            if LORA_ITEMS > 0:
-                g_s, g_b, g_rows, g_cur, g_r0 = lora_expand_group(
-                    slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
-                    stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, LORA_ITEMS)
-        if LORA_ITEMS > 0:
-            acc = lora_expand_rest(acc, g_s, g_b, g_rows, g_cur, g_r0, slots, row_ranks, rows,
-                                   shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr,
-                                   stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-        elif LORA_PREFETCH:
-            acc = lora_expand_walk(acc, w_cur, w_r0, w_mine, w_rank, w_s, w_b, slots, row_ranks,
-                                   rows, shrunk_ptr, lora_b_ptr, expert, offs_n, N, stride_sk,
-                                   stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-        else:  # the plain walk: every item's loads after the K loop, one item in flight
-            acc = lora_block_expand(acc, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
-                                    offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
-                                    stride_bn, slots_ptr, 0, N, K_SPLITS, RANK_STEP, False)
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    if HAS_LORA:  # no up halves here: slots_ptr stands in for the unread separate flags
+        acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
+                                  lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
+                                  stride_be, stride_bn, slots_ptr, 0, N, BLOCK_M, K_SPLITS, RANK_STEP,
+                                  False, LORA_ITEMS)
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     acc = acc * weights[:, None]
     out_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
@@ -538,18 +474,13 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
-EPILOGUE_PREFETCH = ("none", "before_k_loop")
-
-
 def _epilogue_constexprs(plan: MoEPlan) -> dict:
     """GEMM constexprs of the plan's LoRA-epilogue variant (none with lora=None: that kernel
-    compiles exactly as without the options)."""
-    items, prefetch = plan.lora_epilogue_items, plan.lora_epilogue_prefetch
-    if prefetch not in EPILOGUE_PREFETCH:
-        raise ValueError(f"lora_epilogue_prefetch {prefetch!r} is not one of {EPILOGUE_PREFETCH}")
+    compiles exactly as without the option)."""
+    items = plan.lora_epilogue_items
     if items < 0 or items & (items - 1):
         raise ValueError(f"lora_epilogue_items {items} is not 0 or a power of two")
-    return {"LORA_ITEMS": items, "LORA_PREFETCH": prefetch == "before_k_loop"}
+    return {"LORA_ITEMS": items}
 
 
 def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):

@@ -16,9 +16,9 @@ for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
   `lora_block_shrink` walks the distinct adapter slots of each expert block (no second
   alignment, no sorting) and writes the block's shrink as fp32 partials split along K; the
   expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`), so gu and y
-  are written once. The plan's epilogue options (MoEPlan.lora_epilogue_*) issue the first
-  item's loads before the GEMM's K loop, and/or load a group of items at once and add them in
-  one dot (`lora_expand_group`), walking the rest; default_plan loads 2 or 4 at block_m=16. The
+  are written once (`lora_block_epilogue`). The plan's epilogue option
+  (MoEPlan.lora_epilogue_items) loads a group of items at once and adds them in one dot
+  (`lora_expand_group`), walking the rest; default_plan loads 2 or 4 at block_m=16. The
   gate_up expand of a pool with up halves always walks (`lora_block_expand`). (A second,
   (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 and
   was removed after cfefc5c; numbers in fused_moe.)
@@ -203,44 +203,11 @@ def _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr, 
 def _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                       K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
-    """_expand_step_loads of an expand without an up half: what the plan's epilogue options
-    (lora_expand_first / _walk / _rest) walk; a GEMM with UP_HALF takes lora_block_expand."""
+    """_expand_step_loads of an expand without an up half: what lora_expand_rest walks; a GEMM with
+    UP_HALF takes lora_block_expand."""
     return _expand_step_loads(cur, 0, 0, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
                               offs_n, n_ok, 0, stride_sk, stride_sr, 0, stride_bl, stride_be,
                               stride_bn, K_SPLITS, RANK_STEP, False)
-
-
-@triton.jit
-def lora_expand_first(slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
-                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
-    """Loads of the block's first (slot, rank step) item -> the walk state `lora_expand_walk` takes."""
-    cur = _next_slot(slots, -1)
-    r0 = cur * 0
-    mine, rank, s, b = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
-                                         expert, offs_n, offs_n < N, stride_sk, stride_sr,
-                                         stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-    return cur, r0, mine, rank, s, b
-
-
-@triton.jit
-def lora_expand_walk(acc, cur, r0, mine, rank, s, b, slots, row_ranks, rows, scratch_ptr, b_ptr,
-                     expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                     K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
-    """Walks (slot, rank step) items from the loaded item `cur, r0` on, loading the next item's
-    operands before the current dot so one memory round trip is in flight while the previous
-    item computes."""
-    n_ok = offs_n < N
-    while cur < _NO_SLOT:
-        more = r0 + RANK_STEP < rank
-        nxt = tl.where(more, cur, _next_slot(slots, cur))
-        nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
-        nxt_mine, nxt_rank, nxt_s, nxt_b = _one_a_step_loads(
-            nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
-            stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-        acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
-        cur, r0, mine, rank, s, b = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
-    return acc
 
 
 @triton.jit
@@ -300,7 +267,7 @@ def lora_expand_group(slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n
     side by side along the rank: s [BLOCK_M, ITEMS * RANK_STEP] (the shrink of a row sits only in
     the columns of its own slot's items, 0 elsewhere) and b [ITEMS * RANK_STEP, BLOCK_N], so one
     dot s @ b adds every item's delta. Returns (s, b, rows covered, slot and rank start of the
-    item after them: where lora_expand_walk goes on). Columns of missing items are masked."""
+    item after them: where lora_expand_rest's walk goes on). Columns of missing items are masked."""
     cols: tl.constexpr = ITEMS * RANK_STEP
     col = tl.arange(0, cols)
     col_item = col // RANK_STEP
@@ -337,16 +304,53 @@ def lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratc
                      expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
     """Adds the group of lora_expand_group in one dot, then walks the items after it (blocks with
-    more items than the group holds: many slots, or ranks above 16)."""
+    more items than the group holds: many slots, or ranks above 16) as lora_block_expand does,
+    from item (cur, r0). (It is lora_block_expand's walk without up halves, started mid-slot; run
+    through lora_block_expand it moved instructions in the sm_90 code of both default-plan
+    epilogues, items and walk, so it stays a copy.)"""
     acc = tl.where(covered[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
-    if cur < _NO_SLOT:
+    if cur < _NO_SLOT:  # s, b of one item: other shapes than the group's
+        n_ok = offs_n < N
         mine, rank, s1, b1 = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr,
-                                               b_ptr, expert, offs_n, offs_n < N, stride_sk,
-                                               stride_sr, stride_bl, stride_be, stride_bn,
-                                               K_SPLITS, RANK_STEP)
-        acc = lora_expand_walk(acc, cur, r0, mine, rank, s1, b1, slots, row_ranks, rows,
-                               scratch_ptr, b_ptr, expert, offs_n, N, stride_sk, stride_sr,
-                               stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+                                               b_ptr, expert, offs_n, n_ok, stride_sk, stride_sr,
+                                               stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+        while cur < _NO_SLOT:
+            more = r0 + RANK_STEP < rank
+            nxt = tl.where(more, cur, _next_slot(slots, cur))
+            nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
+            nxt_mine, nxt_rank, nxt_s, nxt_b = _one_a_step_loads(
+                nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
+                stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
+            acc = tl.where(mine[:, None], tl.dot(s1.to(b1.dtype), b1, acc), acc)
+            cur, r0, mine, rank, s1, b1 = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
+    return acc
+
+
+@triton.jit
+def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, scratch_ptr, b_ptr,
+                        expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                        separate_ptr, stride_sh, up_col0, BLOCK_M: tl.constexpr,
+                        K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr,
+                        ITEMS: tl.constexpr):
+    """The LoRA epilogue of a sorted-path GEMM tile (block pid_m, columns offs_n): acc plus every
+    row's expand, shrink partials at scratch rows pid_m * BLOCK_M + i. ITEMS > 0: that many (slot,
+    rank step) items in one dot, then the rest walked (lora_expand_group / _rest); 0: the plain
+    walk (lora_block_expand), the only one that walks up halves (UP_HALF; see there for
+    separate_ptr, stride_sh, up_col0)."""
+    tl.static_assert(not UP_HALF or ITEMS == 0, "the up halves are walked by lora_block_expand only")
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+    if ITEMS > 0:
+        s, b, covered, cur, r0 = lora_expand_group(
+            slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N, stride_sk, stride_sr,
+            stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, ITEMS)
+        acc = lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratch_ptr,
+                               b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
+                               stride_bn, K_SPLITS, RANK_STEP)
+    else:  # every item's loads after the K loop, one item in flight
+        acc = lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
+                                stride_sk, stride_sr, stride_bl, stride_be, stride_bn, separate_ptr,
+                                stride_sh, up_col0, K_SPLITS, RANK_STEP, UP_HALF)
     return acc
 
 
