@@ -286,31 +286,14 @@ def test_sorted_lora_mixed_ranks_matches_references(shape):
     """Ranks 8/16/64 in a rank-64 pool, tokens without adapter, an evicted slot; NaN wherever
     the kernels must not read. Against fp32 fused_moe_ref and the torch MoE backend."""
     num_tokens, hidden, inter = shape
-    problem, ranks, slots, clean, dirty = _mixed_lora_problem(num_tokens, hidden, inter, seed=7)
-    x, w13, w2, weights, ids = problem
-    _assert_blocks_mix_slots(ids, slots, ranks, SMALL_TILE.block_m)
-    out = fused_moe(*problem, MoELoRAArgs(slots, ranks, *dirty), plan=SMALL_PLAN)
-    ref = fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))
-    assert torch.isfinite(out).all()
-    assert _rel(out, ref) < 1e-5
-    assert _rel(out, _torch_reference(problem, ranks, slots, clean)) < 1e-5
-    base = fused_moe(*problem, plan=SMALL_PLAN)
-    ref_base = fused_moe_ref(*problem)
-    assert _size_ratio(ref - ref_base, ref_base) > 0.3, "the test adapters must matter"
-    assert _rel(out - base, ref - ref_base) < 1e-4
-    no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
-    assert torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
+    _check_sorted_lora(*_mixed_lora_problem(num_tokens, hidden, inter, seed=7), SMALL_PLAN)
 
 
-@pytest.mark.parametrize("items", [1, 2, 4], ids=["items1", "items2", "items4"])
-def test_sorted_lora_epilogue_variants_match_references(items):
-    """The LoRA-epilogue plan option (a group of items loaded at once and added in one dot, the rest
-    walked) on the mixed-rank case: blocks hold up to 6 (slot, rank step) items (ranks 8, 16, 64),
-    more than any group; NaN wherever the kernels must not read."""
-    problem, ranks, slots, clean, dirty = _mixed_lora_problem(24, 64, 32, seed=11)
+def _check_sorted_lora(problem, ranks, slots, clean, dirty, plan):
+    """`dirty` (NaN where nothing may be read) through `plan` against fp32 fused_moe_ref and the torch backend
+    with `clean`; the LoRA delta itself; rows without an adapter bitwise the no-LoRA call's. Returns the latter."""
     x, w13, w2, weights, ids = problem
     _assert_blocks_mix_slots(ids, slots, ranks, SMALL_TILE.block_m)
-    plan = replace(SMALL_PLAN, lora_epilogue_items=items)
     out = fused_moe(*problem, MoELoRAArgs(slots, ranks, *dirty), plan=plan)
     ref = fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))
     assert torch.isfinite(out).all()
@@ -322,7 +305,17 @@ def test_sorted_lora_epilogue_variants_match_references(items):
     assert _rel(out - base, ref - ref_base) < 1e-4
     no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
     assert torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
-    assert torch.equal(_bits(base), _bits(fused_moe(*problem, plan=SMALL_PLAN)))
+    return base
+
+
+@pytest.mark.parametrize("items", [1, 2, 4], ids=["items1", "items2", "items4"])
+def test_sorted_lora_epilogue_variants_match_references(items):
+    """The LoRA-epilogue plan option (a group of items loaded at once and added in one dot, the rest
+    walked) on the mixed-rank case: blocks hold up to 6 (slot, rank step) items (ranks 8, 16, 64),
+    more than any group; NaN wherever the kernels must not read."""
+    problem = _mixed_lora_problem(24, 64, 32, seed=11)
+    base = _check_sorted_lora(*problem, replace(SMALL_PLAN, lora_epilogue_items=items))
+    assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
 
 
 def test_sorted_lora_epilogue_options_are_checked():
