@@ -1,7 +1,7 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
     python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
-                                     [--sweep] [--lora-sweep [--lora-variants 'epi_*']] [--profile]
+                                     [--sweep] [--lora-sweep [--lora-variants 'epi_*']] [--profile] [--no-pdl]
                                      [--parts moe,router,dense_lora,norm_rotary,gemv]
 
 Measures, in one process on one GPU:
@@ -60,6 +60,7 @@ from moeserve.kernels.fused_moe import (
     fused_moe_ref,
 )
 from moeserve.kernels.moe_align import moe_align, moe_align_ref
+from moeserve.kernels.pdl import supported as pdl_supported
 from moeserve.kernels.router import (
     GEMM_TOPK_MAX_TOKENS,
     RouterTile,
@@ -130,6 +131,7 @@ def lora_args(pool, batch: int, case: str) -> MoELoRAArgs:
 
 
 def time_moe(weights, inputs, loras=None, **kw) -> float:
+    """Graph replay of fused_moe over the weight sets; kw: fused_moe's (plan, decode, pdl)."""
     fns = []
     for i, ((w13, w2), (x, tw, ti)) in enumerate(zip(weights, inputs)):
         lora = loras[i] if loras else None
@@ -172,18 +174,18 @@ def _try_time(rows: list, label: dict, *args, **kw) -> None:
         print(f"  sweep {label} failed: {exc!r}"[:300], flush=True)
 
 
-def sweep(batch: int, weights, inputs) -> list[dict]:
+def sweep(batch: int, weights, inputs, pdl: bool) -> list[dict]:
     rows = []
     if batch * TOP_K <= 256:
         for bn, bk, nw, ns in SWEEP_GEMV:
             tile = GemmTile(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
             _try_time(rows, {"path": "decode", "tile": [bn, bk, nw, ns]}, weights, inputs,
-                      plan=MoEPlan(True, tile, tile))
+                      plan=MoEPlan(True, tile, tile), pdl=pdl)
     for gate_up, down in SWEEP_TILES:
         if gate_up[0] > 16 and batch * TOP_K < 512:
             continue
         plan = MoEPlan(False, GemmTile(*gate_up), GemmTile(*down))
-        _try_time(rows, {"path": "sorted", "tile": [gate_up, down]}, weights, inputs, plan=plan)
+        _try_time(rows, {"path": "sorted", "tile": [gate_up, down]}, weights, inputs, plan=plan, pdl=pdl)
     return rows
 
 
@@ -224,7 +226,7 @@ def lora_errors(weights, inputs, lora: MoELoRAArgs, plan: MoEPlan, reference) ->
             "delta_rel_err": ((delta - ref_delta).norm() / ref_delta.norm()).item()}
 
 
-def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 2) -> dict:
+def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, pdl: bool, rounds: int = 2) -> dict:
     """Per LoRA case: MoE alone and MoE + LoRA (each with its default plan), interleaved `rounds` times
     (medians)."""
     plan, lora_plan = default_plan(batch, TOP_K), default_plan(batch, TOP_K, lora=True)
@@ -233,8 +235,8 @@ def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, rounds: int = 
         loras = [lora_args(pools[i], batch, case) for i in range(NUM_SETS)]
         base_times, lora_times = [], []
         for _ in range(rounds):
-            base_times.append(time_moe(weights, inputs, plan=plan))
-            lora_times.append(time_moe(weights, inputs, loras, plan=lora_plan))
+            base_times.append(time_moe(weights, inputs, plan=plan, pdl=pdl))
+            lora_times.append(time_moe(weights, inputs, loras, plan=lora_plan, pdl=pdl))
         lora_bytes = lora_touched_bytes(loras[0], inputs[0][2])
         row = {"base_us": statistics.median(base_times), "us": statistics.median(lora_times),
                "lora_mb": lora_bytes / 1e6, "lora_floor_us": lora_bytes / bw["read_gbps"] / 1e3}
@@ -279,7 +281,7 @@ def _lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
     return v
 
 
-def sweep_lora(batch: int, weights, inputs, pools, rounds: int = 2, only: str = "*") -> list[dict]:
+def sweep_lora(batch: int, weights, inputs, pools, pdl: bool, rounds: int = 2, only: str = "*") -> list[dict]:
     """4 rank-16 adapters, (MoE + LoRA) / MoE with the same base plan, over the sorted-path LoRA
     tiles (epilogue variants, shrink K step, K splits, slot lanes, warps, base GEMM tiles); all
     variants timed in turn, `rounds` times (medians). The epilogue variants also report the
@@ -294,8 +296,8 @@ def sweep_lora(batch: int, weights, inputs, pools, rounds: int = 2, only: str = 
     times = {name: ([], []) for name in plans}
     for _ in range(rounds):
         for name, plan in plans.items():
-            _try_time(times[name][0], {}, weights, inputs, plan=plan)
-            _try_time(times[name][1], {}, weights, inputs, loras, plan=plan)
+            _try_time(times[name][0], {}, weights, inputs, plan=plan, pdl=pdl)
+            _try_time(times[name][1], {}, weights, inputs, loras, plan=plan, pdl=pdl)
     reference = lora_reference(weights, inputs, loras[0])
     rows = []
     for name, plan in plans.items():
@@ -340,7 +342,7 @@ def _kernel_split(calls, forwards: int) -> list[tuple[str, float, float]]:
     return [(name, n / forwards, us / forwards) for name, (n, us) in split.items()]
 
 
-def profile(batch: int, weights, inputs, pool) -> dict:
+def profile(batch: int, weights, inputs, pool, pdl: bool) -> dict:
     """Per-kernel GPU time per forward of eager calls: MoE alone, then MoE + 4 rank-16 adapters
     under the default plan and a few LoRA-epilogue variants (each mode profiled on its own, so the
     LoRA GEMMs are not averaged with the base ones)."""
@@ -352,12 +354,12 @@ def profile(batch: int, weights, inputs, pool) -> dict:
     rounds = 5
     out = {}
     for mode, (lora, mode_plan) in modes.items():
-        time_moe(weights, inputs, lora, plan=mode_plan)  # compile and warm up
+        time_moe(weights, inputs, lora, plan=mode_plan, pdl=pdl)  # compile and warm up
 
         def calls(lora=lora, mode_plan=mode_plan):
             for _ in range(rounds):
                 for i, ((w13, w2), (x, tw, ti)) in enumerate(zip(weights, inputs)):
-                    fused_moe(x, w13, w2, tw, ti, lora[i] if lora else None, plan=mode_plan)
+                    fused_moe(x, w13, w2, tw, ti, lora[i] if lora else None, plan=mode_plan, pdl=pdl)
 
         out[mode] = _kernel_split(calls, rounds * NUM_SETS)
     return out
@@ -374,14 +376,14 @@ def profile_table(batch: int, split: dict) -> str:
 def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -> None:
     inputs = [make_inputs(batch, gen) for _ in range(NUM_SETS)]
     plan = default_plan(batch, TOP_K)
-    moe_us = time_moe(weights, inputs)
+    moe_us = time_moe(weights, inputs, pdl=args.pdl)
     gbps = touched_bytes(batch) / moe_us / 1e3
     row = {"batch": batch, "path": "decode" if plan.decode else "sorted",
            "plan": asdict(plan), "moe_us": moe_us, "touched_gb": touched_bytes(batch) / 1e9,
            "gbps": gbps, "frac_read_bw": gbps / bw["read_gbps"],
            "unique_experts": statistics.mean(
                ti.unique().numel() for _, _, ti in inputs)}
-    row.update(time_lora_cases(batch, weights, inputs, pools, bw))
+    row.update(time_lora_cases(batch, weights, inputs, pools, bw, args.pdl))
     block_m = plan.gate_up.block_m
     row["align_us"] = graph_time_us(
         [lambda ti=ti: moe_align(ti, NUM_EXPERTS, block_m) for _, _, ti in inputs])
@@ -392,19 +394,19 @@ def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -
           f"({100 * row['frac_read_bw']:.0f}% of read), lora4 x{row['lora4_r16']['ratio']:.3f}",
           flush=True)
     if args.sweep:
-        rows = sweep(batch, weights, inputs)
+        rows = sweep(batch, weights, inputs, args.pdl)
         report["sweep"][batch] = rows
         best = min(rows, key=lambda r: r["us"])
         print(f"  sweep best: {_tile_label(best)} {best['us']:.1f} us  | "
               + " ".join(f"{_tile_label(r)}={r['us']:.0f}" for r in rows), flush=True)
     if args.sweep or args.lora_sweep:
-        lora_rows = sweep_lora(batch, weights, inputs, pools, only=args.lora_variants)
+        lora_rows = sweep_lora(batch, weights, inputs, pools, args.pdl, only=args.lora_variants)
         report["sweep_lora"][batch] = lora_rows
         print("  lora4 sweep: " + "  ".join(
             f"{r['variant']} {r['base_us']:.0f}->{r['lora_us']:.0f} us x{r['ratio']:.3f}"
             for r in lora_rows), flush=True)
     if args.profile and batch in PROFILE_BATCHES:
-        split = profile(batch, weights, inputs, pools)
+        split = profile(batch, weights, inputs, pools, args.pdl)
         report["profile"][batch] = {mode: [{"kernel": k, "per_forward": n, "us": us} for k, n, us in rows]
                                     for mode, rows in split.items()}
         print(profile_table(batch, split), flush=True)
@@ -490,6 +492,9 @@ def main(argv=None):
                     help="comma list of fnmatch patterns: the --lora-sweep variants to time (e.g. 'epi_*'); "
                          "the default plan is always timed")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                    help="moe part: launch with programmatic dependent launch, as the engine does (default: where "
+                         "the GPU has it); with it a LoRA shrink runs under the GEMM that expands it")
     known = {"moe", "router", "dense_lora", "norm_rotary", "gemv"}
     ap.add_argument("--parts", default="moe,router,dense_lora,norm_rotary",
                     help="comma list: moe (fused MoE and MoE-LoRA), router (routing), dense_lora (one- vs two-launch "
@@ -502,6 +507,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA device")
         return 1
+    if args.pdl is None:
+        args.pdl = pdl_supported(torch.device(DEVICE))
     batches = [int(b) for b in args.batches.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -525,7 +532,7 @@ def main(argv=None):
     report = {"device": device, "shape": dict(hidden=HIDDEN, inter=INTER, experts=NUM_EXPERTS,
                                               top_k=TOP_K),
               "bandwidth": bw, "batches": [], "sweep": {}, "sweep_lora": {},
-              "profile": {}, "dense_lora": []}
+              "profile": {}, "dense_lora": [], "pdl": args.pdl}
 
     def save():
         (out_dir / "kernels_bench.json").write_text(json.dumps(report, indent=1))
@@ -548,7 +555,7 @@ def main(argv=None):
 
     print(f"\nfused MoE at Qwen3-30B-A3B shapes, {device}, read bandwidth "
           f"{bw['read_gbps']:.0f} GB/s (copy {bw['copy_gbps']:.0f} GB/s r+w); "
-          f"LoRA columns = (MoE + LoRA) / MoE; {time.time() - t0:.0f} s")
+          f"PDL {'on' if args.pdl else 'off'}; LoRA columns = (MoE + LoRA) / MoE; {time.time() - t0:.0f} s")
     head = (f"{'batch':>5} {'path':>6} {'moe us':>8} {'GB':>6} {'GB/s':>6} {'%read':>5} "
             + " ".join(f"{c:>14}" for c in LORA_CASES) + f" {'align us':>8} {'torch':>6}")
     print(head)
