@@ -10,12 +10,13 @@ so the chain stays transitive: a kernel's wait returning means all kernels befor
 
 Measured on the H200 (a CUDA graph of 192 chained norm / GEMV kernels at one row): 5.79 -> 5.23 us per
 kernel. Kernels launched without PDL (cuBLAS, torch ops, NCCL) keep the full stream order, before and after.
-
-Late wait: a GEMM or GEMV with a LoRA epilogue reads the shrink launched just before it only in its epilogue,
-and its main loop reads only what was written before that shrink (activations, routing, weights). Such a
-kernel waits just before its epilogue (`enter_late` / `late`), so the shrink runs under its main loop instead
-of in front of it.
 The arithmetic is untouched, so results are bitwise the same with and without it.
+
+Late wait: since every kernel releases the next only after its own wait, a kernel that starts finds every
+kernel two or more back finished; only the one just before may still run. A GEMM or GEMV with a LoRA epilogue
+reads that one (the shrink launched just before it) only in its epilogue, and its main loop reads only older
+data (activations, routing, weights). Such a kernel waits just before its epilogue and its first store
+(`enter_late` / `late`), so the shrink runs under its main loop instead of in front of it.
 """
 from __future__ import annotations
 
