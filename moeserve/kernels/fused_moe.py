@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import pdl as pdl_launch
-
 from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
@@ -41,6 +40,7 @@ from moeserve.kernels.moe_lora import (
     lora_block_shrink,
     lora_rank_block,
     lora_shrink_pairs,
+    silu_mul,
 )
 
 
@@ -121,11 +121,6 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: 
 
 # ---------------------------------------------------------------------------------------------
 # kernels
-
-
-@triton.jit
-def _silu_mul(gate, up):
-    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
@@ -225,7 +220,7 @@ def _moe_down_kernel(
             gate = tl.load(gate_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
             up = tl.load(gate_ptrs + K, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        a = _silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(b.dtype)
+        a = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(b.dtype)
         acc = tl.dot(a, b, acc)
         gate_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -369,7 +364,7 @@ def _gemv_down_kernel(
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             gate = tl.load(gate_ptrs, mask=k_ok, other=0.0)
             up = tl.load(gate_ptrs + K, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * _silu_mul(gate, up)[None, :]
+        acc += w.to(tl.float32) * silu_mul(gate, up)[None, :]
         w_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
     out = tl.sum(acc, 1)
@@ -474,13 +469,12 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
-def _epilogue_constexprs(plan: MoEPlan) -> dict:
-    """GEMM constexprs of the plan's LoRA-epilogue variant (none with lora=None: that kernel
-    compiles exactly as without the option)."""
+def _epilogue_items(plan: MoEPlan) -> int:
+    """The plan's LoRA-epilogue group size (LORA_ITEMS), checked."""
     items = plan.lora_epilogue_items
     if items < 0 or items & (items - 1):
         raise ValueError(f"lora_epilogue_items {items} is not 0 or a power of two")
-    return {"LORA_ITEMS": items}
+    return items
 
 
 def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
@@ -496,7 +490,6 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     aligned = moe_align(topk_ids, num_experts, t.block_m, pdl=pdl)
     num_blocks = aligned.block_groups.numel()
     has_lora = lora is not None
-
     up_half = has_lora and lora.up_a is not None
 
     def epilogue_lora(from_gate_up, src, splits):
@@ -515,8 +508,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
                 (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])
 
-    epilogue = _epilogue_constexprs(plan) if has_lora else {}
-    gate_up_epilogue = {} if up_half else epilogue  # the up halves walk in lora_block_expand only
+    items = _epilogue_items(plan) if has_lora else 0  # lora=None: the kernels compile as without the option
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
     ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
     halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half else (topk_ids, 0, two_i)
@@ -526,9 +518,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, UP_HALF=up_half, **gate_up_epilogue, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=t.num_warps,
-        num_stages=t.num_stages)
+        RANK_STEP=RANK_STEP, UP_HALF=up_half, LORA_ITEMS=0 if up_half else items,  # up halves: the walk only
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
@@ -539,7 +530,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, **epilogue, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
+        RANK_STEP=RANK_STEP, LORA_ITEMS=items, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
         num_stages=t.num_stages)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 

@@ -56,7 +56,7 @@ def shrink_block_k(block_r: int) -> int:
 
 
 @triton.jit
-def _silu_mul(gate, up):
+def silu_mul(gate, up):
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
@@ -92,7 +92,7 @@ def _lora_shrink_pairs_kernel(
         src = src_ptr + pair.to(tl.int64) * stride_src + offs_k
         gate = tl.load(src, mask=k_ok, other=0.0).to(tl.float32)
         up = tl.load(src + K, mask=k_ok, other=0.0).to(tl.float32)
-        v = _silu_mul(gate, up)
+        v = silu_mul(gate, up)
     else:
         v = tl.load(src_ptr + token.to(tl.int64) * stride_src + offs_k, mask=k_ok,
                     other=0.0).to(tl.float32)
@@ -372,7 +372,7 @@ def _shrink_slot(a_base, out_ptrs, src_rows, mine, rank, k_lo, k_hi, K, stride_a
             if FROM_GATE_UP:
                 gate = tl.load(src_rows + k[None, :], mask=v_mask, other=0.0)
                 up = tl.load(src_rows + K + k[None, :], mask=v_mask, other=0.0)
-                v = _silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype)
+                v = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype)
             else:
                 v = tl.load(src_rows + k[None, :], mask=v_mask, other=0.0).to(dtype)
             at = tl.load(a_base + r[None, :] * stride_ar + k[:, None],
