@@ -1,6 +1,6 @@
 """A real `moeserve serve` stack for tests: the engine core in its own process, uvicorn + the
-frontend on a random loopback port in a thread of this process (so tests can reach the
-frontend's EngineClient), and helpers that use the core's test hooks (MOESERVE_TEST_HOOKS=1)."""
+frontend on a random loopback port in a thread of this process (so tests can reach the frontend's
+EngineClient), on the event loop `moeserve serve` runs, and helpers that use the core's test hooks (MOESERVE_TEST_HOOKS=1)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +14,7 @@ import httpx
 import openai
 
 from moeserve import EngineConfig
-from moeserve.server.app import run_server
+from moeserve.server.app import run_on_server_loop, run_server
 
 os.environ["MOESERVE_TEST_HOOKS"] = "1"  # inherited by the engine-core processes started from here
 
@@ -37,7 +37,7 @@ class RunningServer:
 
         def run():
             try:
-                asyncio.run(run_server(config, "127.0.0.1", 0, model, api_key, "warning", on_start))
+                run_on_server_loop(run_server(config, "127.0.0.1", 0, model, api_key, "warning", on_start))
             except BaseException as e:  # noqa: BLE001 - reported by the constructor
                 self.error = e
                 started.set()

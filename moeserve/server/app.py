@@ -295,12 +295,17 @@ def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     server = run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.api_key,
                         args.log_level, limits=http_limits_from_args(args))
-    try:
-        import uvloop  # the faster event loop, where installed
+    return run_on_server_loop(server)
 
-        return asyncio.Runner(loop_factory=uvloop.new_event_loop).run(server)
+
+def run_on_server_loop(coro):
+    """asyncio.run(coro) on the event loop the server runs on: uvloop where installed (a flood of connections
+    is answered ~2x faster than on asyncio's own loop), else asyncio's."""
+    try:
+        import uvloop
     except ImportError:
-        return asyncio.run(server)
+        return asyncio.run(coro)
+    return asyncio.Runner(loop_factory=uvloop.new_event_loop).run(coro)
 
 
 async def run_server(config, host: str, port: int, served_model_name: str | None = None, api_key: str | None = None,
