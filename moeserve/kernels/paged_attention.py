@@ -70,6 +70,37 @@ def default_num_splits(batch: int, n_kv_heads: int, max_blocks: int, block_size:
 
 
 # --------------------------------------------------------------------------------------
+# one KV tile (decode and prefill)
+
+
+@triton.jit
+def _online_softmax_step(q, m, l, acc, table, pos, valid, q_pos, k_ptr, v_ptr, kv_head, d, d_mask, qk_scale,
+                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, COMPUTE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """One flash-attention step over the KV tile at positions `pos` (base-2 online softmax), K/V rows
+    gathered through the block table where `valid` -> m, l, acc. CAUSAL: row i sees keys up to q_pos[i]."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k_off = block * stride_kb + slot * stride_kt + kv_head * stride_kh
+    k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if CAUSAL:
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+    else:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v_off = block * stride_vb + slot * stride_vt + kv_head * stride_vh
+    v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+# --------------------------------------------------------------------------------------
 # decode
 
 
@@ -115,24 +146,12 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
+        # the first tile of a split always has a valid key, so m is finite after it
         pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = pos < ctx
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k_off = block * stride_kb + slot * stride_kt + kv_head * stride_kh
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # Online softmax; the first tile of a split always has a valid key, so m is finite after it.
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v_off = block * stride_vb + slot * stride_vt + kv_head * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax_step(q, m, l, acc, table, pos, valid, None, k_ptr, v_ptr, kv_head, d, d_mask,
+                                         qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                         stride_vh, BLOCK_SIZE, False, COMPUTE, DOT_PRECISION)
 
     nonempty = l > 0
     o = acc / tl.where(nonempty, l, 1.0)[:, None]  # empty split / padded row: acc is 0
@@ -298,21 +317,9 @@ def _prefill_kernel(
     for start in range(0, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k_off = block * stride_kb + slot * stride_kt + kv_head * stride_kh
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v_off = block * stride_vb + slot * stride_vt + kv_head * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(COMPUTE)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax_step(q, m, l, acc, table, pos, valid, q_pos, k_ptr, v_ptr, kv_head, d, d_mask,
+                                         qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                         stride_vh, BLOCK_SIZE, True, COMPUTE, DOT_PRECISION)
 
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
