@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moeserve.lora.adapter import (
-    _MAX_MATCH_SECONDS, MAX_PATTERN_KEYS, LoRAAdapterError, _Ctx, _max_tensor_count, _max_weights_bytes, _PatternTable,
-    load_lora_adapter, validate_adapter_name,
+    LoRAAdapterError, _max_tensor_count, _max_weights_bytes, load_lora_adapter, validate_adapter_name,
 )
+from moeserve.lora.pattern_keys import MAX_MATCH_SECONDS, MAX_PATTERN_KEYS, PatternKeyError, PatternTable
 from peft_fixtures import make_peft_adapter, tiny_spec
 
 FAMILY, MAX_RANK, NAME = "qwen3_moe", 16, "hostile"
@@ -183,7 +183,7 @@ def test_pattern_lookup_agrees_with_peft_get_pattern_key():
                "layers.1.self_attn.q_proj", r"(mlp|block_sparse_moe)\.experts\..*", "lm_head", "", r"\w+_up_proj"]
 
     def check(keys, names):
-        table = _PatternTable(_Ctx(NAME, Path(".")), "rank_pattern", {k: i for i, k in enumerate(keys)})
+        table = PatternTable("rank_pattern", {k: i for i, k in enumerate(keys)})
         for name in names:
             want = next((k for k in keys if re.match(rf"(.*\.)?({k})$", name)), name if name in keys else None)
             got = table.lookup(name)
@@ -254,7 +254,7 @@ def test_keys_python_and_re2_spell_differently_resolve_as_peft():
              "model.layers.0.SELF_ATTN.K_proj", "q_proj{", "q_proj{}", "q_proj{,", "model.layers.0.self_attn. q_proj"]
     wrong = []
     for key in keys:
-        table = _PatternTable(_Ctx(NAME, Path(".")), "rank_pattern", {key: 1})
+        table = PatternTable("rank_pattern", {key: 1})
         for name in names:
             got, want = table.lookup(name), peft_pattern_key([key], name)
             if (got[0] if got else None) != want:
@@ -265,12 +265,25 @@ def test_keys_python_and_re2_spell_differently_resolve_as_peft():
 def test_regex_keys_refuse_module_names_outside_printable_ascii():
     """RE2's \\d \\w \\s \\b are ASCII, Python's Unicode: regex keys are matched only against printable ASCII
     names. Plain keys are looked up in a dictionary and keep working on any name."""
-    table = _PatternTable(_Ctx(NAME, Path(".")), "rank_pattern", {"q_proj": 1, "layers\\.\\d+": 2})
+    table = PatternTable("rank_pattern", {"q_proj": 1, "layers\\.\\d+": 2})
     assert table.lookup("model.layers.0.self_attn.q_proj") == ("q_proj", 1)
-    with pytest.raises(LoRAAdapterError, match="module name 'model.layers.\u0663.mlp' is not printable ASCII"):
+    with pytest.raises(PatternKeyError, match="module name 'model.layers.\u0663.mlp' is not printable ASCII") as info:
         table.lookup("model.layers.\u0663.mlp")  # ARABIC-INDIC DIGIT THREE: a \\d to Python, not to RE2
-    plain = _PatternTable(_Ctx(NAME, Path(".")), "rank_pattern", {"q_proj": 1, "self_attn\\.q_proj": 2})
+    assert info.value.about_names  # the adapter's weights file is at fault, not its config
+    plain = PatternTable("rank_pattern", {"q_proj": 1, "self_attn\\.q_proj": 2})
     assert plain.lookup("mod\u00e8l.layers.0.self_attn.q_proj") == ("q_proj", 1)
+
+
+def test_a_module_name_outside_printable_ascii_is_refused_naming_the_weights_file(adapter):
+    """Through the loader: the same refusal names the adapter's weights file (its config is not at fault)."""
+    edit_config(adapter, rank_pattern={"layers\\.\\d+\\.self_attn\\.q_proj": 4})
+
+    def rename_layer_0(tensors):
+        for key in [k for k in tensors if "layers.0." in k]:
+            tensors[key.replace("layers.0.", "layers.\u0660.")] = tensors.pop(key)  # ARABIC-INDIC DIGIT ZERO
+
+    edit_tensors(adapter, rename_layer_0)
+    refused(adapter, WEIGHTS, "is not printable ASCII, and rank_pattern has regular-expression keys")
 
 
 def test_pattern_matching_work_is_bounded():
@@ -281,11 +294,11 @@ def test_pattern_matching_work_is_bounded():
     keys = {".*" + "".join(rng.choice(alphabet) for _ in range(3)) + ".*(z|y)": 2 for _ in range(MAX_PATTERN_KEYS)}
     names = [f"model.layers.{layer}.mlp.experts.{e}.{p}" for layer in range(48) for e in range(128)
              for p in ("gate_proj", "up_proj", "down_proj")]
-    table = _PatternTable(_Ctx(NAME, Path(".")), "rank_pattern", keys)
+    table = PatternTable("rank_pattern", keys)
     t0 = time.perf_counter()
     try:
         got = {name: table.lookup(name) for name in names}
-    except LoRAAdapterError as e:
+    except PatternKeyError as e:
         assert "rank_pattern: its 1024 regular-expression keys are too costly" in str(e)
         got = {}
     assert time.perf_counter() - t0 < 5
@@ -295,17 +308,17 @@ def test_pattern_matching_work_is_bounded():
 
 def test_costly_regex_keys_are_refused_within_the_cpu_budget():
     """Keys whose automata blow up together (RE2 rebuilds DFA states on every character of long names; ~0.1 s a
-    name here): refused once matching has taken _MAX_MATCH_SECONDS of CPU time, not after hours."""
+    name here): refused once matching has taken MAX_MATCH_SECONDS of CPU time, not after hours."""
     rng = random.Random(2)
     keys = {f"[ab]*a[ab]{{{d}}}": 2 for d in range(1, 200)}
     names = ["".join(rng.choice("ab") for _ in range(480)) + ".layers.0.self_attn.q_proj" for _ in range(2000)]
-    table = _PatternTable(_Ctx(NAME, Path(".")), "rank_pattern", keys)
+    table = PatternTable("rank_pattern", keys)
     t0 = time.perf_counter()
-    with pytest.raises(LoRAAdapterError, match=r"rank_pattern: its 199 regular-expression keys are too costly .* "
-                                               rf"\(more than {_MAX_MATCH_SECONDS:g} s of CPU time\)"):
+    with pytest.raises(PatternKeyError, match=r"rank_pattern: its 199 regular-expression keys are too costly .* "
+                                               rf"\(more than {MAX_MATCH_SECONDS:g} s of CPU time\)"):
         for name in names:
             table.lookup(name)
-    assert time.perf_counter() - t0 < _MAX_MATCH_SECONDS + 5
+    assert time.perf_counter() - t0 < MAX_MATCH_SECONDS + 5
 
 
 def test_regex_rank_pattern_keys_still_resolve(adapter):
