@@ -70,7 +70,7 @@ class LoRASlotPool:
     def _walk(self, make) -> None:
         """Visit every buffer the targets need; `make(group, *shape)` returns the buffer to attach, or None
         (counting only)."""
-        L, R, spec, targets = self.max_loras, self.max_rank, self.spec, self.targets
+        L, R, targets = self.max_loras, self.max_rank, self.targets
 
         def attach(group: str, linear, wanted: bool):
             if wanted:
