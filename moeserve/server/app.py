@@ -54,6 +54,7 @@ class Admission:
     def __init__(self, state: ServerState):
         self.state = state
         self.auth = f"Bearer {state.api_key}".encode() if state.api_key is not None else None
+        self._raw_refusals: dict[str, bytes] = {}  # message -> whole response: the same few bytes each time
 
     def refusal(self, path: str, authorization: bytes | None) -> OpenAIError | None:
         endpoint = GENERATION_ENDPOINTS.get(path)
@@ -71,8 +72,12 @@ class Admission:
         err = self.refusal(path.decode("ascii"), _raw_header(head, b"authorization") if self.auth else None)
         if err is None:
             return None
-        extra = "".join(f"{k}: {v}\r\n" for k, v in err.headers.items())
-        return raw_response(f"{err.status} Service Unavailable", err.body(), extra)
+        response = self._raw_refusals.get(err.message)
+        if response is None:
+            extra = "".join(f"{k}: {v}\r\n" for k, v in err.headers.items())
+            response = self._raw_refusals[err.message] = raw_response(f"{err.status} Service Unavailable",
+                                                                      err.body(), extra)
+        return response
 
     def middleware(self, app):
         async def admit(scope, receive, send):

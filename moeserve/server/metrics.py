@@ -122,11 +122,16 @@ class ServerMetrics:
                               "of a request, after the first", buckets=TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("moeserve_e2e_request_latency_seconds", "Time from request arrival to its last "
                              "token", buckets=E2E_BUCKETS, registry=self.registry)
+        self._request_children: dict[tuple[str, int], object] = {}
         self.engine = EngineStatsCollector()
         self.registry.register(self.engine)
 
     def count_request(self, endpoint: str, status: int) -> None:
-        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        child = self._request_children.get((endpoint, status))
+        if child is None:  # labels() locks and builds its key each call; a refusal flood counts thousands
+            child = self._request_children[endpoint, status] = self.requests.labels(endpoint=endpoint,
+                                                                                   status=str(status))
+        child.inc()
 
     def observe_choice(self, arrival: float, first_token: float | None, finished: float, num_tokens: int) -> None:
         if first_token is not None:
