@@ -34,7 +34,7 @@ from moeserve.server.metrics import ServerMetrics  # noqa: E402
 from moeserve.log_filter import RepeatFilter  # noqa: E402
 from moeserve.server.connections import HTTPLimits, guarded_protocol_class  # noqa: E402
 from moeserve.server.errors import redact_paths  # noqa: E402
-from moeserve.server.protocol import MAX_MESSAGES, MAX_N, MAX_STOP, MAX_STOP_CHARS, OpenAIError  # noqa: E402
+from moeserve.server.protocol import MAX_MESSAGES, MAX_N, MAX_STOP, MAX_STOP_CHARS  # noqa: E402
 from server_harness import RunningServer, wait_until  # noqa: E402
 
 MODEL = "tiny-moe"
@@ -179,7 +179,7 @@ def test_keep_alive_connection_between_requests_is_not_cut_by_the_header_deadlin
 
 
 @contextmanager
-def _plain_uvicorn(limits: HTTPLimits):
+def _plain_uvicorn(limits: HTTPLimits, shed=None, http: str = "auto"):
     """uvicorn with the guarded protocol around a trivial ASGI app (no engine): connection-level behaviour only."""
     import uvicorn
 
@@ -190,7 +190,7 @@ def _plain_uvicorn(limits: HTTPLimits):
         await send({"type": "http.response.body", "body": b"ok"})
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
-                                           http=guarded_protocol_class(limits)))
+                                           http=guarded_protocol_class(limits, shed, http)))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     wait_until(lambda: server.started)
@@ -219,6 +219,52 @@ def test_connections_over_the_cap_are_answered_503_and_closed_at_once():
         idle.pop().close()
         time.sleep(0.2)
         assert httpx.get(f"http://127.0.0.1:{port}/", timeout=5).status_code == 200  # a place freed up
+        for s in idle:
+            s.close()
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_the_guard_works_on_either_uvicorn_http_protocol(http):
+    """The guard is mixed into uvicorn's httptools protocol (what the server runs) or, where httptools is missing,
+    its h11 one: on both, a shed request is answered at its first packet, a whole head split over packets and a
+    kept-alive second request reach the app, a trickled head is answered 408 at its deadline, and a connection
+    over the cap is refused 503 before anything is parsed."""
+    refusal = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+    def shed(method, path, head):
+        return refusal if (method, path) == (b"POST", b"/shed") else None
+
+    limits = HTTPLimits(limit_concurrency=4, timeout_header=0.5)
+    base = {"h11": "H11Protocol", "httptools": "HttpToolsProtocol"}[http]
+    assert base in [c.__name__ for c in guarded_protocol_class(limits, shed, http).__mro__]
+    with _plain_uvicorn(limits, shed, http) as port:
+        def connect():
+            s = socket.create_connection(("127.0.0.1", port))
+            s.settimeout(5)
+            return s
+
+        with connect() as s:
+            s.sendall(b"POST /shed HTTP/1.1\r\nHost: x\r\ncontent-length: 0\r\n\r\n")
+            assert _read_response(s) == (refusal.partition(b"\r\n\r\n")[0], b"")
+        with connect() as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHo")
+            time.sleep(0.1)
+            s.sendall(b"st: x\r\n\r\n")
+            head, body = _read_response(s)
+            assert head.startswith(b"HTTP/1.1 200") and body == b"ok"
+            s.sendall(b"GET /shed HTTP/1.1\r\nHost: x\r\n\r\n")  # kept alive; not what shed refuses
+            head, body = _read_response(s)
+            assert head.startswith(b"HTTP/1.1 200") and body == b"ok"
+        with connect() as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            t0 = time.perf_counter()
+            head, _ = _read_response(s)
+            assert head.startswith(b"HTTP/1.1 408") and time.perf_counter() - t0 >= 0.4
+        idle = [connect() for _ in range(4)]
+        time.sleep(0.2)
+        with connect() as extra:
+            head, body = _read_response(extra)
+            assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == "too_many_connections"
         for s in idle:
             s.close()
 

@@ -215,13 +215,21 @@ class _GuardedProtocol:
         logger.warning("closed a connection that sent no complete request body within %gs", self.limits.timeout_body)
 
 
-def guarded_protocol_class(limits: HTTPLimits, shed: Shed | None = None) -> type:
-    """uvicorn's HTTP/1.1 protocol (httptools where installed, else h11) with `limits` enforced and `shed`
-    consulted; one class per server, so these travel with it rather than in module state."""
-    try:
-        import httptools  # noqa: F401
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:
+def guarded_protocol_class(limits: HTTPLimits, shed: Shed | None = None, http: str = "auto") -> type:
+    """uvicorn's HTTP/1.1 protocol (`http`: "httptools", "h11", or "auto": httptools where installed, else h11)
+    with `limits` enforced and `shed` consulted; one class per server, so these travel with it rather than in
+    module state."""
+    if http not in ("auto", "httptools", "h11"):
+        raise ValueError(f"http must be 'auto', 'httptools' or 'h11', got {http!r}")
+    base = None
+    if http != "h11":
+        try:
+            import httptools  # noqa: F401
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        except ImportError:
+            if http == "httptools":
+                raise
+    if base is None:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
     return type(f"Guarded{base.__name__}", (_GuardedProtocol, base),
                 {"limits": limits, "cap": limits.connection_cap(), "shed": staticmethod(shed) if shed else None})
