@@ -23,12 +23,12 @@ class TorchAttentionBackend:
         v = v_cache[meta.block_tables].flatten(1, 2)
         ctx = k.shape[1]
         valid = torch.arange(ctx, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, ctx]
-        k = k.repeat_interleave(nh // nkv, dim=2).transpose(1, 2)  # [B, nh, ctx, d]
-        v = v.repeat_interleave(nh // nkv, dim=2).transpose(1, 2)
-        scores = torch.einsum("bhd,bhcd->bhc", q.float(), k.float()) * scale
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        # query heads as [kv head, head of its group]: each K/V head serves its group without being copied
+        qg = q.float().unflatten(1, (nkv, nh // nkv))  # [B, nkv, g, d]
+        scores = torch.einsum("bkgd,bckd->bkgc", qg, k.float()) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded rows (no keys) -> 0
-        return torch.einsum("bhc,bhcd->bhd", probs, v.float()).to(q.dtype)
+        return torch.einsum("bkgc,bckd->bkgd", probs, v.float()).flatten(1, 2).to(q.dtype)
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         nh = q.shape[1]
