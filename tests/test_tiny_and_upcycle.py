@@ -326,6 +326,28 @@ def test_demo_adapter_targets():
         adapter_target("sql", "x", True)
 
 
+def test_demo_training_loss_is_the_transformers_loss(tiny_dir):
+    """The demo trainer projects to the vocabulary only where a token is scored; its loss is the one a
+    transformers causal LM computes for the same labels (padding, prompt positions and batch rows mixed)."""
+    from moeserve.lora.demo import answer_loss
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_dir("mixtral"), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0  # a padded row
+    labels = ids.clone()
+    labels[:, :5] = -100  # its prompt
+    labels[0, 9:] = -100
+    labels[2, 7] = -100  # a hole inside an answer
+    embeds = model.model.embed_tokens(ids)
+    want = model(inputs_embeds=embeds, attention_mask=mask, labels=labels, use_cache=False).loss
+    got = answer_loss(model, embeds, mask, labels)
+    assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
+    got.backward()  # and it trains what the full loss trains
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
 def _upper_fraction(text: str) -> float:
     letters = [c for c in text if c.isalpha()]
     return sum(c.isupper() for c in letters) / max(1, len(letters))

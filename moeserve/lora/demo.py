@@ -239,7 +239,7 @@ def _train_adapter(model, tokenizer, examples, out: Path, epochs: int, train_lay
         for epoch in range(epochs):
             for i in torch.randperm(len(batches), generator=order).tolist():
                 _, mask, labels = batches[i]
-                loss = pm(inputs_embeds=cached[i], attention_mask=mask, labels=labels, use_cache=False).loss
+                loss = answer_loss(model, cached[i], mask, labels)
                 loss.backward()
                 opt.step()
                 sched.step()
@@ -253,6 +253,20 @@ def _train_adapter(model, tokenizer, examples, out: Path, epochs: int, train_lay
     pm.save_pretrained(out, save_embedding_layers=False)  # LoRA only; skips a look-up of the base by name
     (out / "README.md").unlink(missing_ok=True)  # PEFT's model-card template says nothing about this adapter
     return pm.unload()
+
+
+def answer_loss(model, inputs_embeds, attention_mask, labels):
+    """What a transformers causal LM's forward returns as `.loss` for `labels` (mean cross entropy over the
+    positions whose next token is scored; no router loss), with the vocabulary projection computed only at
+    those positions: the prompt's half of every example skips it. `model`: the causal LM (LoRA layers
+    injected in place by PEFT)."""
+    import torch.nn.functional as F
+
+    hidden = model.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    targets = labels[:, 1:]
+    scored = targets != -100
+    logits = model.lm_head(hidden[:, :-1][scored]).float()
+    return F.cross_entropy(logits, targets[scored])
 
 
 def _batches(tokenizer, examples):
