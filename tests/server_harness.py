@@ -1,6 +1,7 @@
 """A real `moeserve serve` stack for tests: the engine core in its own process, uvicorn + the
 frontend on a random loopback port in a thread of this process (so tests can reach the frontend's
-EngineClient), on the event loop `moeserve serve` runs, and helpers that use the core's test hooks (MOESERVE_TEST_HOOKS=1)."""
+EngineClient), on the event loop `moeserve serve` runs, and helpers that use the core's test hooks
+(MOESERVE_TEST_HOOKS=1)."""
 from __future__ import annotations
 
 import asyncio
