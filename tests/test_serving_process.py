@@ -61,7 +61,7 @@ def test_128_streaming_clients_some_leaving_lose_nothing_and_free_every_block(mo
             conn = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
                 return await asyncio.gather(*(
-                    _stream(session, s.url, p, leaver_tokens, 2) if i in leaving else _stream(session, s.url, p, 12, None)
+                    _stream(session, s.url, p, *((leaver_tokens, 2) if i in leaving else (12, None)))
                     for i, p in enumerate(prompts)),
                     return_exceptions=True)
 
