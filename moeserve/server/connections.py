@@ -166,8 +166,8 @@ class _GuardedProtocol:
             transport.close()
 
     def on_response_complete(self) -> None:
-        cycle = self.cycle
-        if cycle is not None and cycle.more_body and not self.transport.is_closing():
+        cycle = self.cycle  # on httptools, a pipelined request after the one just answered: not complete
+        if cycle is not None and cycle.response_complete and cycle.more_body and not self.transport.is_closing():
             # answered before its body was read in full (413, an early refusal): read no more of it, and close once
             # the client has the answer
             self._shed_done = True
@@ -180,10 +180,15 @@ class _GuardedProtocol:
         self._seen_cycle = self.cycle
         self._header_timer = self.loop.call_later(self.limits.timeout_header, self._header_timeout)
 
+    def _queued(self, cycle) -> bool:
+        """httptools parses a pipelined request while the one before it is answered and queues it (reading
+        paused); h11 parses it only once that answer is done, so never queues."""
+        return any(c is cycle for c, _ in getattr(self, "pipeline", ()))
+
     def _check_new_request(self) -> None:
         cycle = self.cycle
-        if cycle is None or cycle is self._seen_cycle:
-            return
+        if cycle is None or cycle is self._seen_cycle or self._queued(cycle):
+            return  # a queued request's deadlines start when it runs: its body is not read before
         self._seen_cycle = cycle
         self._partial = False
         if self._header_timer is not None:
