@@ -310,7 +310,7 @@ def run_on_server_loop(coro):
         import uvloop
     except ImportError:
         return asyncio.run(coro)
-    return asyncio.Runner(loop_factory=uvloop.new_event_loop).run(coro)
+    return uvloop.run(coro)  # not asyncio.Runner: Python 3.10 has none
 
 
 async def run_server(config, host: str, port: int, served_model_name: str | None = None, api_key: str | None = None,
