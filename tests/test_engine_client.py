@@ -112,6 +112,10 @@ def test_refusals_are_raised_before_any_output(client):
             await client.submit([10**6], SamplingParams(max_tokens=4))
         with pytest.raises(UnknownAdapterError, match="nope"):
             await client.submit("hi", SamplingParams(max_tokens=4), lora="nope")
+        vocab = client.info["vocab_size"]
+        for stop_id in (vocab, 2**64):  # never generated; 2^64 would not even cross the boundary
+            with pytest.raises(RequestError, match=rf"^stop_token_ids {stop_id} is outside the vocabulary"):
+                await client.submit("hi", SamplingParams(max_tokens=4, stop_token_ids=[stop_id]))
         bad = SamplingParams(max_tokens=4)
         bad.temperature = -1.0
         with pytest.raises(ValueError, match="temperature"):
@@ -182,6 +186,29 @@ def test_a_failed_step_fails_running_requests_and_the_core_keeps_serving(client,
     assert outs[-1].token_ids == ref.generate("hello world", SamplingParams(max_tokens=8, temperature=0))[0].token_ids
     s = _idle_stats(client)
     assert s["kv_blocks_free"] == s["kv_blocks_total"] and client.is_running
+
+
+def test_a_request_that_cannot_be_sent_leaves_nothing_behind(client, monkeypatch):
+    """A failed send (whatever the reason) raises to the caller and leaves no stream holding a queue place."""
+    real_send = client._send
+
+    def send(msg):
+        if msg[0] == "add":
+            raise OverflowError("Integer value out of range")
+        return real_send(msg)
+
+    async def main():
+        room = client.queue_room()
+        monkeypatch.setattr(client, "_send", send)
+        for _ in range(3):
+            with pytest.raises(OverflowError):
+                await client.submit("hi", SamplingParams(max_tokens=2), request_id="unsent")
+        monkeypatch.setattr(client, "_send", real_send)
+        assert "unsent" not in client.streams and "unsent" not in client.pending_adds
+        assert "unsent" not in client.output and client.queue_room() == room
+        return [o async for o in await client.submit("hi", SamplingParams(max_tokens=2), request_id="unsent")]
+
+    assert client.lt.run(main())[-1].finished
 
 
 def test_queue_full_is_refused_by_the_frontend_at_once(client):

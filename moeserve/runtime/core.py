@@ -54,6 +54,9 @@ class RequestLimits:
         bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"stop_token_ids {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                                "(the prompt plus at least one generated token must fit)")

@@ -436,7 +436,13 @@ class EngineClient:
         self.streams[request_id] = stream
         self.pending_adds[request_id] = accepted
         self.output.add(RequestState(request_id, prompt_text, ids, params, lora))
-        self._send(["add", request_id, ids, dataclasses.asdict(params), lora])
+        try:
+            self._send(["add", request_id, ids, dataclasses.asdict(params), lora])
+        except BaseException:  # e.g. a value msgpack cannot carry: a stream left behind would hold its place forever
+            self.streams.pop(request_id, None)
+            self.pending_adds.pop(request_id, None)
+            self.output.abort(request_id)
+            raise
         try:
             await accepted
         except asyncio.CancelledError:
