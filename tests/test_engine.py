@@ -171,7 +171,7 @@ def test_incremental_detokenizer_never_splits_multibyte_characters(tiny_models):
     state = RequestState("d", None, [1], SamplingParams(max_tokens=100), None)
     pieces = []
     for t in ids:
-        state.output_token_ids.append(t)
+        state.append_token(t)
         pieces.append(detokenize_step(tok, state, skip_special_tokens=True))
     assert "".join(pieces) == text == state.text
     assert not any("\ufffd" in p for p in pieces)

@@ -54,10 +54,11 @@ def eos_token_ids(model_dir: str | Path, config_eos: tuple[int, ...], tokenizer)
 
 
 def detokenize_step(tokenizer, state, skip_special_tokens: bool, final: bool = False) -> str:
-    """Append the newly decodable text of state's output tokens to state.text; return the new text.
-    `state` has output_token_ids, text, prefix_offset, read_offset.
+    """Append the newly decodable text of state's tokens to state.text; return the new text.
+    `state` has decode_ids (the prompt's last tokens, then the output tokens), text, prefix_offset and
+    read_offset (read_offset starts after the prompt's tokens: their text is the prompt's, not ours).
     `final`: the request ended, so an incomplete character is emitted (as U+FFFD) instead of held."""
-    ids = state.output_token_ids
+    ids = state.decode_ids
     if skip_special_tokens and not final:
         special = tokenizer.all_special_ids_set
         if ids and ids[-1] in special:
@@ -80,12 +81,26 @@ class TokenizerWrapper:
         self.tok = hf_tokenizer
         self.all_special_ids_set = set(hf_tokenizer.all_special_ids)
         self.eos_token_id = hf_tokenizer.eos_token_id
+        self._anchor: int | None = None  # token_text's anchor, chosen on first use
+        self._anchor_text = ""
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token adds after other text (logprobs' token strings). Decoded alone, a token loses
+        the leading space a SentencePiece decoder strips from the start of a text; so it is decoded after a
+        fixed anchor token, whose own text is then cut off."""
+        if self._anchor is None:
+            self._anchor = (self.encode("a") or [0])[-1]
+            self._anchor_text = self.decode([self._anchor], skip_special_tokens=False)
+        both = self.decode([self._anchor, token_id], skip_special_tokens=False)
+        if both.startswith(self._anchor_text):
+            return both[len(self._anchor_text):]
+        return self.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not getattr(self.tok, "chat_template", None):

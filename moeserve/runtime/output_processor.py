@@ -11,6 +11,10 @@ from moeserve.runtime.detokenizer import detokenize_step
 from moeserve.runtime.outputs import CoreOutput, RequestOutput, TokenLogprobs
 from moeserve.sampling_params import SamplingParams
 
+# prompt tokens the detokenizer decodes before the first output token (as vLLM does): a SentencePiece decoder
+# strips the leading space of a decode's first token, which would glue the first output word to the prompt
+PROMPT_DECODE_CONTEXT = 5
+
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -25,13 +29,18 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.text = ""
+        self.decode_ids = list(prompt_token_ids[-PROMPT_DECODE_CONTEXT:])  # then every output token
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.decode_ids)
         self.stream_offset = 0  # chars of text already handed out (held back near stop strings)
         self.hold = max((len(s) - 1 for s in params.stop), default=0)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.num_cached_tokens: int | None = None
+
+    def append_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.decode_ids.append(token)
 
     def output(self, delta_text: str, delta_ids: list[int]) -> RequestOutput:
         return RequestOutput(
@@ -75,7 +84,7 @@ class OutputProcessor:
                 st.prompt_logprobs.extend(o.new_prompt_logprobs)
             delta_ids = []
             for i, token in enumerate(o.new_token_ids):
-                st.output_token_ids.append(token)
+                st.append_token(token)
                 delta_ids.append(token)
                 if st.logprobs is not None and o.new_logprobs is not None:
                     st.logprobs.append(o.new_logprobs[i])
@@ -83,16 +92,17 @@ class OutputProcessor:
                     continue
                 text_before = len(st.text)
                 detokenize_step(self.tokenizer, st, st.params.skip_special_tokens)
-                if st.params.stop and (cut := find_stop(st.text, st.params.stop, text_before)) >= 0:
-                    st.text = st.text[:cut]
-                    st.finish_reason = "stop"
+                if self._stop_string(st, text_before):
                     if o.finish_reason is None:
                         stopped.append(st.request_id)
                     break
             if st.finish_reason is None and o.finish_reason is not None:
                 st.finish_reason, st.error = o.finish_reason, o.error
                 if self.tokenizer is not None:  # a trailing partial character is shown, not dropped
+                    text_before = len(st.text)
                     detokenize_step(self.tokenizer, st, st.params.skip_special_tokens, final=True)
+                    if o.finish_reason in ("stop", "length"):  # that text may hold a stop string too
+                        self._stop_string(st, text_before)
             if st.finish_reason is not None:
                 del self.requests[st.request_id]
                 delta = self._flush(st)
@@ -108,6 +118,15 @@ class OutputProcessor:
             return None
         st.finish_reason = "abort"
         return st.output("", [])
+
+    @staticmethod
+    def _stop_string(st: RequestState, text_before: int) -> bool:
+        """End `st` at a stop string that ends in its text after `text_before`, cutting the text there."""
+        if not st.params.stop or (cut := find_stop(st.text, st.params.stop, text_before)) < 0:
+            return False
+        st.text = st.text[:cut]
+        st.finish_reason = "stop"
+        return True
 
     @staticmethod
     def _stream(st: RequestState) -> str:

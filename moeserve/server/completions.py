@@ -48,11 +48,14 @@ class ServerState:
             return adapter
         raise OpenAIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
-    def token_str(self, token_id: int) -> str:
+    def token_str(self, token_id: int, starts_text: bool = False) -> str:
+        """A token's text after other text; `starts_text`: as the first token of a text (a SentencePiece
+        decoder drops its leading space there)."""
+        if starts_text and self.tokenizer is not None:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
         s = self._token_strs.get(token_id)
         if s is None:
-            s = (self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None
-                 else f"token_id:{token_id}")
+            s = self.tokenizer.token_text(token_id) if self.tokenizer is not None else f"token_id:{token_id}"
             self._token_strs[token_id] = s
         return s
 
@@ -133,11 +136,13 @@ def _completion_prompts(prompt) -> list:
     return prompts
 
 
-def _completion_logprobs(state: ServerState, token_ids: list[int], lps: list, offset: int) -> tuple[dict, int]:
-    """OpenAI legacy logprobs for `token_ids` (entries of lps may be None: the first prompt token)."""
+def _completion_logprobs(state: ServerState, token_ids: list[int], lps: list, offset: int,
+                         starts_text: bool = False) -> tuple[dict, int]:
+    """OpenAI legacy logprobs for `token_ids` (entries of lps may be None: the first prompt token);
+    `starts_text`: the first of them begins the text (an echoed prompt)."""
     res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for tid, lp in zip(token_ids, lps):
-        s = state.token_str(tid)
+    for k, (tid, lp) in enumerate(zip(token_ids, lps)):
+        s = state.token_str(tid, starts_text and k == 0)
         res["tokens"].append(s)
         res["text_offset"].append(offset)
         offset += len(s)
@@ -155,7 +160,7 @@ def _completion_logprobs(state: ServerState, token_ids: list[int], lps: list, of
 def _echo_logprobs(state: ServerState, out: RequestOutput, offset: int) -> tuple[dict, int]:
     lps = list(out.prompt_logprobs or [])
     lps += [None] * (len(out.prompt_token_ids) - len(lps))
-    return _completion_logprobs(state, out.prompt_token_ids, lps, offset)
+    return _completion_logprobs(state, out.prompt_token_ids, lps, offset, starts_text=True)
 
 
 def _merge_logprobs(a: dict | None, b: dict) -> dict:
@@ -214,7 +219,8 @@ async def _completion_chunks(state: ServerState, body: CompletionRequest, merged
         if first[i] is None and out.delta_token_ids:
             first[i] = now
         text, logprobs = out.delta_text, None
-        if not started[i]:
+        if not started[i] and (out.delta_token_ids or out.finished):
+            # not before: a prompt prefilled in chunks has outputs with part of its logprobs and no token yet
             started[i] = True
             prompt_tokens[i] = len(out.prompt_token_ids)
             if body.echo:
