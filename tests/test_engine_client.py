@@ -188,6 +188,32 @@ def test_a_failed_step_fails_running_requests_and_the_core_keeps_serving(client,
     assert s["kv_blocks_free"] == s["kv_blocks_total"] and client.is_running
 
 
+def test_outputs_a_reader_has_not_read_are_folded_into_one(client, ref):
+    """A reader that falls behind (a client that stops reading its stream) holds one output per stream, the
+    latest with the deltas of all it missed, not one per token each with a copy of the whole text; read
+    late, one stream or several merged, the deltas still add up to the in-process engine's output."""
+    from moeserve.server.streaming import MergedStreams
+
+    prompts = ["hello world", "the quick brown fox", "a b c"]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
+    want = ref.generate(prompts, params)
+
+    async def main():
+        streams = [await client.submit(p, params) for p in prompts]
+        while (s := await client.stats())["num_running"] or s["num_waiting"]:
+            await asyncio.sleep(0.01)  # nobody reads while the engine generates every token
+        alone = [o async for o in streams[0]]
+        merged = [io async for io in MergedStreams(streams[1:])]
+        return alone, merged
+
+    alone, merged = client.lt.run(main())
+    outs = [alone] + [[o for i, o in merged if i == k] for k in (0, 1)]
+    for got, w in zip(outs, want):
+        assert len(got) == 1 and got[0].finished
+        assert got[0].delta_token_ids == got[0].token_ids == w.token_ids and got[0].delta_text == got[0].text == w.text
+        assert [x.token_id for x in got[0].logprobs] == w.token_ids
+
+
 def test_a_request_that_cannot_be_sent_leaves_nothing_behind(client, monkeypatch):
     """A failed send (whatever the reason) raises to the caller and leaves no stream holding a queue place."""
     real_send = client._send

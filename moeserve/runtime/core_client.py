@@ -8,6 +8,7 @@ EngineDeadError and is logged once; nothing waits forever on a dead core.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -120,34 +121,82 @@ def max_token_bytes(tokenizer) -> int:
         return 256
 
 
+class _Unread:
+    """Outputs of one request that arrived while its reader was busy, folded into one: the latest output with
+    the deltas of all of them (so a client that stops reading holds one output, not one per token, each with
+    a copy of everything generated so far)."""
+    __slots__ = ("last", "ids", "texts")
+
+    def __init__(self, out: RequestOutput):
+        self.last, self.ids, self.texts = out, list(out.delta_token_ids), [out.delta_text]
+
+    def add(self, out: RequestOutput) -> None:
+        self.last = out
+        self.ids.extend(out.delta_token_ids)
+        self.texts.append(out.delta_text)
+
+    def output(self) -> RequestOutput:
+        if len(self.texts) == 1:
+            return self.last
+        return dataclasses.replace(self.last, delta_token_ids=self.ids, delta_text="".join(self.texts))
+
+
 class RequestStream:
     """Outputs of one request, in order; the last one has finish_reason set. Iterating raises the error
-    the engine reported for it. abort() stops the request unless it already finished; it never blocks."""
+    the engine reported for it. Outputs not yet read are folded into one (their deltas joined). abort()
+    stops the request unless it already finished; it never blocks. `notify`, when set, is called on each
+    arrival (MergedStreams waits on several streams with it)."""
 
     def __init__(self, client: "EngineClient", request_id: str):
         self.request_id = request_id
         self.finished = False
+        self.notify = None
         self._client = client
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
 
     def put(self, item) -> None:
-        self._queue.put_nowait(item)
+        tail = self._items[-1] if self._items else None
+        if isinstance(item, RequestOutput):
+            if isinstance(tail, _Unread) and not tail.last.finished:
+                tail.add(item)
+            else:
+                self._items.append(_Unread(item))
+        else:
+            self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        if self.notify is not None:
+            self.notify()
 
-    def __aiter__(self) -> "RequestStream":
-        return self
+    def ready(self) -> bool:
+        """An output (or the error) can be taken without waiting."""
+        return bool(self._items) and not self.finished
 
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, RequestOutput) and item.finish_reason == "error":
-            item = EngineStepError(f"request failed: {item.error}")
+    def take(self) -> RequestOutput:
+        """The next output; only when ready()."""
+        item = self._items.popleft()
+        if isinstance(item, _Unread):
+            item = item.output()
+            if item.finish_reason == "error":
+                item = EngineStepError(f"request failed: {item.error}")
         if isinstance(item, BaseException):
             self.finished = True
             raise item
         if item.finished:
             self.finished = True
         return item
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while not self.ready():
+            if self.finished:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.take()
 
     def abort(self) -> None:
         if not self.finished:

@@ -17,45 +17,37 @@ from moeserve.server.protocol import OpenAIError
 
 
 class MergedStreams:
-    """(choice index, output) from several request streams, in arrival order."""
+    """(choice index, output) from several request streams, taking from them in turn."""
 
     def __init__(self, streams: list[RequestStream]):
         self.streams = streams
-        self._queue: asyncio.Queue | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._remaining = len(streams)
+        self._arrived: asyncio.Event | None = None
+        self._next = 0  # where the next look starts, so one busy stream cannot starve the others
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
-        if len(self.streams) == 1:  # the common case needs no pump tasks
+        if len(self.streams) == 1:  # the common case needs no event
             return 0, await self.streams[0].__anext__()
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self.streams)]
-        while self._remaining:
-            i, item = await self._queue.get()
-            if item is None:
-                self._remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                return i, item
-        raise StopAsyncIteration
-
-    async def _pump(self, i: int, stream: RequestStream) -> None:
-        try:
-            async for out in stream:
-                self._queue.put_nowait((i, out))
-        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
-            self._queue.put_nowait((i, e))
-        self._queue.put_nowait((i, None))
+        if self._arrived is None:
+            self._arrived = asyncio.Event()
+            for s in self.streams:
+                s.notify = self._arrived.set
+        n = len(self.streams)
+        while True:
+            self._arrived.clear()
+            for k in range(n):
+                i = (self._next + k) % n
+                if self.streams[i].ready():
+                    self._next = i + 1
+                    return i, self.streams[i].take()
+            if all(s.finished for s in self.streams):
+                raise StopAsyncIteration
+            await self._arrived.wait()
 
     def close(self) -> None:
         """Stop everything still running (no-op for finished streams)."""
-        for t in self._tasks:
-            t.cancel()
         for s in self.streams:
             s.abort()
 
