@@ -1,11 +1,12 @@
 """Edge cases found in review: each used to hang, crash a batch, or lose text."""
+import random
 import shutil
 
 import pytest
 import torch
 
 from moeserve import Engine, EngineConfig, RequestError, SamplingParams
-from moeserve.layers.sampler import _filter_top_k_top_p
+from moeserve.layers.sampler import _filter_top_k_top_p, row_key
 from moeserve.lora.adapter import LoRAAdapterError
 from moeserve.runtime.output_processor import find_stop
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
@@ -117,3 +118,26 @@ def test_generate_is_all_or_nothing_and_auto_ids_avoid_caller_ids(tiny_models):
     auto = engine.add_request([4, 5, 6], SamplingParams(max_tokens=2))
     assert auto != "req-0"
     assert set(run_all(engine)) == {"req-0", auto}
+
+
+def test_distinct_seeds_draw_distinct_noise():
+    """Row keys of distinct seeds differ beyond chance: no family of seeds shares its keys (the halves of a
+    seed are mixed in turn; hashed apart and XORed, seeds (hi, lo) and (lo - c, hi + c) shared every key, and
+    2^32 seeds had keys of the position alone)."""
+    c, m = 0x9E3779B9, 2**32
+
+    def seed(hi, lo):
+        return (hi % m) << 32 | (lo % m)
+
+    swapped = [(seed(hi, lo), seed(lo - c, hi + c)) for hi, lo in ((0, 42), (5, 7), (123456, 0))]
+    cancelled = [(seed(hi, hi + c), seed(hi + 1, hi + 1 + c)) for hi in (0, 1, 99999)]
+    structured = swapped + cancelled + [(1, 1 << 32), (2**64 - 1, 2**63 - 1)]
+    for a, b in structured:
+        assert [row_key(a, p) for p in range(64)] != [row_key(b, p) for p in range(64)], (a, b)
+        assert sum(row_key(a, p) == row_key(b, p) for p in range(64)) <= 1, (a, b)
+    rng = random.Random(0)
+    seeds = [rng.getrandbits(64) for _ in range(5000)] + list(range(5000)) + [i << 32 for i in range(1, 5000)]
+    for position in (0, 1, 777):
+        keys = {row_key(s, position) for s in seeds}
+        assert len(seeds) - len(keys) <= 2  # 15k keys of 32 bits: ~0.03 collisions expected by chance
+    assert row_key(-1, 3) == row_key(2**64 - 1, 3)  # int64 and uint64 spellings of one seed

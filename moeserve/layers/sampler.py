@@ -39,7 +39,11 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 def row_key(seed: int, position: int) -> int:
     """Key of the draw for output token `position` of a request seeded with `seed` (any int64/uint64)."""
     s = seed & 0xFFFFFFFFFFFFFFFF
-    return hash32(hash32(s & _M32) ^ hash32((s >> 32) + 0x9E3779B9) ^ hash32(position + 0x632BE5AB))
+    # the seed's halves are mixed one after the other, not hashed apart and XORed: XOR is symmetric, so
+    # seeds (hi, lo) and (lo - c, hi + c) shared every key, and the 2^32 seeds with lo = hi + c had keys of
+    # the position alone
+    request = hash32(hash32(s & _M32) ^ (s >> 32))
+    return hash32(request ^ hash32(position + 0x632BE5AB))
 
 
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
