@@ -100,7 +100,10 @@ def test_real_run(server, tmp_path, capsys):
     assert (m["completed"], m["failed"], m["num_prompts"], m["max_concurrency"]) == (12, 0, 12, 4), m["errors"]
     assert (m["total_input_tokens"], m["total_output_tokens"], m["model"]) == (96, 48, "tiny")
     assert m["endpoint"] == "/v1/completions" and m["request_rate"] == "inf" and m["errors"] == []
-    assert m["output_lens"] == [4] * 12 and all(len(itl) == 3 for itl in m["itls"])
+    # one gap per chunk after the first; a chunk holds several tokens where the frontend folded outputs its
+    # reader had not read yet (a busy 2-core machine), so up to 3 gaps for 4 tokens
+    assert m["output_lens"] == [4] * 12 and all(len(itl) <= 3 for itl in m["itls"])
+    assert all(x >= 0 for itl in m["itls"] for x in itl) and len(m["ttfts"]) == 12
     for name in ("ttft", "tpot", "itl", "e2el"):
         assert 0 < m[f"p50_{name}_ms"] <= m[f"p90_{name}_ms"] <= m[f"p99_{name}_ms"], name
     assert m["mean_ttft_ms"] <= m["mean_e2el_ms"]
