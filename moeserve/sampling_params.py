@@ -19,6 +19,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; N >= 0 = chosen token's logprob plus top-N
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep a matched stop string, and a stop token's text (vLLM's flag)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -57,3 +58,6 @@ class SamplingParams:
             bad(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -150,3 +150,76 @@ def tiny_tokenizer(tmp_path_factory):
 
     d = make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny_tok"))
     return load_tokenizer(d, json.loads((d / "config.json").read_text())["vocab_size"])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny_stops"))
+
+
+def _first_unique_word(hf, tokens: list[int]) -> int:
+    """Index of an output token (past the first) with text of its own that does not occur earlier in the output."""
+    return next(k for k in range(1, len(tokens)) if tokens[k] not in tokens[:k]
+                and hf.decode(tokens[k:k + 1]).strip() and tokens[k] not in hf.all_special_ids)
+
+
+def test_a_stop_token_ids_text_is_left_out_unless_include_stop_str_in_output(tiny_model):
+    """As vLLM: the token that stops a request (EOS, a stop_token_ids entry) is in token_ids but its text is
+    not in the output; include_stop_str_in_output keeps it, and keeps a matched stop string."""
+    hf = AutoTokenizer.from_pretrained(str(tiny_model))
+    engine = Engine(EngineConfig(model=str(tiny_model), **ENGINE_KW))
+    prompt = "the quick brown fox"
+    prompt_ids = hf.encode(prompt, add_special_tokens=False)
+    greedy = dict(max_tokens=16, temperature=0, ignore_eos=True)
+    free = engine.generate([prompt], SamplingParams(**greedy))[0]
+    k = _first_unique_word(hf, free.token_ids)
+
+    def text_of(ids):  # the reference: HF's decode of prompt + output, less the prompt's text
+        return hf.decode(prompt_ids + ids, skip_special_tokens=True)[len(hf.decode(prompt_ids)):]
+
+    for include in (False, True):
+        rid = engine.add_request(prompt, SamplingParams(stop_token_ids=[free.token_ids[k]],
+                                                        include_stop_str_in_output=include, **greedy))
+        pieces, out = [], None
+        while engine.has_unfinished():
+            for o in engine.step():
+                pieces.append(o.delta_text)
+                out = o
+        assert out.request_id == rid and out.finish_reason == "stop"
+        assert out.token_ids == free.token_ids[:k + 1]
+        assert out.text == text_of(free.token_ids[:k + 1 if include else k]) == "".join(pieces)
+
+    stop = free.text[3:6]
+    cut = free.text.find(stop)
+    for include, want in ((False, free.text[:cut]), (True, free.text[:cut + len(stop)])):
+        rid = engine.add_request(prompt, SamplingParams(stop=[stop], include_stop_str_in_output=include, **greedy))
+        pieces, out = [], None
+        while engine.has_unfinished():
+            for o in engine.step():
+                pieces.append(o.delta_text)
+                out = o
+        assert (out.finish_reason, out.text, "".join(pieces)) == ("stop", want, want)
+
+
+def test_the_server_takes_include_stop_str_in_output(tiny_model):
+    s = RunningServer(EngineConfig(model=str(tiny_model), **ENGINE_KW), MODEL)
+    try:
+        completion = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0,
+                      "ignore_eos": True}
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}
+
+        def text(path, body):
+            c = s.http.post(path, json=body).json()["choices"][0]
+            return c["finish_reason"], c["text"] if "text" in c else c["message"]["content"]
+
+        for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+            _, free = text(path, body)
+            stop = free[3:6]
+            cut = free.find(stop)
+            for include, want in ((False, free[:cut]), (True, free[:cut + len(stop)])):
+                assert text(path, {**body, "stop": [stop], "include_stop_str_in_output": include}) == ("stop", want)
+        r = s.http.post("/v1/completions", json={**completion, "include_stop_str_in_output": "yes"})
+        assert r.status_code == 400 and "include_stop_str_in_output" in r.json()["error"]["param"]
+    finally:
+        s.close()

@@ -33,7 +33,9 @@ class RequestState:
         self.prefix_offset = 0
         self.read_offset = len(self.decode_ids)
         self.stream_offset = 0  # chars of text already handed out (held back near stop strings)
-        self.hold = max((len(s) - 1 for s in params.stop), default=0)
+        # held back while streaming: the start of what may become a stop string (none when the stop string is
+        # kept: text before its end is output either way)
+        self.hold = 0 if params.include_stop_str_in_output else max((len(s) - 1 for s in params.stop), default=0)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.num_cached_tokens: int | None = None
@@ -83,11 +85,15 @@ class OutputProcessor:
             if o.new_prompt_logprobs:
                 st.prompt_logprobs.extend(o.new_prompt_logprobs)
             delta_ids = []
+            last = len(o.new_token_ids) - 1
             for i, token in enumerate(o.new_token_ids):
-                st.append_token(token)
                 delta_ids.append(token)
                 if st.logprobs is not None and o.new_logprobs is not None:
                     st.logprobs.append(o.new_logprobs[i])
+                if i == last and o.finish_reason == "stop" and not st.params.include_stop_str_in_output:
+                    st.output_token_ids.append(token)  # EOS or a stop token id: counted, its text not shown
+                    continue
+                st.append_token(token)
                 if self.tokenizer is None:
                     continue
                 text_before = len(st.text)
@@ -124,6 +130,8 @@ class OutputProcessor:
         """End `st` at a stop string that ends in its text after `text_before`, cutting the text there."""
         if not st.params.stop or (cut := find_stop(st.text, st.params.stop, text_before)) < 0:
             return False
+        if st.params.include_stop_str_in_output:
+            cut += len(next(s for s in st.params.stop if st.text.startswith(s, cut)))
         st.text = st.text[:cut]
         st.finish_reason = "stop"
         return True

@@ -97,7 +97,7 @@ def _sampling_params(body, i: int, max_tokens: int, logprobs: int | None, prompt
             top_k=-1 if body.top_k is None else body.top_k,
             seed=_seed(body.seed, i), stop=body.stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=body.skip_special_tokens)
+            skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as e:
         raise engine_error(e, "prompt") from e
 

@@ -56,6 +56,7 @@ class _GenerationRequest(_Request):
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # extension
     ignore_eos: bool = False  # extension
     skip_special_tokens: bool = True  # extension
+    include_stop_str_in_output: bool = False  # extension (vLLM)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # accepted for compatibility; only their neutral values are supported (checked in unsupported())
