@@ -14,7 +14,8 @@ from moeserve import Engine, EngineConfig, RequestError, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
 from moeserve.models.tiny import make_tiny
 from moeserve.runtime.core_client import (EngineClient, EngineDeadError, EngineStepError, QueueFullError,
-                                          UnknownAdapterError)
+                                          RequestStream, UnknownAdapterError)
+from moeserve.runtime.outputs import RequestOutput
 
 os.environ["MOESERVE_TEST_HOOKS"] = "1"  # the core's fault hook, inherited by the processes started here
 ENGINE_KW = dict(max_model_len=128, num_kv_blocks=128, max_num_seqs=16, enable_lora=True, max_loras=2,
@@ -212,6 +213,26 @@ def test_outputs_a_reader_has_not_read_are_folded_into_one(client, ref):
         assert len(got) == 1 and got[0].finished
         assert got[0].delta_token_ids == got[0].token_ids == w.token_ids and got[0].delta_text == got[0].text == w.text
         assert [x.token_id for x in got[0].logprobs] == w.token_ids
+
+
+def test_an_error_after_unread_outputs_comes_after_their_tokens():
+    """Folding stops at an error: a reader behind the engine gets the tokens generated before the failure, then
+    the error."""
+    def out(ids, delta, finish=None, error=None):
+        return RequestOutput("r", None, [1], ids, "", "", delta, None, None, finish, error=error)
+
+    stream = RequestStream(None, "r")
+    for o in (out([5], [5]), out([5, 6], [6]), out([5, 6], [], "error", "boom")):
+        stream.put(o)
+
+    async def main():
+        got = []
+        with pytest.raises(EngineStepError, match="boom"):
+            async for o in stream:
+                got.append(o)
+        return got
+
+    assert [t for o in asyncio.run(main()) for t in o.delta_token_ids] == [5, 6]
 
 
 def test_a_request_that_cannot_be_sent_leaves_nothing_behind(client, monkeypatch):

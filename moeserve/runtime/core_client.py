@@ -158,7 +158,8 @@ class RequestStream:
     def put(self, item) -> None:
         tail = self._items[-1] if self._items else None
         if isinstance(item, RequestOutput):
-            if isinstance(tail, _Unread) and not tail.last.finished:
+            # an error output is not folded: it becomes the error the reader raises, after the tokens before it
+            if isinstance(tail, _Unread) and not tail.last.finished and item.finish_reason != "error":
                 tail.add(item)
             else:
                 self._items.append(_Unread(item))
