@@ -27,8 +27,8 @@ def _sentencepiece_tokenizer(out, vocab_size: int) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for word in ("▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris"):
-        vocab[word] = len(vocab)
+    for word in ("▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", "<0xE4>", "<0xB8>", "<0xAD>"):
+        vocab[word] = len(vocab)  # the three bytes of 中, as byte-fallback pieces
     while len(vocab) < vocab_size:
         vocab[f"▁w{len(vocab)}"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -101,6 +101,26 @@ def test_the_server_keeps_the_space_in_text_echo_and_logprob_tokens(sp_model):
         assert "".join(deltas) == c["text"] and deltas[0].startswith(" ")
     finally:
         s.close()
+
+
+def test_a_prompt_ending_inside_a_character_loses_no_output_text(sp_model):
+    """A prompt of token ids may end with the first bytes of a character; the first output token completing it
+    must not make the detokenizer drop text that follows (the window starts after the prompt's last complete
+    character: the completing byte shows as U+FFFD, as it did before the window took prompt tokens)."""
+    from moeserve.runtime.detokenizer import load_tokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(sp_model))
+    tok = load_tokenizer(sp_model, json.loads((sp_model / "config.json").read_text())["vocab_size"])
+    b1, b2, b3 = hf.convert_tokens_to_ids(["<0xE4>", "<0xB8>", "<0xAD>"])
+    assert hf.decode([b1, b2, b3]) == "中"
+    words = hf.convert_tokens_to_ids(["▁w20", "▁w21"])
+    proc = OutputProcessor(tok)
+    proc.add(RequestState("r", None, hf.encode("The capital", add_special_tokens=False) + [b1, b2],
+                          SamplingParams(max_tokens=3), None))
+    outs = [proc.process([CoreOutput("r", [t], finish_reason="length" if t == words[-1] else None)])[0][0]
+            for t in [b3, *words]]
+    assert outs[-1].text.endswith(" " + hf.decode(words)) and outs[-1].text in ("\ufffd w20 w21", " w20 w21")
+    assert "".join(o.delta_text for o in outs) == outs[-1].text
 
 
 def test_a_stop_string_in_the_partial_character_a_request_ends_on_still_stops_it(tiny_tokenizer):

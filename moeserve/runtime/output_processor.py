@@ -67,6 +67,14 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
 
     def add(self, state: RequestState) -> None:
+        if self.tokenizer is not None:
+            # a prompt (of token ids) may end inside a character: its text ends in U+FFFD per byte, which the
+            # first output token can complete into one character, leaving the window's text shorter than the
+            # prompt's part of it. The window starts after the prompt's last complete character instead.
+            context = state.decode_ids
+            while context and self.tokenizer.decode(context, state.params.skip_special_tokens).endswith("\ufffd"):
+                context.pop()
+            state.read_offset = len(context)
         self.requests[state.request_id] = state
 
     def __contains__(self, request_id: str) -> bool:
