@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeserve import Engine, EngineConfig, RequestError, SamplingParams
-from moeserve.layers.sampler import _filter_top_k_top_p, row_key
+from moeserve.layers.sampler import _filter_top_k_top_p, request_key, row_key
 from moeserve.lora.adapter import LoRAAdapterError
 from moeserve.runtime.output_processor import find_stop
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
@@ -133,11 +133,12 @@ def test_distinct_seeds_draw_distinct_noise():
     cancelled = [(seed(hi, hi + c), seed(hi + 1, hi + 1 + c)) for hi in (0, 1, 99999)]
     structured = swapped + cancelled + [(1, 1 << 32), (2**64 - 1, 2**63 - 1)]
     for a, b in structured:
-        assert [row_key(a, p) for p in range(64)] != [row_key(b, p) for p in range(64)], (a, b)
-        assert sum(row_key(a, p) == row_key(b, p) for p in range(64)) <= 1, (a, b)
+        ka, kb = request_key(a), request_key(b)
+        assert [row_key(ka, p) for p in range(64)] != [row_key(kb, p) for p in range(64)], (a, b)
+        assert sum(row_key(ka, p) == row_key(kb, p) for p in range(64)) <= 1, (a, b)
     rng = random.Random(0)
     seeds = [rng.getrandbits(64) for _ in range(5000)] + list(range(5000)) + [i << 32 for i in range(1, 5000)]
     for position in (0, 1, 777):
-        keys = {row_key(s, position) for s in seeds}
+        keys = {row_key(request_key(s), position) for s in seeds}
         assert len(seeds) - len(keys) <= 2  # 15k keys of 32 bits: ~0.03 collisions expected by chance
-    assert row_key(-1, 3) == row_key(2**64 - 1, 3)  # int64 and uint64 spellings of one seed
+    assert request_key(-1) == request_key(2**64 - 1)  # int64 and uint64 spellings of one seed

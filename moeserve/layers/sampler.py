@@ -36,13 +36,16 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_key(seed: int, position: int) -> int:
-    """Key of the draw for output token `position` of a request seeded with `seed` (any int64/uint64)."""
+def request_key(seed: int) -> int:
+    """The seed's part of every row key of a request (seed: any int64/uint64), computed once per request. The
+    halves are mixed one after the other, not hashed apart and XORed: XOR is symmetric, so seeds (hi, lo) and
+    (lo - c, hi + c) shared every key, and the 2^32 seeds with lo = hi + c had keys of the position alone."""
     s = seed & 0xFFFFFFFFFFFFFFFF
-    # the seed's halves are mixed one after the other, not hashed apart and XORed: XOR is symmetric, so
-    # seeds (hi, lo) and (lo - c, hi + c) shared every key, and the 2^32 seeds with lo = hi + c had keys of
-    # the position alone
-    request = hash32(hash32(s & _M32) ^ (s >> 32))
+    return hash32(hash32(s & _M32) ^ (s >> 32))
+
+
+def row_key(request: int, position: int) -> int:
+    """Key of the draw for output token `position` of a request whose request_key is `request`."""
     return hash32(request ^ hash32(position + 0x632BE5AB))
 
 

@@ -81,8 +81,8 @@ class TokenizerWrapper:
         self.tok = hf_tokenizer
         self.all_special_ids_set = set(hf_tokenizer.all_special_ids)
         self.eos_token_id = hf_tokenizer.eos_token_id
-        self._anchor: int | None = None  # token_text's anchor, chosen on first use
-        self._anchor_text = ""
+        self._anchor = (self.encode("a") or [0])[-1]  # token_text's anchor: any token with a text of its own
+        self._anchor_text = self.decode([self._anchor], skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -94,9 +94,6 @@ class TokenizerWrapper:
         """The text one token adds after other text (logprobs' token strings). Decoded alone, a token loses
         the leading space a SentencePiece decoder strips from the start of a text; so it is decoded after a
         fixed anchor token, whose own text is then cut off."""
-        if self._anchor is None:
-            self._anchor = (self.encode("a") or [0])[-1]
-            self._anchor_text = self.decode([self._anchor], skip_special_tokens=False)
         both = self.decode([self._anchor, token_id], skip_special_tokens=False)
         if both.startswith(self._anchor_text):
             return both[len(self._anchor_text):]

@@ -249,7 +249,7 @@ class ModelRunner:
             picked = hidden if len(rows) == hidden.shape[0] else hidden[self._dev(rows, torch.int64)]
             logits = self.model.compute_logits(picked)
             params = [s.params for s in sampling_seqs]
-            keys = [row_key(s.seed, s.num_sampled) for s in sampling_seqs]
+            keys = [row_key(s.noise_key, s.num_sampled) for s in sampling_seqs]
             st = SamplingTensors.build(params, keys, logits.shape[-1], self.device, pin=self.pin)
             tokens = sample(logits, st)
             self.prev_tokens = tokens

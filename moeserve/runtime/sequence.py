@@ -6,6 +6,7 @@ from enum import Enum, auto
 
 import torch
 
+from moeserve.layers.sampler import request_key
 from moeserve.sampling_params import SamplingParams
 
 # An output token sampled by the step in flight and not yet read back to the host. On the host it
@@ -30,7 +31,8 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.lora_name = lora_name
-        self.seed = params.seed if params.seed is not None else seed  # keys this request's sampling noise
+        # keys this request's sampling noise (sampler.row_key), hashed from its seed once
+        self.noise_key = request_key(params.seed if params.seed is not None else seed)
         self.lora_slot = -1  # device slot while scheduled with an adapter
         self.arrival = next(_arrival)
         self.output_token_ids: list[int] = []  # the last num_pending of them are PENDING
