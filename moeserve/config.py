@@ -83,6 +83,9 @@ class EngineConfig:
     # overlap the previous kernel's tail. None (default): on where the device has it (CUDA, compute capability
     # >= 9.0); True: asked for, refused where it cannot run; False: off
     pdl: bool | None = None
+    # at start, on CUDA: run the eager (prefill) shapes the engine will run, with and without LoRA, so every kernel
+    # variant is compiled then and not in a user's request (runtime/warmup.py); --no-warmup skips it
+    warmup: bool = True
 
     # serving
     max_queue_len: int = 1024  # waiting requests beyond this are refused (server answers 503)

@@ -4,6 +4,7 @@ CPU: tiny fp32 shapes under the Triton interpreter. GPU (marked `gpu`): bf16 at
 Qwen3-30B-A3B shapes against the fp32 per-pair reference, and CUDA-graph replay.
 """
 
+import json
 import os
 
 import torch
@@ -16,14 +17,9 @@ from dataclasses import replace  # noqa: E402
 import pytest  # noqa: E402
 
 from moeserve.kernels import moe_lora  # noqa: E402
-from moeserve.kernels.fused_moe import (  # noqa: E402
-    GemmTile,
-    MoELoRAArgs,
-    MoEPlan,
-    default_plan,
-    fused_moe,
-    fused_moe_ref,
-)
+from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref  # noqa: E402
+from moeserve.kernels import moe_plan  # noqa: E402
+from moeserve.kernels.moe_plan import GemmTile, MoEPlan, default_plan  # noqa: E402
 from moeserve.layers.batch import LoRABatch  # noqa: E402
 from moeserve.layers.moe import ExpertLoRABuffers, moe_experts_torch  # noqa: E402
 from moeserve.kernels.moe_align import align_max_blocks, moe_align, moe_align_ref  # noqa: E402
@@ -111,7 +107,10 @@ def _check_alignment_invariants(aligned, topk_ids, groups, num_groups, block_m):
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,chunk", [
     (7, 2, 8, 4, 4096),    # odd T, small blocks
-    (13, 2, 8, 16, 16),    # several chunks in one program
+    (13, 2, 8, 16, 16),    # two chunks: histograms, then placement
+    (100, 2, 8, 16, 16),   # 13 chunks (not a power of two)
+    (300, 2, 8, 4, 64),    # 156 blocks: two padding programs of 128 blocks
+    (40, 4, 5, 64, 32),    # 64-row blocks, 5 chunks
     (1, 2, 4, 16, 4096),   # single token
     (5, 3, 6, 4, 16),      # E not a power of two
 ])
@@ -533,3 +532,71 @@ def test_gpu_fused_moe_cuda_graph_replay(num_tokens):
             torch.testing.assert_close(out, eager, rtol=0, atol=0)
             ref = fused_moe_ref(x2, w13, w2, weights2, ids2, lora_now)
             assert _rel(out, ref) < 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# plans: grouped block order, tiles fitted to the dtype, the tuned table
+
+
+@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
+def test_sorted_grouped_block_order_matches_reference(with_lora):
+    """group_m > 1 walks several expert blocks per N tile (3 does not divide the block count: a short last group)."""
+    problem, ranks, slots, clean, _ = _mixed_lora_problem(40, 32, 48, seed=7)  # 80 pairs: 6+ blocks of 16
+    lora = MoELoRAArgs(slots, ranks, *clean) if with_lora else None
+    tile = replace(SMALL_TILE, group_m=3)
+    out = fused_moe(*problem, lora, plan=replace(SMALL_PLAN, gate_up=tile, down=tile))
+    assert _rel(out, fused_moe_ref(*problem, lora)) < 1e-5
+    # block order changes which program runs a tile, never its arithmetic
+    assert torch.equal(out, fused_moe(*problem, lora, plan=SMALL_PLAN))
+
+
+H200_SMEM = 232448  # bytes one program may use (opt-in) on the H100 / H200
+
+
+@pytest.mark.parametrize("num_tokens", [16, 64, 256, 1024, 8192])
+def test_every_plan_fits_shared_memory_in_every_dtype(num_tokens):
+    for lora in (False, True):
+        plan = default_plan(num_tokens, 8, lora=lora)
+        for dtype in (torch.float32, torch.bfloat16):
+            elt = torch.empty((), dtype=dtype).element_size()
+            gate_up = moe_plan.fit_tile(plan.gate_up, elt, 1, H200_SMEM)
+            down = moe_plan.fit_tile(plan.down, elt, 2, H200_SMEM)
+            for tile, loads in ((gate_up, 1), (down, 2)):
+                assert moe_plan.tile_smem(tile, elt, loads) <= H200_SMEM - moe_plan.SMEM_MARGIN
+            if dtype == torch.bfloat16 and not plan.decode:  # the tuned bf16 tiles already fit: unchanged
+                assert (gate_up, down) == (plan.gate_up, plan.down)
+            assert gate_up.block_m == down.block_m  # one alignment serves both
+
+
+def test_fp32_down_tile_that_overflowed_the_h200_is_shrunk():
+    """The tile whose fp32 down GEMM asked for 262,144 bytes of shared memory (limit 232,448)."""
+    tile = GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3)
+    assert moe_plan.tile_smem(tile, 4, 2) + moe_plan.SMEM_MARGIN > H200_SMEM
+    fitted = moe_plan.fit_tile(tile, 4, 2, H200_SMEM)
+    assert fitted.num_stages == 2 and fitted.block_k == 128 and fitted.block_n == 128
+
+
+def test_tuned_table_lookup(tmp_path):
+    problem = moe_plan.MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
+    entry = {"device": "GPU X", "dtype": "bfloat16", "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8,
+             "tiles": [{"max_tokens": 512, "gate_up": [64, 128, 64, 4, 3, 1], "down": [64, 128, 64, 4, 3, 1]},
+                       {"max_tokens": 64, "gate_up": [16, 128, 128, 4, 3, 1], "down": [16, 64, 128, 4, 3, 1]}]}
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"version": 1, "entries": [entry]}))
+    table = moe_plan._read_table(path)
+    pick = lambda t, name="GPU X": moe_plan.tuned_tiles(t, problem, name, table)  # noqa: E731
+    assert pick(10)[1] == GemmTile(16, 64, 128, 4, 3, 1)  # rows sorted by max_tokens
+    assert pick(64)[0].block_m == 16 and pick(65)[0].block_m == 64 and pick(9999)[0].block_m == 64
+    assert pick(10, "GPU Y") is None and pick(10, None) is None
+    other = moe_plan.MoEProblem(64, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
+    assert moe_plan.tuned_tiles(10, other, "GPU X", table) is None
+
+
+def test_shipped_table_parses_and_fits():
+    for (device, key), rows in moe_plan.tile_table().items():
+        dtype = getattr(torch, key[-1])
+        elt = torch.empty((), dtype=dtype).element_size()
+        for _, gate_up, down in rows:
+            assert gate_up.block_m == down.block_m, (device, key)
+            assert moe_plan.tile_smem(gate_up, elt, 1) <= H200_SMEM - moe_plan.SMEM_MARGIN
+            assert moe_plan.tile_smem(down, elt, 2) <= H200_SMEM - moe_plan.SMEM_MARGIN

@@ -17,7 +17,8 @@ from dataclasses import replace  # noqa: E402
 import pytest  # noqa: E402
 
 from moeserve.kernels import moe_lora  # noqa: E402
-from moeserve.kernels.fused_moe import GemmTile, MoELoRAArgs, MoEPlan, default_plan, fused_moe, fused_moe_ref  # noqa: E402
+from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref  # noqa: E402
+from moeserve.kernels.moe_plan import GemmTile, MoEPlan, default_plan  # noqa: E402
 from moeserve.kernels.moe_align import moe_align  # noqa: E402
 from moeserve.layers.batch import LoRABatch  # noqa: E402
 from moeserve.layers.moe import ExpertLoRABuffers, moe_experts_torch  # noqa: E402

@@ -51,14 +51,8 @@ import torch
 
 from moeserve.bench import dense_lora
 from moeserve.bench.common import bandwidths, graph_time_us
-from moeserve.kernels.fused_moe import (
-    GemmTile,
-    MoELoRAArgs,
-    MoEPlan,
-    default_plan,
-    fused_moe,
-    fused_moe_ref,
-)
+from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref
+from moeserve.kernels.moe_plan import GemmTile, MoEPlan, default_plan
 from moeserve.kernels.moe_align import moe_align, moe_align_ref
 from moeserve.kernels.pdl import supported as pdl_supported
 from moeserve.kernels.router import (
@@ -495,6 +489,11 @@ def main(argv=None):
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                     help="moe part: launch with programmatic dependent launch, as the engine does (default: where "
                          "the GPU has it); with it a LoRA shrink runs under the GEMM that expands it")
+    ap.add_argument("--tune", action="store_true",
+                    help="tune the sorted-path MoE tiles for this GPU (bench/moe_tune.py) and write the tile table; "
+                         "--shape E,H,I,K and --dtype pick the problem, --batches the token counts")
+    ap.add_argument("--shape", default=None, help="--tune: experts,hidden,inter,top_k (default: Qwen3-30B-A3B's)")
+    ap.add_argument("--dtype", default="bfloat16", help="--tune: the weights' dtype")
     known = {"moe", "router", "dense_lora", "norm_rotary", "gemv"}
     ap.add_argument("--parts", default="moe,router,dense_lora,norm_rotary",
                     help="comma list: moe (fused MoE and MoE-LoRA), router (routing), dense_lora (one- vs two-launch "
@@ -510,6 +509,13 @@ def main(argv=None):
     if args.pdl is None:
         args.pdl = pdl_supported(torch.device(DEVICE))
     batches = [int(b) for b in args.batches.split(",")]
+    if args.tune:
+        from moeserve.bench import moe_tune
+
+        shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else (NUM_EXPERTS, HIDDEN, INTER, TOP_K)
+        tune_batches = batches if args.batches != ap.get_default("batches") else moe_tune.BATCHES
+        moe_tune.run(shape, args.dtype, tune_batches, args.out, args.pdl)
+        return 0
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -7,10 +7,12 @@
    128 new tokens, ignore_eos, logprobs=0, 512 requests); against the LoRA servers also the same
    traffic with every request on one of 4 rank-16 adapters (attention + all routed experts); against
    the LoRA-disabled one also a single client.
-3. With `--parts prefix`: prefix caching on and off (the same LoRA server flags), a shared 1,024-token
+3. With `--parts cold`: a fresh LoRA server, base traffic, then the first traffic on adapters it ever sees, then
+   the same adapter traffic again: what the first adapter requests after a start cost.
+4. With `--parts prefix`: prefix caching on and off (the same LoRA server flags), a shared 1,024-token
    system prompt before 256 distinct 64-token user turns, 64 new tokens, half the requests on two adapters;
    TTFT p50, output tok/s and the prefix-cache hit rate, on over off.
-4. A table of ratios (server tok/s over the decode graph's, TPOT over the graph step) and one JSON.
+5. A table of ratios (server tok/s over the decode graph's, TPOT over the graph step) and one JSON.
 
     python -m moeserve.bench.protocol --preset qwen3-30b-a3b --out bench_out/protocol
 """
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="decode,base,lora,norecord",
                     help="comma list of parts to run: decode, base, lora, norecord, prefix (prefix caching on and "
                          "off: a shared 1,024-token system prompt, 256 distinct user turns, 64 new tokens, half "
-                         "the requests on two adapters)")
+                         "the requests on two adapters), cold (a fresh LoRA server: base traffic, then the first "
+                         "adapter traffic, then the same again)")
     ap.add_argument("--server-args", default="", help="extra flags for every `moeserve serve`")
     args = ap.parse_args(argv)
     from moeserve.bench import serve
@@ -155,6 +158,10 @@ def main(argv=None) -> int:
     shared = ["--random-prefix-len", "1024", "--random-input-len", "64", "--random-output-len", "64",
               "--num-prompts", "256", "--lora-modules", *[a.split("=")[0] for a in adapters[:2]],
               "--lora-fraction", "0.5"]
+    # the first adapter traffic on a fresh server (warmed by base traffic only), then the same traffic again
+    first = [*active, "--num-warmups", "0"]
+    flavours += [("cold", lora_flags, [("cold-base", []), ("cold-active-first", first),
+                                       ("cold-active-again", first)])]
     flavours += [("prefix", lora_flags, [("prefix-on", shared)]),
                  ("prefix", lora_flags + ["--no-enable-prefix-caching"], [("prefix-off", shared)])]
     runs = {}

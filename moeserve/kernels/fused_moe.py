@@ -34,6 +34,7 @@ import triton.language as tl
 
 from moeserve.kernels import pdl as pdl_launch
 from moeserve.kernels.moe_align import moe_align
+from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
     lora_block_epilogue,
@@ -58,69 +59,22 @@ class MoELoRAArgs:
     gate_up_separate: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class GemmTile:
-    block_m: int = 16  # sorted path only
-    block_n: int = 64
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-@dataclass(frozen=True)
-class MoEPlan:
-    decode: bool
-    gate_up: GemmTile
-    down: GemmTile
-    # sorted-path LoRA shrinks (lora_block_shrink); the expands ride on the GEMM tiles above
-    lora_shrink_block_k: int = 128  # reduction columns per shrink step
-    lora_gate_up_splits: int = 4  # programs sharing one block's shrink over H
-    lora_down_splits: int = 2  # programs sharing one block's shrink over I
-    lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
-    lora_shrink_warps: int = 4
-    # sorted-path LoRA expands in the GEMM epilogues (the field default is the plain walk;
-    # default_plan picks 2 or 4 items for its block_m=16 tiles). A gate_up GEMM of a pool with separate
-    # up A's (UP_HALF) ignores it and takes the plain walk, lora_block_expand, which alone walks
-    # the up halves; its down GEMM still uses it. (Loads of the first item issued before the K loop
-    # lost or tied on the H200 at every T and were removed.)
-    lora_epilogue_items: int = 0  # >0 (power of 2): that many (slot, rank step) items loaded at
-    #                              once and added in one dot, the rest walked as with 0
-
-
-# Pairs at or below this run the alignment-free GEMV path (H200, Qwen3-30B-A3B shapes:
-# GEMV wins up to T=8 at top-8, the sorted path from T=16).
-DECODE_MAX_PAIRS = 64
-
-
-def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False) -> MoEPlan:
-    """Block sizes by problem size: a static table from the H200 sweep of
-    `python -m moeserve.bench.kernels --sweep`. `decode` forces a path; `lora`: the plan of a call with
-    adapters (its own base tile where the LoRA epilogue prefers one; the no-LoRA plan is what a LoRA-disabled
-    engine runs, so the no-LoRA graph stays bitwise that engine)."""
-    num_pairs = num_tokens * top_k
-    if decode is None:
-        decode = num_pairs <= DECODE_MAX_PAIRS
-    if decode:
-        tile = (GemmTile(block_n=16, block_k=256, num_warps=4, num_stages=1) if num_pairs <= 16
-                else GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1))
-        return MoEPlan(True, tile, tile)
-    if num_pairs <= 2048:  # few rows per expert: short blocks, wide N tiles
-        # H200 (top-8): above 512 pairs the K step 64 in 4 stages is faster without LoRA (T=256 366.7 / 368.2 us vs
-        # 383-390) but slower with 4 adapters (T=256 598 vs 543 us): LoRA calls keep K 128 in 3 stages there.
-        # 32-row blocks were slower at every T (431-600 us)
-        tile = (GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3) if num_pairs <= 512 or lora
-                else GemmTile(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4))
-        # LoRA expand: (slot, rank step) items loaded together, one dot. H200, 4 rank-16 adapters, (MoE + LoRA) / MoE,
-        # the walk / 2 items / 4 items: T=16 1.258 / 1.241 / 1.304, T=64 1.376 / 1.309 / 1.325, T=256 1.501 / 1.424 /
-        # 1.398
-        return MoEPlan(False, tile, tile, lora_epilogue_items=2 if num_pairs <= 512 else 4)
-    # block_m=64 keeps the walk: its items spill registers (T=512: 1.540 walk, 1.913 items 4)
-    return MoEPlan(False, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
-                   GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3))
-
-
 # ---------------------------------------------------------------------------------------------
 # kernels
+
+
+@triton.jit
+def _block_tile(pid, num_n, GROUP_M: tl.constexpr):
+    """(expert block, N tile) of a program. GROUP_M > 1: programs walk GROUP_M blocks for each N tile before
+    the next N tile, so the blocks' activations and the experts' weight columns are reused from L2 by
+    programs running together; GROUP_M 1: every N tile of one block, then the next block."""
+    if GROUP_M == 1:
+        return pid // num_n, pid % num_n
+    num_m = tl.num_programs(0) // num_n
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
 
 
 @triton.jit
@@ -133,7 +87,7 @@ def _moe_gate_up_kernel(
     separate_ptr, stride_sh, up_col0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
-    UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, LORA_ITEMS: tl.constexpr = 0,
+    UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
@@ -141,10 +95,7 @@ def _moe_gate_up_kernel(
     which takes the plain walk (LORA_ITEMS 0). With LoRA the kernel waits for the shrink just
     launched only before its epilogue (late wait)."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
         pdl_launch.late(USE_PDL, HAS_LORA)
@@ -189,15 +140,12 @@ def _moe_down_kernel(
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, USE_PDL: tl.constexpr,
-    LORA_ITEMS: tl.constexpr = 0,
+    LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded; the routing weight scales base and delta together."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
         pdl_launch.late(USE_PDL, HAS_LORA)
@@ -519,7 +467,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, UP_HALF=up_half, LORA_ITEMS=0 if up_half else items,  # up halves: the walk only
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
+        GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
 
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
@@ -530,8 +478,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, LORA_ITEMS=items, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
-        num_stages=t.num_stages)
+        RANK_STEP=RANK_STEP, LORA_ITEMS=items, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=t.num_warps, num_stages=t.num_stages)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
@@ -558,7 +506,8 @@ def fused_moe(
     if num_tokens == 0:
         return torch.empty_like(x)
     if plan is None:
-        plan = default_plan(num_tokens, topk_ids.shape[1], decode, lora=lora is not None)
+        problem = MoEProblem(w13.shape[0], hidden, w2.shape[2], topk_ids.shape[1], x.dtype, x.device)
+        plan = default_plan(num_tokens, topk_ids.shape[1], decode, lora=lora is not None, problem=problem)
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()

@@ -48,85 +48,120 @@ def _pair_groups(ids_ptr, offs, num_pairs, num_groups):
 
 
 @triton.jit
-def _moe_align_kernel(
-    ids_ptr, sorted_ids_ptr, block_groups_ptr, num_padded_ptr, scratch_ptr,
-    num_pairs, num_groups, max_blocks,
-    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, LOG2_BINS: tl.constexpr,
-    CHUNK: tl.constexpr, FILL: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pdl_launch.enter(USE_PDL)
-    # One program. Scratch (global, int32 [2 * NUM_BINS]) passes per-group values between
-    # threads: [0, NB) next free row of each group, [NB, 2NB) group ends.
-    bins = tl.arange(0, NUM_BINS)
-    lane = tl.arange(0, CHUNK)
+def _chunk_histogram(ids_ptr, chunk, num_pairs, num_groups, CHUNK: tl.constexpr, NUM_BINS: tl.constexpr):
+    groups = _pair_groups(ids_ptr, chunk * CHUNK + tl.arange(0, CHUNK), num_pairs, num_groups)
+    return tl.histogram(groups, NUM_BINS)
 
-    # 1. rows per group, padded to BLOCK_M; group g owns rows [ends[g] - padded[g], ends[g])
-    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        groups = _pair_groups(ids_ptr, start + lane, num_pairs, num_groups)
-        counts += tl.histogram(groups, NUM_BINS)
+
+@triton.jit
+def _align_count_kernel(ids_ptr, hist_ptr, num_pairs, num_groups,
+                        CHUNK: tl.constexpr, NUM_BINS: tl.constexpr, USE_PDL: tl.constexpr):
+    """hist[chunk, g] = pairs of group g in the chunk (one program per chunk of CHUNK pairs)."""
+    pdl_launch.enter(USE_PDL)
+    chunk = tl.program_id(0)
+    counts = _chunk_histogram(ids_ptr, chunk, num_pairs, num_groups, CHUNK, NUM_BINS)
+    tl.store(hist_ptr + chunk * NUM_BINS + tl.arange(0, NUM_BINS), counts)
+
+
+@triton.jit
+def _align_place_kernel(
+    ids_ptr, hist_ptr, sorted_ids_ptr, block_groups_ptr, num_padded_ptr, cursor_ptr,
+    num_pairs, num_groups, num_chunks, max_blocks,
+    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Programs [0, num_chunks) place their chunk's pairs; the rest fill padding rows and block groups
+    of BLOCK_B blocks each. Both write disjoint rows of sorted_ids, so no ordering between them is needed.
+    CHUNKS_P2 == 1: one chunk, whose histogram every program counts itself (no count kernel before)."""
+    pdl_launch.enter(USE_PDL)
+    pid = tl.program_id(0)
+    bins = tl.arange(0, NUM_BINS)
+    # 1. every program: rows per group, padded to BLOCK_M; group g owns rows [starts[g], starts[g] + padded[g])
+    if CHUNKS_P2 == 1:
+        counts = _chunk_histogram(ids_ptr, 0, num_pairs, num_groups, CHUNK, NUM_BINS)
+        before = tl.zeros([NUM_BINS], dtype=tl.int32)
+    else:
+        chunks = tl.arange(0, CHUNKS_P2)
+        hist = tl.load(hist_ptr + chunks[:, None] * NUM_BINS + bins[None, :],
+                       mask=(chunks < num_chunks)[:, None], other=0)
+        counts = tl.sum(hist, 0)
+        before = tl.sum(tl.where((chunks < pid)[:, None], hist, 0), 0)  # this chunk's pairs come after these
     counts = tl.where(bins < num_groups, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
+    starts = ends - padded
     total = tl.sum(padded, 0)
-    tl.store(num_padded_ptr, total)
-    tl.store(scratch_ptr + bins, ends - padded)
-    tl.store(scratch_ptr + NUM_BINS + bins, ends)
-
-    # 2. every row starts as padding (the sentinel pair index)
-    num_rows = max_blocks * BLOCK_M
-    for start in range(0, num_rows, FILL):
-        offs = start + tl.arange(0, FILL)
-        tl.store(sorted_ids_ptr + offs, tl.zeros([FILL], dtype=tl.int32) + num_pairs,
-                 mask=offs < num_rows)
-    tl.debug_barrier()
-
-    # 3. group of each block = number of groups ending at or before its first row
-    #    (branchless upper bound in `ends`; the last bin is never a real group, so it ends at `total`)
-    for start in range(0, max_blocks, BLOCK_B):
-        blocks = start + tl.arange(0, BLOCK_B)
-        first_row = blocks * BLOCK_M
-        pos = tl.zeros([BLOCK_B], dtype=tl.int32)
-        for i in tl.static_range(LOG2_BINS):
-            step = NUM_BINS >> (i + 1)
-            end = tl.load(scratch_ptr + NUM_BINS + pos + step - 1)
-            pos = tl.where(end <= first_row, pos + step, pos)
-        tl.store(block_groups_ptr + blocks, tl.where(first_row < total, pos, -1),
-                 mask=blocks < max_blocks)
-
-    # 4. each pair claims the next free row of its group. The order of pairs inside a group
-    #    is not fixed (atomics), which changes nothing downstream: rows are independent.
-    for start in range(0, num_pairs, CHUNK):
-        groups = _pair_groups(ids_ptr, start + lane, num_pairs, num_groups)
+    if pid < num_chunks:
+        # 2. each pair of the chunk claims the next row of its group past the earlier chunks' pairs. The order
+        #    inside a chunk's share of a group is not fixed (atomics): rows are independent downstream.
+        cursor = cursor_ptr + pid * NUM_BINS
+        tl.store(cursor + bins, starts + before)
+        tl.debug_barrier()
+        offs = pid * CHUNK + tl.arange(0, CHUNK)
+        groups = _pair_groups(ids_ptr, offs, num_pairs, num_groups)
         valid = groups < num_groups
-        row = tl.atomic_add(scratch_ptr + groups, 1, mask=valid)
-        tl.store(sorted_ids_ptr + row, start + lane, mask=valid)
+        row = tl.atomic_add(cursor + groups, 1, mask=valid)
+        tl.store(sorted_ids_ptr + row, offs, mask=valid)
+    else:
+        # 3. blocks [b0, b0 + BLOCK_B): group = groups ending at or before the block's first row; rows past
+        #    the group's pairs, and every row of a block past the end, hold the sentinel num_pairs
+        q = pid - num_chunks
+        if q == 0:
+            tl.store(num_padded_ptr, total)
+        blocks = q * BLOCK_B + tl.arange(0, BLOCK_B)
+        first_row = blocks * BLOCK_M
+        group = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)
+        in_use = first_row < total
+        tl.store(block_groups_ptr + blocks, tl.where(in_use, group, -1), mask=blocks < max_blocks)
+        mine = bins[None, :] == group[:, None]
+        g_start = tl.sum(tl.where(mine, starts[None, :], 0), 1)
+        g_count = tl.sum(tl.where(mine, counts[None, :], 0), 1)
+        rows = first_row[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        pad = (~in_use[:, None]) | (rows - g_start[:, None] >= g_count[:, None])
+        tl.store(sorted_ids_ptr + rows, tl.zeros([BLOCK_B, BLOCK_M], dtype=tl.int32) + num_pairs,
+                 mask=pad & (blocks < max_blocks)[:, None])
+
+
+def align_chunk(num_pairs: int, chunk: int | None = None) -> int:
+    """Pairs per placing program: `chunk` (a power of two), or by size: one program up to 1,024 pairs, else
+    at most 64 programs of at least 1,024 pairs (their histograms are summed in registers)."""
+    if chunk is not None:
+        return chunk
+    return max(1024, triton.next_power_of_2(triton.cdiv(num_pairs, 64)))
 
 
 def moe_align(
     topk_ids: torch.Tensor,
     num_experts: int,
     block_m: int,
-    chunk: int = 1024,
+    chunk: int | None = None,
     pdl: bool = False,
 ) -> AlignedBlocks:
-    """Align pairs of `topk_ids [T, K]` into expert groups. One Triton launch, no host sync; `pdl`: launched
-    with programmatic dependent launch (kernels/pdl.py)."""
+    """Align pairs of `topk_ids [T, K]` into expert groups, no host sync: one Triton launch when the pairs fit
+    one chunk, else two (per-chunk histograms, then placement); `chunk` overrides the pairs per program;
+    `pdl`: launched with programmatic dependent launch (kernels/pdl.py)."""
     num_pairs = topk_ids.numel()
     max_blocks = align_max_blocks(num_pairs, num_experts, block_m)
     num_bins = max(32, triton.next_power_of_2(num_experts + 1))
-    chunk = min(chunk, max(16, triton.next_power_of_2(num_pairs)))
+    chunk = min(align_chunk(num_pairs, chunk), max(16, triton.next_power_of_2(num_pairs)))
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    chunks_p2 = triton.next_power_of_2(num_chunks)
+    block_b = max(1, min(128, 8192 // block_m))  # blocks per padding program: an [8192] tile of rows
     dev = topk_ids.device
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_groups = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    scratch = torch.empty(2 * num_bins, dtype=torch.int32, device=dev)
+    cursors = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous()
-    _moe_align_kernel[(1,)](
-        ids, sorted_ids, block_groups, num_padded, scratch,
-        num_pairs, num_experts, max_blocks,
-        BLOCK_M=block_m, NUM_BINS=num_bins, LOG2_BINS=num_bins.bit_length() - 1,
-        CHUNK=chunk, FILL=1024, BLOCK_B=128,
+    hist = cursors  # one chunk: no histograms to pass
+    if num_chunks > 1:
+        hist = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=dev)
+        _align_count_kernel[(num_chunks,)](ids, hist, num_pairs, num_experts, CHUNK=chunk, NUM_BINS=num_bins,
+                                           USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    _align_place_kernel[(num_chunks + triton.cdiv(max_blocks, block_b),)](
+        ids, hist, sorted_ids, block_groups, num_padded, cursors,
+        num_pairs, num_experts, num_chunks, max_blocks,
+        BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK_B=block_b,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return AlignedBlocks(sorted_ids, block_groups, num_padded)

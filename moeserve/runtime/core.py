@@ -143,6 +143,11 @@ class EngineCore:
             (logger.warning if cfg.device.startswith("cuda") else logger.info)(warning)
         if not cfg.enforce_eager:
             self.runner.capture_graphs(progress=progress)
+        if cfg.warmup and cfg.device.startswith("cuda"):
+            from moeserve.runtime.warmup import warm_up, warmup_token_counts
+
+            counts = warmup_token_counts(cfg.max_num_batched_tokens, cfg.max_model_len)
+            warm_up(self.runner, counts, self.lora_manager is not None, cfg.block_size)
 
     def info(self) -> dict:
         """What a frontend needs to know about this core (sent once, at start)."""

@@ -1,0 +1,209 @@
+"""Launch plans of the fused MoE: which path (GEMV decode or sorted GEMMs) and which tiles.
+
+The sorted path's base tiles come from a table of tuned tiles shipped as data (`moe_tiles.json`), keyed by
+GPU name, dtype and problem shape (experts, hidden, intermediate, top-k), one entry per token count tuned
+(`python -m moeserve.bench.kernels --tune` regenerates it for another GPU or shape; `MOESERVE_MOE_TILES=PATH`
+adds a table of one's own in front of the shipped one). Problems the table does not hold take the heuristic
+of `heuristic_plan`. Calls with LoRA take the heuristic's LoRA plan (its epilogue was tuned on those tiles).
+
+Every plan is fitted to the dtype it runs in and the device's shared memory before use (`fit_tile`): a tile
+chosen for bf16 would ask fp32 for more than the GPU has.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+TABLE_PATH = Path(__file__).with_name("moe_tiles.json")
+TABLE_ENV = "MOESERVE_MOE_TILES"
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    block_m: int = 16  # sorted path only
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 1  # sorted path only: expert blocks walked per N tile (fused_moe._block_tile)
+
+    def as_list(self) -> list[int]:
+        return [self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages, self.group_m]
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    decode: bool
+    gate_up: GemmTile
+    down: GemmTile
+    # sorted-path LoRA shrinks (lora_block_shrink); the expands ride on the GEMM tiles above
+    lora_shrink_block_k: int = 128  # reduction columns per shrink step
+    lora_gate_up_splits: int = 4  # programs sharing one block's shrink over H
+    lora_down_splits: int = 2  # programs sharing one block's shrink over I
+    lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
+    lora_shrink_warps: int = 4
+    # sorted-path LoRA expands in the GEMM epilogues (the field default is the plain walk;
+    # heuristic_plan picks 2 or 4 items for its block_m=16 tiles). A gate_up GEMM of a pool with separate
+    # up A's (UP_HALF) ignores it and takes the plain walk, lora_block_expand, which alone walks
+    # the up halves; its down GEMM still uses it. (Loads of the first item issued before the K loop
+    # lost or tied on the H200 at every T and were removed.)
+    lora_epilogue_items: int = 0  # >0 (power of 2): that many (slot, rank step) items loaded at
+    #                              once and added in one dot, the rest walked as with 0
+
+
+@dataclass(frozen=True)
+class MoEProblem:
+    """What a tile choice depends on besides the token count."""
+    num_experts: int
+    hidden: int
+    inter: int  # per-expert intermediate size I (w13 has 2I rows)
+    top_k: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def key(self) -> tuple:
+        return (self.num_experts, self.hidden, self.inter, self.top_k, str(self.dtype).removeprefix("torch."))
+
+
+# Pairs at or below this run the alignment-free GEMV path (H200, Qwen3-30B-A3B shapes:
+# GEMV wins up to T=8 at top-8, the sorted path from T=16).
+DECODE_MAX_PAIRS = 64
+
+
+def heuristic_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False) -> MoEPlan:
+    """Block sizes by problem size, from the H200 sweeps at Qwen3-30B-A3B shapes. `decode` forces a path;
+    `lora`: the plan of a call with adapters (its own base tile where the LoRA epilogue prefers one; the
+    no-LoRA plan is what a LoRA-disabled engine runs, so the no-LoRA graph stays bitwise that engine)."""
+    num_pairs = num_tokens * top_k
+    if decode is None:
+        decode = num_pairs <= DECODE_MAX_PAIRS
+    if decode:
+        tile = (GemmTile(block_n=16, block_k=256, num_warps=4, num_stages=1) if num_pairs <= 16
+                else GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1))
+        return MoEPlan(True, tile, tile)
+    if num_pairs <= 2048:  # few rows per expert: short blocks, wide N tiles
+        # H200 (top-8): above 512 pairs the K step 64 in 4 stages is faster without LoRA (T=256 366.7 / 368.2 us vs
+        # 383-390) but slower with 4 adapters (T=256 598 vs 543 us): LoRA calls keep K 128 in 3 stages there.
+        # 32-row blocks were slower at every T (431-600 us)
+        tile = (GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3) if num_pairs <= 512 or lora
+                else GemmTile(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4))
+        # LoRA expand: (slot, rank step) items loaded together, one dot. H200, 4 rank-16 adapters, (MoE + LoRA) / MoE,
+        # the walk / 2 items / 4 items: T=16 1.258 / 1.241 / 1.304, T=64 1.376 / 1.309 / 1.325, T=256 1.501 / 1.424 /
+        # 1.398
+        return MoEPlan(False, tile, tile, lora_epilogue_items=2 if num_pairs <= 512 else 4)
+    # block_m=64 keeps the walk: its items spill registers (T=512: 1.540 walk, 1.913 items 4)
+    return MoEPlan(False, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
+                   GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3))
+
+
+# ---------------------------------------------------------------------------------------------
+# fitting a tile to the dtype and the device
+
+SMEM_MARGIN = 16 << 10  # what Triton keeps beside the pipelined operand buffers (seen: 16 KiB, fp32 tiles)
+
+
+@functools.lru_cache(maxsize=None)
+def smem_limit(device: torch.device) -> int | None:
+    """Shared memory one program may use on `device` (None: no limit known, e.g. the CPU interpreter)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block
+
+
+def tile_smem(tile: GemmTile, elt_bytes: int, a_loads: int) -> int:
+    """Bytes of a sorted-path GEMM's pipelined operands: num_stages buffers of the A tile(s) and the B tile
+    (`a_loads`: A tiles per K step, 2 for the down GEMM's gate and up)."""
+    return tile.num_stages * (a_loads * tile.block_m + tile.block_n) * tile.block_k * elt_bytes
+
+
+def fit_tile(tile: GemmTile, elt_bytes: int, a_loads: int, limit: int | None) -> GemmTile:
+    """`tile` shrunk until its operands fit `limit` with the margin: fewer stages (down to 2), then a shorter
+    K step (down to 32), then a narrower N tile."""
+    if limit is None:
+        return tile
+    while tile_smem(tile, elt_bytes, a_loads) > limit - SMEM_MARGIN:
+        if tile.num_stages > 2:
+            tile = replace(tile, num_stages=tile.num_stages - 1)
+        elif tile.block_k > 32:
+            tile = replace(tile, block_k=tile.block_k // 2)
+        elif tile.block_n > 16:
+            tile = replace(tile, block_n=tile.block_n // 2)
+        else:
+            break
+    return tile
+
+
+def fit_plan(plan: MoEPlan, dtype: torch.dtype, device: torch.device) -> MoEPlan:
+    """The sorted-path tiles fitted to `dtype` on `device` (the GEMV path keeps no pipelined operands)."""
+    limit = smem_limit(device)
+    if plan.decode or limit is None:
+        return plan
+    elt = torch.empty((), dtype=dtype).element_size()
+    return replace(plan, gate_up=fit_tile(plan.gate_up, elt, 1, limit), down=fit_tile(plan.down, elt, 2, limit))
+
+
+# ---------------------------------------------------------------------------------------------
+# the tuned table
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str | None:
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return torch.cuda.get_device_name(device)
+
+
+def _read_table(path: Path) -> dict:
+    """{(device name, problem key): [(max_tokens, gate_up tile, down tile), ...] ascending}."""
+    table = {}
+    for entry in json.loads(path.read_text())["entries"]:
+        key = (entry["device"], (entry["experts"], entry["hidden"], entry["inter"], entry["top_k"], entry["dtype"]))
+        rows = [(row["max_tokens"], GemmTile(*row["gate_up"]), GemmTile(*row["down"])) for row in entry["tiles"]]
+        table[key] = sorted(rows, key=lambda r: r[0])
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def tile_table(extra: str | None = None) -> dict:
+    """The shipped table, with the entries of the file `extra` (if any) taking precedence."""
+    table = _read_table(TABLE_PATH) if TABLE_PATH.exists() else {}
+    if extra:
+        table.update(_read_table(Path(extra)))
+    return table
+
+
+def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
+                table: dict | None = None) -> tuple[GemmTile, GemmTile] | None:
+    """The table's (gate_up, down) tiles for the smallest tuned token count >= num_tokens (the largest one
+    beyond the table), or None where the table (default: tile_table()) has no entry for this GPU and problem."""
+    if device_name is None:
+        return None
+    if table is None:
+        table = tile_table(os.environ.get(TABLE_ENV))
+    rows = table.get((device_name, problem.key()))
+    if not rows:
+        return None
+    for max_tokens, gate_up, down in rows:
+        if num_tokens <= max_tokens:
+            return gate_up, down
+    return rows[-1][1], rows[-1][2]
+
+
+def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False,
+                 problem: MoEProblem | None = None) -> MoEPlan:
+    """The plan a call runs: the heuristic's path and LoRA options, the tuned base tiles where the table has
+    this problem (calls without LoRA on the sorted path), fitted to the problem's dtype and device."""
+    plan = heuristic_plan(num_tokens, top_k, decode, lora)
+    if problem is None:
+        return plan
+    if not plan.decode and not lora:
+        tuned = tuned_tiles(num_tokens, problem, _device_name(problem.device))
+        if tuned is not None and tuned[0].block_m == tuned[1].block_m:
+            plan = replace(plan, gate_up=tuned[0], down=tuned[1])
+    return fit_plan(plan, problem.dtype, problem.device)

@@ -1,0 +1,78 @@
+"""Start-up warm-up: run the eager (prefill) forwards the engine will run, so every kernel variant is compiled
+and launched before the first request, not inside it.
+
+Triton compiles a kernel once per set of compile-time constants (a MoE plan's tiles, LoRA or not) and per
+specialization of its integer arguments (a value of 1, a multiple of 16), and the first launch of each pays that
+compile: seconds per variant, across ~10 kernels a layer uses. Decode sizes are compiled by graph capture; this
+covers the eager steps: prefill chunks of every MoE plan tier, token counts of both specializations, one and
+several sequences, with a prompt prefix in the cache or not, and each with and without adapters. A variant that
+cannot run on this device (a tile too large for its shared memory, say) fails here, at start-up, with its shape
+named. Triton's on-disk cache makes a second start's warm-up mostly loads, not compiles.
+
+The forwards write K/V only into the dummy block 0 and sample greedily; nothing they compute is kept.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from moeserve.runtime.scheduler import ScheduledBatch
+from moeserve.runtime.sequence import Sequence
+from moeserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("moeserve")
+
+# token counts at and either side of the MoE plans' tier edges (pairs 64 / 512 / 2048 at top-8, and the tuned
+# table's rows), each as a multiple of 16 and as an odd count
+WARM_TOKENS = (1, 3, 8, 16, 17, 33, 64, 65, 127, 256, 257, 511, 1024, 1025, 2047, 4096, 4097, 8192)
+
+
+def warmup_token_counts(max_batched_tokens: int, max_model_len: int) -> list[int]:
+    """Token counts of the warm-up prefills: WARM_TOKENS that fit a step and a sequence, and the largest step."""
+    limit = min(max_batched_tokens, max_model_len - 1)
+    return sorted({t for t in WARM_TOKENS if t <= limit} | {limit})
+
+
+def _sequence(num_tokens: int, context: int, lora_slot: int, block_size: int) -> Sequence:
+    """A sequence whose next `num_tokens` prompt tokens follow `context` cached ones, all in the dummy block."""
+    seq = Sequence("warmup", [1] * (context + num_tokens), SamplingParams(max_tokens=1, temperature=0.0))
+    seq.num_computed_tokens = context
+    seq.block_table = [0] * -(-(context + num_tokens) // block_size)
+    seq.lora_slot = lora_slot
+    return seq
+
+
+def _split(num_tokens: int, parts: int) -> list[int]:
+    return [num_tokens // parts] * (parts - 1) + [num_tokens - num_tokens // parts * (parts - 1)]
+
+
+def warmup_batches(token_counts: list[int], lora_slots: list[int], block_size: int) -> list[ScheduledBatch]:
+    """For each count and LoRA slot (-1: none): one fresh prompt; from 2 tokens, two prompts of which the second
+    continues a cached prefix of one block (a prefix-cache hit or a later prefill chunk); from 32 tokens, 16
+    prompts (sequence counts specialize like token counts)."""
+    batches = []
+    for slot in lora_slots:
+        for n in token_counts:
+            batches.append(ScheduledBatch([_sequence(n, 0, slot, block_size)], [n], False))
+            if n >= 2:
+                first, second = _split(n, 2)
+                seqs = [_sequence(first, 0, slot, block_size), _sequence(second, block_size, slot, block_size)]
+                batches.append(ScheduledBatch(seqs, [first, second], False))
+            if n >= 32:
+                sizes = _split(n, 16)
+                batches.append(ScheduledBatch([_sequence(k, 0, slot, block_size) for k in sizes], sizes, False))
+    return batches
+
+
+def warm_up(runner, token_counts: list[int], with_lora: bool, block_size: int) -> float:
+    """Run the warm-up batches through `runner` (launch and collect, as a step does); seconds taken. LoRA batches
+    use slot 0 whatever it holds: the kernels compile the same for an empty slot (rank 0)."""
+    t0 = time.perf_counter()
+    slots = [-1, 0] if with_lora else [-1]
+    for batch in warmup_batches(token_counts, slots, block_size):
+        runner.collect(runner.launch(batch))
+    runner.prev_tokens = None
+    seconds = time.perf_counter() - t0
+    logger.info("warm-up: %d prefill shapes%s compiled and run in %.1f s", len(token_counts),
+                " with and without adapters" if with_lora else "", seconds)
+    return seconds

@@ -1,0 +1,50 @@
+"""Start-up warm-up (runtime/warmup.py): it runs every prefill shape with and without adapters, touches nothing
+but the dummy KV block, and leaves the engine's results exactly as they were. On the GPU, no request compiles a
+kernel after it (tests/test_gpu_first_request.py)."""
+import torch
+
+from moeserve import Engine, EngineConfig, SamplingParams
+from moeserve.runtime.warmup import warm_up, warmup_batches, warmup_token_counts
+
+from peft_fixtures import make_peft_adapter, save_base_checkpoint
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_token_counts_cover_both_specializations_and_stay_within_limits():
+    counts = warmup_token_counts(300, 4096)
+    assert counts[-1] == 300 and max(counts) <= 300
+    assert any(c % 16 == 0 for c in counts) and any(c % 2 for c in counts)
+    assert warmup_token_counts(8192, 100)[-1] == 99  # a prompt leaves room for one token
+
+
+def test_batches_cover_one_two_and_sixteen_sequences_with_and_without_lora():
+    batches = warmup_batches([1, 33], [-1, 0], block_size=4)
+    shapes = {(len(b.seqs), sum(b.num_new_tokens), b.seqs[0].lora_slot) for b in batches}
+    assert shapes == {(1, 1, -1), (1, 33, -1), (2, 33, -1), (16, 33, -1), (1, 1, 0), (1, 33, 0), (2, 33, 0),
+                      (16, 33, 0)}
+    for b in batches:
+        assert all(set(s.block_table) == {0} for s in b.seqs)  # the dummy block only
+        assert all(s.num_computed_tokens + n == s.num_prompt_tokens for s, n in zip(b.seqs, b.num_new_tokens))
+
+
+def test_warm_up_leaves_no_trace(tmp_path):
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    path, _ = make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)
+
+    def engine():
+        return Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", block_size=4,
+                                   lora_modules={"ad": str(path)}, max_lora_rank=8))
+
+    cold, warm = engine(), engine()
+    kv_before = [t.clone() for layer in warm.runner.model.kv_caches for t in layer]
+    warm_up(warm.runner, [1, 5, 33], with_lora=True, block_size=4)
+    kv_after = [t for layer in warm.runner.model.kv_caches for t in layer]
+    block0 = [torch.equal(a[1:], b[1:]) for a, b in zip(kv_before, kv_after)]  # blocks past the dummy one
+    assert all(block0)
+    assert any(not torch.equal(a[:1], b[:1]) for a, b in zip(kv_before, kv_after))  # it did write the dummy block
+    prompts = [[5, 9, 30, 2, 7, 11, 4], [8, 1, 40]]
+    for lora in (None, "ad"):
+        ours = [o.token_ids for o in warm.generate(prompts, GREEDY, lora=lora)]
+        assert ours == [o.token_ids for o in cold.generate(prompts, GREEDY, lora=lora)]
