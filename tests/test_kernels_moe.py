@@ -109,7 +109,7 @@ def _check_alignment_invariants(aligned, topk_ids, groups, num_groups, block_m):
     (7, 2, 8, 4, 4096),    # odd T, small blocks
     (13, 2, 8, 16, 16),    # two chunks: histograms, then placement
     (100, 2, 8, 16, 16),   # 13 chunks (not a power of two)
-    (300, 2, 8, 4, 64),    # 156 blocks: two padding programs of 128 blocks
+    (300, 2, 8, 4, 64),    # 156 blocks: three padding programs of 64 blocks
     (40, 4, 5, 64, 32),    # 64-row blocks, 5 chunks
     (1, 2, 4, 16, 4096),   # single token
     (5, 3, 6, 4, 16),      # E not a power of two
@@ -586,6 +586,7 @@ def test_tuned_table_lookup(tmp_path):
     table = moe_plan._read_table(path)
     pick = lambda t, name="GPU X": moe_plan.tuned_tiles(t, problem, name, table)  # noqa: E731
     assert pick(10)[1] == GemmTile(16, 64, 128, 4, 3, 1)  # rows sorted by max_tokens
+    assert pick(10)[2] == {}
     assert pick(64)[0].block_m == 16 and pick(65)[0].block_m == 64 and pick(9999)[0].block_m == 64
     assert pick(10, "GPU Y") is None and pick(10, None) is None
     other = moe_plan.MoEProblem(64, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
@@ -596,7 +597,23 @@ def test_shipped_table_parses_and_fits():
     for (device, key), rows in moe_plan.tile_table().items():
         dtype = getattr(torch, key[-1])
         elt = torch.empty((), dtype=dtype).element_size()
-        for _, gate_up, down in rows:
+        for _, gate_up, down, options in rows:
+            assert set(options) <= set(moe_plan.PLAN_OPTIONS)
             assert gate_up.block_m == down.block_m, (device, key)
             assert moe_plan.tile_smem(gate_up, elt, 1) <= H200_SMEM - moe_plan.SMEM_MARGIN
             assert moe_plan.tile_smem(down, elt, 2) <= H200_SMEM - moe_plan.SMEM_MARGIN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("y_fp32,fused_act", [(False, True), (True, False), (False, False)])
+def test_sorted_plan_options_match_reference(y_fp32, fused_act, dtype):
+    """Top-k partial sums kept in the activations' dtype, SiLU*up by its own kernel: with and without LoRA."""
+    problem, ranks, slots, clean, _ = _mixed_lora_problem(24, 64, 32, seed=3)
+    problem = [t.to(dtype) if t.is_floating_point() and i < 3 else t for i, t in enumerate(problem)]
+    pool = [w.to(dtype) for w in clean]
+    plan = replace(SMALL_PLAN, y_fp32=y_fp32, fused_act=fused_act)
+    bound = 1e-5 if dtype == torch.float32 else 5e-3
+    for lora in (None, MoELoRAArgs(slots, ranks, *pool)):
+        out = fused_moe(*problem, lora, plan=plan)
+        assert out.dtype == dtype
+        assert _rel(out, fused_moe_ref(*problem, lora)) < bound

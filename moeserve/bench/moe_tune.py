@@ -33,9 +33,9 @@ BATCHES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # (block_n, block_k, num_warps, num_stages, group_m) per block_m; the same list serves gate_up and down
 CANDIDATES = {
     16: [(128, 128, 4, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (256, 64, 4, 3, 1), (128, 128, 4, 4, 1),
-         (256, 64, 8, 3, 1)],
+         (256, 64, 8, 3, 1), (128, 128, 4, 3, 4), (256, 64, 4, 3, 4), (64, 128, 4, 3, 8)],
     32: [(128, 128, 4, 3, 1), (128, 64, 4, 4, 1), (256, 128, 4, 2, 1), (256, 64, 8, 3, 1), (128, 64, 4, 3, 1),
-         (64, 128, 4, 3, 1)],
+         (64, 128, 4, 3, 1), (256, 128, 4, 2, 16), (128, 128, 4, 3, 4)],
     64: [(128, 64, 4, 3, 1), (128, 64, 8, 3, 1), (256, 64, 8, 3, 1), (256, 64, 8, 4, 1), (128, 128, 8, 3, 1),
          (256, 64, 8, 4, 8), (128, 64, 4, 4, 8)],
     128: [(256, 64, 8, 4, 1), (256, 64, 8, 4, 16), (128, 64, 8, 4, 1), (128, 64, 4, 4, 1), (256, 64, 8, 3, 1),
@@ -139,8 +139,13 @@ def tune_batch(problem: Problem, num_tokens: int, pdl: bool) -> dict:
             if t is not None and t < best_t:
                 best_down, best_t = d, t
         best_by_m[block_m] = MoEPlan(False, best_gu, best_down)
-    # the finalists and the heuristic, interleaved three times: medians
+    # the finalists (each block_m's best tiles, the overall best with each plan option) and the heuristic,
+    # interleaved three times: medians
     finalists = {"heuristic": heuristic, **{f"m{m}": p for m, p in best_by_m.items()}}
+    if best_by_m:
+        top = min(best_by_m.values(), key=lambda p: problem.time_plan(inputs, p, pdl) or float("inf"))
+        finalists.update({"y16": replace(top, y_fp32=False), "act": replace(top, fused_act=False),
+                          "y16+act": replace(top, y_fp32=False, fused_act=False)})
     times = {name: [] for name in finalists}
     for _ in range(3):
         for name, plan in finalists.items():
@@ -151,6 +156,7 @@ def tune_batch(problem: Problem, num_tokens: int, pdl: bool) -> dict:
     best = min((n for n in medians if n != "heuristic"), key=medians.get, default="heuristic")
     plan = finalists[best]
     return {"tokens": num_tokens, "best": best, "gate_up": plan.gate_up.as_list(), "down": plan.down.as_list(),
+            "y_fp32": plan.y_fp32, "fused_act": plan.fused_act,
             "us": medians.get(best), "heuristic_us": medians.get("heuristic"), "finalists_us": medians,
             "align_us": problem.time_align(inputs, plan.gate_up.block_m, pdl),
             "grouped_mm_us": problem.time_grouped_mm(inputs), "candidates": rows}
@@ -166,11 +172,12 @@ def run(shape=(128, 2048, 768, 8), dtype="bfloat16", batches=BATCHES, out_dir="b
     for t in batches:
         r = tune_batch(problem, t, pdl)
         results.append(r)
-        print(f"T={t:5d}: best {r['best']:9s} gu {r['gate_up']} down {r['down']} {r['us']:8.1f} us "
+        print(f"T={t:5d}: best {r['best']:9s} gu {r['gate_up']} down {r['down']} {r['us']:8.1f} us {r['finalists_us']} "
               f"(heuristic {r['heuristic_us']:8.1f}), align {r['align_us']:.1f} us, grouped_mm "
               f"{r['grouped_mm_us'] or float('nan'):.1f} us  [{time.time() - t0:.0f} s]", flush=True)
     entry = {"device": device, "dtype": dtype, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
-             "tiles": [{"max_tokens": r["tokens"], "gate_up": r["gate_up"], "down": r["down"]} for r in results]}
+             "tiles": [{"max_tokens": r["tokens"], "gate_up": r["gate_up"], "down": r["down"],
+                        "y_fp32": r["y_fp32"], "fused_act": r["fused_act"]} for r in results]}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "moe_tiles_" + "".join(c if c.isalnum() else "_" for c in device) + ".json"

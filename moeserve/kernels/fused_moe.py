@@ -140,10 +140,11 @@ def _moe_down_kernel(
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, USE_PDL: tl.constexpr,
-    LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1,
+    LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1, FUSED_ACT: tl.constexpr = True,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
-    as the A tile is loaded; the routing weight scales base and delta together."""
+    as the A tile is loaded (FUSED_ACT; else gu_ptr holds h itself, [pairs, K]); the routing weight scales
+    base and delta together. y is stored in y_ptr's dtype."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
@@ -161,14 +162,19 @@ def _moe_down_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             gate = tl.load(gate_ptrs, mask=pair_ok[:, None], other=0.0)
-            up = tl.load(gate_ptrs + K, mask=pair_ok[:, None], other=0.0)
+            if FUSED_ACT:
+                up = tl.load(gate_ptrs + K, mask=pair_ok[:, None], other=0.0)
             b = tl.load(b_ptrs)
         else:
             k_ok = offs_k < K - k0
             gate = tl.load(gate_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-            up = tl.load(gate_ptrs + K, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+            if FUSED_ACT:
+                up = tl.load(gate_ptrs + K, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        a = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(b.dtype)
+        if FUSED_ACT:
+            a = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(b.dtype)
+        else:
+            a = gate
         acc = tl.dot(a, b, acc)
         gate_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -181,7 +187,19 @@ def _moe_down_kernel(
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     acc = acc * weights[:, None]
     out_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
-    tl.store(out_ptrs, acc, mask=pair_ok[:, None] & (offs_n < N)[None, :])
+    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=pair_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, h_ptr, N, stride_gu, stride_h, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    """h[pair] = silu(gu[pair, :N]) * gu[pair, N:] (rows of unrouted pairs hold garbage and are never read)."""
+    pdl_launch.enter(USE_PDL)
+    pair = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < N
+    gate = tl.load(gu_ptr + pair * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + pair * stride_gu + N + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(h_ptr + pair * stride_h + offs, silu_mul(gate, up).to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -343,7 +361,7 @@ def _topk_sum_kernel(
         pair = token * top_k + k
         expert = tl.load(topk_ids_ptr + pair + offs_n * 0)  # broadcast: one mask dtype everywhere
         ok = n_ok & (expert >= 0) & (expert < num_experts)
-        acc += tl.load(y_ptr + pair.to(tl.int64) * stride_y + offs_n, mask=ok, other=0.0)
+        acc += tl.load(y_ptr + pair.to(tl.int64) * stride_y + offs_n, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n,
              acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -469,17 +487,23 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         RANK_STEP=RANK_STEP, UP_HALF=up_half, LORA_ITEMS=0 if up_half else items,  # up halves: the walk only
         GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
 
-    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
+    act = gu  # the down GEMM's A: gu with SiLU*up applied as it loads, or h computed by its own kernel
+    if not plan.fused_act:
+        act = torch.empty(num_pairs, inter, dtype=x.dtype, device=dev)
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(num_pairs, triton.cdiv(inter, block))](
+            gu, act, inter, gu.stride(0), act.stride(0), BLOCK_N=block, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=dev)
     t = plan.down
     ptrs, strides, k_splits = epilogue_lora(True, gu, plan.lora_down_splits)
     _moe_down_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
-        gu, w2, y, topk_weights, aligned.sorted_ids, aligned.block_groups, *ptrs,
+        act, w2, y, topk_weights, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, hidden, inter,
-        gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, LORA_ITEMS=items, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        RANK_STEP=RANK_STEP, LORA_ITEMS=items, GROUP_M=t.group_m, FUSED_ACT=plan.fused_act, USE_PDL=pdl,
+        launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 

@@ -67,12 +67,13 @@ def _align_count_kernel(ids_ptr, hist_ptr, num_pairs, num_groups,
 def _align_place_kernel(
     ids_ptr, hist_ptr, sorted_ids_ptr, block_groups_ptr, num_padded_ptr, cursor_ptr,
     num_pairs, num_groups, num_chunks, max_blocks,
-    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_P2: tl.constexpr,
-    BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, LOG2_BINS: tl.constexpr, CHUNK: tl.constexpr,
+    CHUNKS_P2: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Programs [0, num_chunks) place their chunk's pairs; the rest fill padding rows and block groups
     of BLOCK_B blocks each. Both write disjoint rows of sorted_ids, so no ordering between them is needed.
-    CHUNKS_P2 == 1: one chunk, whose histogram every program counts itself (no count kernel before)."""
+    CHUNKS_P2 == 1: one chunk, whose histogram every program counts itself (no count kernel before).
+    Scratch (`cursor_ptr`): a row of 3 * NUM_BINS int32 per program, its own."""
     pdl_launch.enter(USE_PDL)
     pid = tl.program_id(0)
     bins = tl.arange(0, NUM_BINS)
@@ -94,7 +95,7 @@ def _align_place_kernel(
     if pid < num_chunks:
         # 2. each pair of the chunk claims the next row of its group past the earlier chunks' pairs. The order
         #    inside a chunk's share of a group is not fixed (atomics): rows are independent downstream.
-        cursor = cursor_ptr + pid * NUM_BINS
+        cursor = cursor_ptr + pid * 3 * NUM_BINS
         tl.store(cursor + bins, starts + before)
         tl.debug_barrier()
         offs = pid * CHUNK + tl.arange(0, CHUNK)
@@ -103,19 +104,29 @@ def _align_place_kernel(
         row = tl.atomic_add(cursor + groups, 1, mask=valid)
         tl.store(sorted_ids_ptr + row, offs, mask=valid)
     else:
-        # 3. blocks [b0, b0 + BLOCK_B): group = groups ending at or before the block's first row; rows past
-        #    the group's pairs, and every row of a block past the end, hold the sentinel num_pairs
+        # 3. blocks [b0, b0 + BLOCK_B): group = groups ending at or before the block's first row (a binary search
+        #    in this program's scratch row of group ends: the last bin is never a real group, so it ends at
+        #    `total`); rows past the group's pairs, and every row of a block past the end, hold the sentinel
         q = pid - num_chunks
         if q == 0:
             tl.store(num_padded_ptr, total)
+        row_ends = cursor_ptr + pid * 3 * NUM_BINS
+        tl.store(row_ends + bins, ends)
+        tl.store(row_ends + NUM_BINS + bins, starts)
+        tl.store(row_ends + 2 * NUM_BINS + bins, counts)
+        tl.debug_barrier()
         blocks = q * BLOCK_B + tl.arange(0, BLOCK_B)
         first_row = blocks * BLOCK_M
-        group = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)
+        group = tl.zeros([BLOCK_B], dtype=tl.int32)
+        for i in tl.static_range(LOG2_BINS):
+            step = NUM_BINS >> (i + 1)
+            end = tl.load(row_ends + group + step - 1)
+            group = tl.where(end <= first_row, group + step, group)
         in_use = first_row < total
         tl.store(block_groups_ptr + blocks, tl.where(in_use, group, -1), mask=blocks < max_blocks)
-        mine = bins[None, :] == group[:, None]
-        g_start = tl.sum(tl.where(mine, starts[None, :], 0), 1)
-        g_count = tl.sum(tl.where(mine, counts[None, :], 0), 1)
+        g = tl.minimum(group, NUM_BINS - 1)
+        g_start = tl.load(row_ends + NUM_BINS + g)
+        g_count = tl.load(row_ends + 2 * NUM_BINS + g)
         rows = first_row[:, None] + tl.arange(0, BLOCK_M)[None, :]
         pad = (~in_use[:, None]) | (rows - g_start[:, None] >= g_count[:, None])
         tl.store(sorted_ids_ptr + rows, tl.zeros([BLOCK_B, BLOCK_M], dtype=tl.int32) + num_pairs,
@@ -146,22 +157,24 @@ def moe_align(
     chunk = min(align_chunk(num_pairs, chunk), max(16, triton.next_power_of_2(num_pairs)))
     num_chunks = triton.cdiv(num_pairs, chunk)
     chunks_p2 = triton.next_power_of_2(num_chunks)
-    block_b = max(1, min(128, 8192 // block_m))  # blocks per padding program: an [8192] tile of rows
+    block_b = max(1, min(64, 4096 // block_m))  # blocks per padding program: a [4096] tile of rows
     dev = topk_ids.device
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     block_groups = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    cursors = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=dev)
+    grid = num_chunks + triton.cdiv(max_blocks, block_b)
+    scratch = torch.empty(grid * 3 * num_bins, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous()
-    hist = cursors  # one chunk: no histograms to pass
+    hist = scratch  # one chunk: no histograms to pass
     if num_chunks > 1:
         hist = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=dev)
         _align_count_kernel[(num_chunks,)](ids, hist, num_pairs, num_experts, CHUNK=chunk, NUM_BINS=num_bins,
                                            USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
-    _align_place_kernel[(num_chunks + triton.cdiv(max_blocks, block_b),)](
-        ids, hist, sorted_ids, block_groups, num_padded, cursors,
+    _align_place_kernel[(grid,)](
+        ids, hist, sorted_ids, block_groups, num_padded, scratch,
         num_pairs, num_experts, num_chunks, max_blocks,
-        BLOCK_M=block_m, NUM_BINS=num_bins, CHUNK=chunk, CHUNKS_P2=chunks_p2, BLOCK_B=block_b,
+        BLOCK_M=block_m, NUM_BINS=num_bins, LOG2_BINS=num_bins.bit_length() - 1, CHUNK=chunk,
+        CHUNKS_P2=chunks_p2, BLOCK_B=block_b,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return AlignedBlocks(sorted_ids, block_groups, num_padded)

@@ -54,6 +54,11 @@ class MoEPlan:
     # lost or tied on the H200 at every T and were removed.)
     lora_epilogue_items: int = 0  # >0 (power of 2): that many (slot, rank step) items loaded at
     #                              once and added in one dot, the rest walked as with 0
+    # sorted path: the per-pair outputs summed over top-k kept in fp32 (else in the activations' dtype: half the
+    # bytes written and read again at large T); SiLU*up applied as the down GEMM loads its A tile (else by its
+    # own kernel into [pairs, I], which the down GEMM then reads as a plain operand)
+    y_fp32: bool = True
+    fused_act: bool = True
 
 
 @dataclass(frozen=True)
@@ -159,12 +164,16 @@ def _device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
+PLAN_OPTIONS = ("y_fp32", "fused_act")  # MoEPlan fields a table row may set besides the tiles
+
+
 def _read_table(path: Path) -> dict:
-    """{(device name, problem key): [(max_tokens, gate_up tile, down tile), ...] ascending}."""
+    """{(device name, problem key): [(max_tokens, gate_up tile, down tile, plan options), ...] ascending}."""
     table = {}
     for entry in json.loads(path.read_text())["entries"]:
         key = (entry["device"], (entry["experts"], entry["hidden"], entry["inter"], entry["top_k"], entry["dtype"]))
-        rows = [(row["max_tokens"], GemmTile(*row["gate_up"]), GemmTile(*row["down"])) for row in entry["tiles"]]
+        rows = [(row["max_tokens"], GemmTile(*row["gate_up"]), GemmTile(*row["down"]),
+                 {k: bool(row[k]) for k in PLAN_OPTIONS if k in row}) for row in entry["tiles"]]
         table[key] = sorted(rows, key=lambda r: r[0])
     return table
 
@@ -179,9 +188,10 @@ def tile_table(extra: str | None = None) -> dict:
 
 
 def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
-                table: dict | None = None) -> tuple[GemmTile, GemmTile] | None:
-    """The table's (gate_up, down) tiles for the smallest tuned token count >= num_tokens (the largest one
-    beyond the table), or None where the table (default: tile_table()) has no entry for this GPU and problem."""
+                table: dict | None = None) -> tuple[GemmTile, GemmTile, dict] | None:
+    """The table's (gate_up tile, down tile, plan options) for the smallest tuned token count >= num_tokens (the
+    largest one beyond the table), or None where the table (default: tile_table()) has no entry for this GPU and
+    problem."""
     if device_name is None:
         return None
     if table is None:
@@ -189,10 +199,10 @@ def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
     rows = table.get((device_name, problem.key()))
     if not rows:
         return None
-    for max_tokens, gate_up, down in rows:
+    for max_tokens, gate_up, down, options in rows:
         if num_tokens <= max_tokens:
-            return gate_up, down
-    return rows[-1][1], rows[-1][2]
+            return gate_up, down, options
+    return rows[-1][1:]
 
 
 def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False,
@@ -205,5 +215,5 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: 
     if not plan.decode and not lora:
         tuned = tuned_tiles(num_tokens, problem, _device_name(problem.device))
         if tuned is not None and tuned[0].block_m == tuned[1].block_m:
-            plan = replace(plan, gate_up=tuned[0], down=tuned[1])
+            plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
     return fit_plan(plan, problem.dtype, problem.device)
