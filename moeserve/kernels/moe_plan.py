@@ -4,7 +4,8 @@ The sorted path's base tiles come from a table of tuned tiles shipped as data (`
 GPU name, dtype and problem shape (experts, hidden, intermediate, top-k), one entry per token count tuned
 (`python -m moeserve.bench.kernels --tune` regenerates it for another GPU or shape; `MOESERVE_MOE_TILES=PATH`
 adds a table of one's own in front of the shipped one). Problems the table does not hold take the heuristic
-of `heuristic_plan`. Calls with LoRA take the heuristic's LoRA plan (its epilogue was tuned on those tiles).
+of `heuristic_plan`. Calls with LoRA take the heuristic's LoRA tiles (its epilogue was tuned on those) with the
+table's options (bf16 top-k partials, SiLU*up by its own kernel), which decide how rows without an adapter round.
 
 Every plan is fitted to the dtype it runs in and the device's shared memory before use (`fit_tile`): a tile
 chosen for bf16 would ask fp32 for more than the GPU has.
@@ -212,8 +213,9 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: 
     plan = heuristic_plan(num_tokens, top_k, decode, lora)
     if problem is None:
         return plan
-    if not plan.decode and not lora:
+    if not plan.decode:
         tuned = tuned_tiles(num_tokens, problem, _device_name(problem.device))
         if tuned is not None and tuned[0].block_m == tuned[1].block_m:
-            plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
+            # LoRA calls keep their own tiles but take the options, which decide how base rows round
+            plan = replace(plan, **tuned[2]) if lora else replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
     return fit_plan(plan, problem.dtype, problem.device)
