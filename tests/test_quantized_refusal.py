@@ -114,3 +114,15 @@ def test_narrow_tensor_without_a_quantization_config_is_refused_by_name(tiny_mod
     with pytest.raises(ValueError, match=f"checkpoint tensor '{name}' has dtype (F8_E4M3|I8), but config.json "
                                          "declares no quantization_config"):
         Engine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=16))
+
+
+def test_the_server_path_reports_the_refusal_as_a_config_error(fp8_model):
+    """`moeserve serve` starts the engine core in its own process: the refusal crosses to the frontend as a
+    ValueError with its message, which the command line prints as `error: ...`."""
+    import asyncio
+
+    from moeserve.runtime.core_client import EngineClient
+
+    with pytest.raises(ValueError, match="quantization method 'fp8' .config.json quantization_config. is not "
+                                         "supported; supported: none"):
+        asyncio.run(EngineClient.start(EngineConfig(model=str(fp8_model), device="cpu"), "ERROR"))
