@@ -343,6 +343,7 @@ class EngineCore:
             del runner
             gc.collect()
             if self.config.device.startswith("cuda"):
+                torch.cuda.synchronize()  # a step still in flight finishes before its memory goes back
                 torch.cuda.empty_cache()
 
     # ---- introspection --------------------------------------------------------------------------
