@@ -165,6 +165,10 @@ class EngineConfig:
         if self.lora_modules and not self.enable_lora:
             logger.info("lora_modules (--lora-modules) given: enabling LoRA")
             self.enable_lora = True
+        if self.model is not None and os.path.isdir(self.model):  # a missing folder is reported by the engine
+            from moeserve.models.quantization import checkpoint_quantization
+
+            checkpoint_quantization(self.model)  # a quantization_config not implemented: refused before any load
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"{flag('lora_dir')} {self.lora_dir!r} is not a directory")
         if self.lora_modules:

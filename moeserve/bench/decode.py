@@ -1,6 +1,6 @@
 """Decode throughput by LoRA mode: base, idle-single, idle-dual, active, mixed, eager.
 
-Protocol (DESIGN.md §7): random bf16 weights N(0, 0.02) in real shapes built on the GPU; B sequences
+Protocol (docs/benchmarks.md, "Decode"): random bf16 weights N(0, 0.02) in real shapes built on the GPU; B sequences
 with a 512-token context already in the KV cache (prefill excluded); 128 timed decode steps, each the
 engine's own step minus scheduling: batch construction, graph replay (or eager forward), logits,
 greedy pick and the host read of the tokens. tokens/s = B * steps / time, median of repeats.

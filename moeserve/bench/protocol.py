@@ -1,4 +1,4 @@
-"""The serving protocol of DESIGN.md §7 in one run: what users see, beside what the GPU can do.
+"""The serving protocol (docs/benchmarks.md, "Serving") in one run: what users see, beside what the GPU can do.
 
 1. `bench decode` at B = 1 and 256 (graph step, base and idle-dual), in its own process.
 2. `moeserve serve --load-format dummy` at the preset's shape, started once per server flavour:

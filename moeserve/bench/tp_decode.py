@@ -1,6 +1,6 @@
 """Decode throughput with the model split across GPUs (tensor / expert parallelism) against one GPU.
 
-The same protocol as `bench decode` (DESIGN.md §7): random bf16 weights (--load-format dummy), B sequences
+The same protocol as `bench decode` (docs/benchmarks.md, "Decode"): random bf16 weights (--load-format dummy), B sequences
 with a 512-token context in the KV cache (prefill excluded), `steps` timed decode steps, tokens/s =
 B * steps / time, median of repeats. Each step is the engine core runner's own `launch` + `collect`: under
 parallelism that includes sending the step's plan to the other ranks, the graph replay with its collectives,

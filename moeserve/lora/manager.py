@@ -322,7 +322,7 @@ class LoRAManager:
 
     def identity(self, seq: Sequence) -> tuple[str, int] | None:
         """(name, version) of the adapter version seq is bound to (after acquire): what a prefix-cache key
-        holds (DESIGN invariant 9) — versions of a name are never reused, also after an unload."""
+        holds (docs/architecture.md, invariant 9) — versions of a name are never reused, also after an unload."""
         v = self._bound.get(seq)
         return (v.name, v.version) if v is not None else None
 

@@ -3,7 +3,8 @@
 Checkpoint names map onto one internal layout: fused q|k|v, fused gate|up, and experts
 stacked as w13 [E, 2I, H] / w2 [E, H, I] whether the files store them per expert
 (`experts.N.gate_proj`, Mixtral `w1/w3/w2`) or fused (`experts.gate_up_proj`).
-A missing or mis-shaped tensor is an error that names it.
+A missing or mis-shaped tensor is an error that names it. A quantized checkpoint is refused by its method before
+any weight file is opened, and a quantized or integer tensor in a plain one by its name (models/quantization.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from moeserve.distributed.parallel_state import ParallelState
 from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices
 from moeserve.models.moe_decoder import MoEForCausalLM
+from moeserve.models.quantization import check_tensor_dtype, checkpoint_quantization
 from moeserve.models.spec import ModelSpec
 
 logger = logging.getLogger("moeserve")
@@ -28,9 +30,10 @@ class CheckpointError(ValueError):
 
 
 class _Tensors:
-    """Name -> tensor access across one or many safetensors files."""
+    """Name -> tensor access across one or many safetensors files. `quant_method`: the checkpoint's quantization
+    method (None: plain float weights, every tensor's dtype checked when its file is opened)."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, quant_method: str | None = None):
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -48,6 +51,7 @@ class _Tensors:
                 raise CheckpointError(f"{model_dir / f}: cannot read safetensors ({e})") from e
             self.handles[f] = h
             for k in h.keys():
+                check_tensor_dtype(k, h.get_slice(k).get_dtype(), quant_method)  # the header only, no data read
                 self.where[k] = f
         self.used: set[str] = set()
 
@@ -71,8 +75,8 @@ class _ShardedTensors(_Tensors):
     """Name -> this rank's slice of the tensor (distributed/sharding.py), read with safetensors' get_slice:
     a rank reads only the bytes it holds, never a whole file. Shapes are checked against the full tensor."""
 
-    def __init__(self, model_dir: Path, sharding: TensorSharding):
-        super().__init__(model_dir)
+    def __init__(self, model_dir: Path, sharding: TensorSharding, quant_method: str | None = None):
+        super().__init__(model_dir, quant_method)
         self.sharding = sharding
         if sharding.expert_parallel:  # other ranks' per-expert tensors are theirs to read, not unused
             e0, e1 = sharding.expert_range()
@@ -132,14 +136,15 @@ def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dty
                progress: bool = False, load_format: str = "auto", seed: int = 0,
                tp: ParallelState | None = None, linear_backend: str = "torch", pdl: bool = False) -> MoEForCausalLM:
     """`tp`: load this rank's shard of a tensor-parallel model (each rank reads only its slices)."""
+    quant_method = checkpoint_quantization(model_dir)  # refuses what is not implemented, before any weight file opens
     if load_format == "dummy":
         logger.info("random weights (--load-format dummy): outputs are meaningless; for benchmarks")
         return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend, tp=tp,
                             linear_backend=linear_backend, pdl=pdl)
     model_dir = Path(model_dir)
     sharded = tp is not None and tp.world_size > 1
-    tensors = _ShardedTensors(model_dir, TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel)) if sharded \
-        else _Tensors(model_dir)
+    tensors = _ShardedTensors(model_dir, TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel),
+                              quant_method) if sharded else _Tensors(model_dir, quant_method)
     with torch.device(device):
         model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp,
                                linear_backend=linear_backend, pdl=pdl).to(dtype)

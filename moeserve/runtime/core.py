@@ -11,11 +11,14 @@ wasted row in step n+1, whose result is dropped.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from moeserve.config import EngineConfig
 from moeserve.distributed.parallel_state import RankFailure
@@ -33,6 +36,10 @@ logger = logging.getLogger("moeserve")
 
 class RequestError(ValueError):
     """A request the engine refuses; the message says why."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down: it takes no more requests or calls."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,7 @@ class EngineCore:
         )
         self.seqs: dict[str, Sequence] = {}
         self.inflight: InFlightStep | None = None
+        self.closed = False
         self._ids = itertools.count()
         self._seeds = random.Random(cfg.seed)  # seeds of requests that bring none
         self.stats_counters = {"requests_total": 0, "requests_rejected": 0, "prompt_tokens_total": 0,
@@ -162,6 +170,7 @@ class EngineCore:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     lora: str | None = None, request_id: str | None = None) -> str:
         """Queue a request; raises (RequestError, ValueError, LookupError) naming the problem if it is refused."""
+        self.check_open()
         params = params or SamplingParams()
         try:
             params = self.limits.check(list(prompt_token_ids), params)
@@ -201,11 +210,12 @@ class EngineCore:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.inflight is not None
+        return not self.closed and (self.scheduler.has_work() or self.inflight is not None)
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
         """Launch the next step, then report what the previous one produced."""
+        self.check_open()
         sb = self.scheduler.schedule()
         outputs = [self._fail(seq, seq.error) for seq in list(self.scheduler.failed)]
         launched = None
@@ -298,6 +308,7 @@ class EngineCore:
         """Load an adapter under `name`. `replace=True` reloads a loaded name (weight sync): the new weights go
         into another slot as a new version; requests already started finish on the old version (its slot
         frees when they end), every request starting later uses the new one (LoRAManager docstring)."""
+        self.check_open()
         if self.lora_manager is None:
             raise RequestError("LoRA is not enabled (start the engine with enable_lora=True, --enable-lora)")
         self.lora_manager.register(name, path, pinned=pinned, queued=list(self.seqs.values()), replace=replace)
@@ -305,6 +316,7 @@ class EngineCore:
     def unload_lora(self, name: str) -> None:
         """Unload with draining: requests for `name` are refused from now on (it is no longer listed); queued
         and running ones finish; then its slot is zeroed and the name can be loaded again."""
+        self.check_open()
         if self.lora_manager is None:
             raise RequestError("LoRA is not enabled")
         self.lora_manager.unregister(name)
@@ -312,8 +324,36 @@ class EngineCore:
     def list_loras(self) -> list[str]:
         return self.lora_manager.names() if self.lora_manager else []
 
+    # ---- lifetime -------------------------------------------------------------------------------
+    def check_open(self) -> None:
+        if self.closed:
+            raise EngineShutdownError("this engine has been shut down (shutdown() was called); create a new one")
+
+    def shutdown(self) -> None:
+        """Release what the engine holds: tensor-parallel workers stop and the process group is left (a later
+        engine in this process can start one), graphs, weights, KV cache and adapter slots are freed. Requests
+        not finished are dropped. Idempotent; every later request or call raises EngineShutdownError."""
+        if self.closed:
+            return
+        self.closed = True
+        runner, self.inflight = self.runner, None
+        try:
+            if hasattr(runner, "shutdown"):  # tensor parallel: the workers, the process group, the graphs
+                runner.shutdown()
+        finally:
+            runner.graph_runner = None  # graphs hold their memory pool until destroyed
+            self.seqs.clear()
+            # the scheduler and LoRA manager reach the slot pool, the runner the weights and KV cache
+            self.runner = self.lora_manager = self.scheduler = self.allocator = None
+            del runner
+            gc.collect()
+            if self.config.device.startswith("cuda"):
+                torch.cuda.synchronize()  # a step still in flight finishes before its memory goes back
+                torch.cuda.empty_cache()
+
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:
+        self.check_open()
         s = dict(self.stats_counters)
         s.update(
             num_running=len(self.scheduler.running),

@@ -2,16 +2,21 @@
 
 A bad request raises ValueError (or LoRA errors) from add_request and never reaches the
 scheduler, so one client's mistake cannot disturb anybody else's generation.
+
+`shutdown()` (or leaving a `with Engine(...) as engine:` block) releases the engine: its device memory, its
+graphs and its tensor-parallel workers; another engine may then start in the same process.
 """
 from __future__ import annotations
 
+import os
+
 from moeserve.config import EngineConfig
-from moeserve.runtime.core import EngineCore, RequestError
+from moeserve.runtime.core import EngineCore, EngineShutdownError, RequestError
 from moeserve.runtime.output_processor import OutputProcessor, RequestState
 from moeserve.runtime.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
 
-__all__ = ["Engine", "RequestError"]
+__all__ = ["Engine", "EngineShutdownError", "RequestError"]
 
 
 class Engine:
@@ -34,7 +39,10 @@ class Engine:
                     lora: str | None = None, request_id: str | None = None, prompt_text: str | None = None) -> str:
         """Queue a request; raises (RequestError, ValueError, LookupError) naming the problem if it is refused.
         `prompt_text`: the text token-id prompts came from (echoed back in outputs), if the caller tokenized."""
+        self.core.check_open()
         params = params or SamplingParams()
+        if lora is not None:
+            self._load_on_first_use(lora)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 self.core.stats_counters["requests_rejected"] += 1
@@ -103,6 +111,28 @@ class Engine:
         return self.tokenizer.chat_ids(messages)
 
     # ---- LoRA and introspection -----------------------------------------------------------------
+    def _load_on_first_use(self, name: str) -> None:
+        """As the server does: with runtime loading on and a lora_dir, an adapter name that is not loaded is
+        loaded now from the folder of that name inside lora_dir (symlinks resolved, never outside it). Anything
+        else is left to the core's checks, which name the problem."""
+        cfg, manager = self.config, self.core.lora_manager
+        if manager is None or not (cfg.enable_lora_runtime_loading and cfg.lora_dir) or name in manager.names():
+            return
+        from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
+        from moeserve.lora.manager import UnknownLoRAError
+
+        try:
+            validate_adapter_name(name)
+            root = os.path.realpath(cfg.lora_dir)
+            path = os.path.realpath(os.path.join(root, name))
+            if os.path.commonpath([root, path]) != root or not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+                raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded, and lora_dir (--lora-dir) has no "
+                                       f"adapter folder {name!r} ({CONFIG_FILE} inside it) to load it from")
+            self.core.load_lora(name, path)
+        except (ValueError, LookupError):
+            self.core.stats_counters["requests_rejected"] += 1
+            raise
+
     def load_lora(self, name: str, path: str, pinned: bool = False, replace: bool = False) -> None:
         """Load a PEFT adapter folder as `name`. `replace=True` reloads a loaded name (weight sync): requests already
         started finish on the old version, every request starting later uses the new one."""
@@ -110,6 +140,7 @@ class Engine:
 
     def lora_version(self, name: str) -> int:
         """The version new requests for `name` get: 1 at its first load, +1 per reload (replace=True)."""
+        self.core.check_open()
         if self.core.lora_manager is None:
             raise RequestError("LoRA is not enabled")
         return self.core.lora_manager.version(name)
@@ -122,3 +153,17 @@ class Engine:
 
     def stats(self) -> dict:
         return self.core.stats()
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Free the engine's device memory and graphs and stop its tensor-parallel workers (leaving the process
+        group, so another tensor-parallel engine can start in this process). Unfinished requests are dropped.
+        Idempotent; afterwards requests and calls raise EngineShutdownError."""
+        self.core.shutdown()
+        self.output = OutputProcessor(self.tokenizer)  # drops the dropped requests' states
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
