@@ -4,7 +4,7 @@ kernel after it (tests/test_gpu_first_request.py)."""
 import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
-from moeserve.runtime.warmup import warm_up, warmup_batches, warmup_token_counts
+from moeserve.runtime.warmup import decode_batches, eager_decode_sizes, warm_up, warmup_batches, warmup_token_counts
 
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
@@ -39,7 +39,7 @@ def test_warm_up_leaves_no_trace(tmp_path):
 
     cold, warm = engine(), engine()
     kv_before = [t.clone() for layer in warm.runner.model.kv_caches for t in layer]
-    warm_up(warm.runner, [1, 5, 33], with_lora=True, block_size=4)
+    warm_up(warm.runner, [1, 5, 33], with_lora=True, block_size=4, decode_sizes=[1, 3])
     kv_after = [t for layer in warm.runner.model.kv_caches for t in layer]
     block0 = [torch.equal(a[1:], b[1:]) for a, b in zip(kv_before, kv_after)]  # blocks past the dummy one
     assert all(block0)
@@ -48,3 +48,12 @@ def test_warm_up_leaves_no_trace(tmp_path):
     for lora in (None, "ad"):
         ours = [o.token_ids for o in warm.generate(prompts, GREEDY, lora=lora)]
         assert ours == [o.token_ids for o in cold.generate(prompts, GREEDY, lora=lora)]
+
+
+def test_eager_decode_sizes_are_those_no_graph_serves():
+    assert eager_decode_sizes(256, 256) == []
+    assert eager_decode_sizes(300, 256) == [257, 300]
+    sizes = eager_decode_sizes(40, None)  # no graphs: every decode step is eager
+    assert sizes[0] == 1 and sizes[-1] == 40 and any(b % 16 == 0 for b in sizes)
+    batches = decode_batches([3], [-1], block_size=4)
+    assert [(len(b.seqs), b.is_decode, b.num_new_tokens) for b in batches] == [(3, True, [1, 1, 1])]

@@ -152,10 +152,12 @@ class EngineCore:
         if not cfg.enforce_eager:
             self.runner.capture_graphs(progress=progress)
         if cfg.warmup and cfg.device.startswith("cuda"):
-            from moeserve.runtime.warmup import warm_up, warmup_token_counts
+            from moeserve.runtime.warmup import eager_decode_sizes, warm_up, warmup_token_counts
 
             counts = warmup_token_counts(cfg.max_num_batched_tokens, cfg.max_model_len)
-            warm_up(self.runner, counts, self.lora_manager is not None, cfg.block_size)
+            graphs = self.runner.graph_runner
+            decode = eager_decode_sizes(cfg.max_num_seqs, max(graphs.sizes) if graphs is not None else None)
+            warm_up(self.runner, counts, self.lora_manager is not None, cfg.block_size, decode)
 
     def info(self) -> dict:
         """What a frontend needs to know about this core (sent once, at start)."""

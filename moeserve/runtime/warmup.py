@@ -64,12 +64,28 @@ def warmup_batches(token_counts: list[int], lora_slots: list[int], block_size: i
     return batches
 
 
-def warm_up(runner, token_counts: list[int], with_lora: bool, block_size: int) -> float:
-    """Run the warm-up batches through `runner` (launch and collect, as a step does); seconds taken. LoRA batches
-    use slot 0 whatever it holds: the kernels compile the same for an empty slot (rank 0)."""
+def eager_decode_sizes(max_num_seqs: int, graph_max_bs: int | None) -> list[int]:
+    """Decode batch sizes that run eagerly (all of them without graphs; those above the largest graph with):
+    WARM_TOKENS in that range and the largest batch."""
+    low = 0 if graph_max_bs is None else graph_max_bs
+    return sorted({b for b in WARM_TOKENS if low < b <= max_num_seqs} | ({max_num_seqs} if max_num_seqs > low else set()))
+
+
+def decode_batches(sizes: list[int], lora_slots: list[int], block_size: int) -> list[ScheduledBatch]:
+    """Eager decode steps: B sequences of one cached block, one new token each."""
+    return [ScheduledBatch([_sequence(1, block_size, slot, block_size) for _ in range(b)], [1] * b, True)
+            for slot in lora_slots for b in sizes]
+
+
+def warm_up(runner, token_counts: list[int], with_lora: bool, block_size: int,
+            decode_sizes: list[int] = ()) -> float:
+    """Run the warm-up batches through `runner` (launch and collect, as a step does): prefills of `token_counts`
+    tokens and eager decode steps of `decode_sizes` rows; seconds taken. LoRA batches use slot 0 whatever it
+    holds: the kernels compile the same for an empty slot (rank 0)."""
     t0 = time.perf_counter()
     slots = [-1, 0] if with_lora else [-1]
-    for batch in warmup_batches(token_counts, slots, block_size):
+    for batch in warmup_batches(token_counts, slots, block_size) + decode_batches(list(decode_sizes), slots,
+                                                                                  block_size):
         runner.collect(runner.launch(batch))
     runner.prev_tokens = None
     seconds = time.perf_counter() - t0
