@@ -77,7 +77,7 @@ def _block_tile(pid, num_n, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % rows, (pid % per_group) // rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, gu_ptr, sorted_ids_ptr, block_groups_ptr,
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
@@ -131,7 +131,7 @@ def _moe_gate_up_kernel(
              mask=pair_ok[:, None] & (offs_n < N)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
 def _moe_down_kernel(
     gu_ptr, w_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, block_groups_ptr,
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,

@@ -53,7 +53,7 @@ def _chunk_histogram(ids_ptr, chunk, num_pairs, num_groups, CHUNK: tl.constexpr,
     return tl.histogram(groups, NUM_BINS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
 def _align_count_kernel(ids_ptr, hist_ptr, num_pairs, num_groups,
                         CHUNK: tl.constexpr, NUM_BINS: tl.constexpr, USE_PDL: tl.constexpr):
     """hist[chunk, g] = pairs of group g in the chunk (one program per chunk of CHUNK pairs)."""
@@ -63,7 +63,7 @@ def _align_count_kernel(ids_ptr, hist_ptr, num_pairs, num_groups,
     tl.store(hist_ptr + chunk * NUM_BINS + tl.arange(0, NUM_BINS), counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])  # sizes that vary by step: one compile
 def _align_place_kernel(
     ids_ptr, hist_ptr, sorted_ids_ptr, block_groups_ptr, num_padded_ptr, cursor_ptr,
     num_pairs, num_groups, num_chunks, max_blocks,

@@ -381,7 +381,7 @@ def _shrink_slot(a_base, out_ptrs, src_rows, mine, rank, k_lo, k_hi, K, stride_a
         tl.store(out_ptrs + r[None, :], acc, mask=mine[:, None] & r_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
 def _lora_block_shrink_kernel(
     src_ptr, a_ptr, scratch_ptr, slots_ptr, ranks_ptr, sorted_ids_ptr, block_groups_ptr,
     up_a_ptr, separate_ptr,
