@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     common = ["--model", str(model), "--load-format", "dummy", "--max-num-seqs", str(args.concurrency),
               "--log-level", "warning", *args.server_args.split()]
     adapters = []
-    if parts & {"lora", "norecord", "prefix"}:
+    if parts & {"lora", "norecord", "prefix", "cold"}:
         for i in range(NUM_ADAPTERS):
             adapters.append(f"ad{i}={write_adapter(model, out / 'adapters' / f'ad{i}', seed=i + 1)}")
     lora_flags = ["--enable-lora", "--max-loras", str(NUM_ADAPTERS), "--max-lora-rank", str(RANK),
