@@ -57,3 +57,19 @@ def test_eager_decode_sizes_are_those_no_graph_serves():
     assert sizes[0] == 1 and sizes[-1] == 40 and any(b % 16 == 0 for b in sizes)
     batches = decode_batches([3], [-1], block_size=4)
     assert [(len(b.seqs), b.is_decode, b.num_new_tokens) for b in batches] == [(3, True, [1, 1, 1])]
+
+
+def test_configured_adapters_are_resident_before_the_first_request(tmp_path):
+    """--lora-modules adapters are copied into free slots at start (in order, while slots are free), so the first
+    requests on them load nothing; one more adapter than slots waits for its first use."""
+    family = "olmoe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    paths = {name: str(make_peft_adapter(family, tmp_path / name, kind="attn+experts", rank=4, seed=i)[0])
+             for i, name in enumerate(["a", "b", "c"])}
+    engine = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", block_size=4, max_loras=2,
+                                 max_lora_rank=8, lora_modules=paths))
+    assert engine.stats()["lora_loads_total"] == 2
+    engine.generate([[5, 9, 30], [8, 1, 40]], GREEDY, lora=["a", "b"])
+    assert engine.stats()["lora_loads_total"] == 2  # both were resident
+    engine.generate([[5, 9, 30]], GREEDY, lora="c")
+    assert engine.stats()["lora_loads_total"] == 3

@@ -158,6 +158,23 @@ class LoRAManager:
                 self.pool.check_fits(adapter)
             self.register(name, path, adapter=adapter)
 
+    def preload_configured(self) -> int:
+        """Copy the adapters of lora_modules into free slots now, in order, while slots are free (they stay
+        evictable, as if used once): the first requests of a fresh server then find their adapter resident
+        instead of waiting for its copy to the device (about 1.3 GB a rank-16 adapter on every expert of a
+        48-layer model). Returns how many were loaded."""
+        loaded = 0
+        for name in self.config.lora_modules:
+            v = self.live.get(name)
+            if v is None or v.slot >= 0 or None not in self.slot_ver:
+                continue
+            adapter = self._adapter(v)
+            if adapter is None:
+                continue
+            self._load_into(self.slot_ver.index(None), v, adapter)
+            loaded += 1
+        return loaded
+
     def check_name(self, name: str, replace: bool = False) -> None:
         """Raise unless `name` may be registered now (valid; not loaded, or `replace`)."""
         if not isinstance(name, str) or not name or ":" in name:

@@ -118,6 +118,7 @@ class EngineCore:
                 self.lora_manager.pool = self.runner.shard_lora_pool(self.lora_manager.pool)
             self.runner.lora_pool = self.lora_manager.pool
             self.lora_manager.register_configured()
+            self.lora_manager.preload_configured()
         num_blocks = self.runner.allocate_kv_cache()
         self.allocator = BlockAllocator(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         fits = self.allocator.num_usable * cfg.block_size
