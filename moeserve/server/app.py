@@ -166,12 +166,14 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models():
+        # OpenAI's card, with vLLM's max_model_len, and vocab_size: the token ids a prompt may hold ([0, vocab_size)),
+        # which a client sending token ids (bench serve's random prompts) needs
+        shape = {"max_model_len": state.max_model_len, "vocab_size": engine.info["vocab_size"]}
         base = {"id": served_model_name, "object": "model", "created": state.created, "owned_by": "moeserve",
-                "root": served_model_name, "parent": None, "max_model_len": state.max_model_len}
+                "root": served_model_name, "parent": None, **shape}
         # "version": 1 at an adapter's first load, +1 per reload under its name (load_inplace)
         adapters = [{"id": name, "object": "model", "created": state.created, "owned_by": "moeserve",
-                     "root": name, "parent": served_model_name, "max_model_len": state.max_model_len,
-                     "version": version}
+                     "root": name, "parent": served_model_name, **shape, "version": version}
                     for name, version in engine.lora_versions.items()]
         return {"object": "list", "data": [base, *adapters]}
 
