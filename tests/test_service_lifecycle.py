@@ -198,3 +198,30 @@ def test_bad_flag_values_are_one_error_line(capsys, args, want):
     out, err = capsys.readouterr()
     assert rc == 2 and not out, (out, err)
     assert err.splitlines() == [err.strip()] and err.startswith("error: ") and want in err, err
+
+
+FORGOTTEN_CLIENT = """
+import asyncio, sys, threading
+from moeserve import EngineConfig
+from moeserve.runtime.core_client import EngineClient
+if __name__ == "__main__":
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    start = EngineClient.start(EngineConfig(model=sys.argv[1], device="cpu"), "WARNING")
+    client = asyncio.run_coroutine_threadsafe(start, loop).result(120)
+    print("core", client.proc.pid, flush=True)
+"""
+
+
+def test_a_client_never_shut_down_does_not_hang_the_exit(model_dir, tmp_path, leftovers):
+    """The serving core ignores SIGTERM (the frontend stops it after draining), which multiprocessing would stop it
+    with at the interpreter's exit before waiting for it without end; the client kills it first."""
+    script = tmp_path / "forgotten.py"
+    script.write_text(FORGOTTEN_CLIENT)
+    proc = subprocess.Popen([sys.executable, str(script), str(model_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=ENV)
+    leftovers.started.append(proc)
+    out = proc.communicate(timeout=120)[0]  # hung before the fix
+    assert proc.returncode == 0 and "core " in out and "ERROR" not in out, out
+    core = int(out.split("core ")[1].split()[0])
+    assert core not in leftovers() and not os.path.exists(f"/proc/{core}")  # killed and reaped

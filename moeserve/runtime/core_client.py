@@ -8,6 +8,7 @@ EngineDeadError and is logged once; nothing waits forever on a dead core.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import dataclasses
@@ -275,6 +276,7 @@ class EngineClient:
         self.proc = mp.Process(target=run_core, name="moeserve-engine-core", daemon=True,
                                args=(config_to_wire(self.config), inbox, outbox, os.getpid(), self.log_level))
         self.proc.start()
+        atexit.register(self._kill_at_exit)
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         loop.add_reader(self.proc.sentinel, lambda: exited.done() or exited.set_result(None))
@@ -307,6 +309,14 @@ class EngineClient:
         self.output = OutputProcessor(self.tokenizer)
         self._reader = asyncio.ensure_future(self._read())
         exited.add_done_callback(lambda _: self._on_exit())
+
+    def _kill_at_exit(self) -> None:
+        """A core still running as the interpreter exits (this client never shut down) is killed. Serving, it
+        ignores SIGTERM, which multiprocessing would stop it with before waiting for it to end: forever."""
+        if self.proc.is_alive():
+            self.dead = self.dead or "the interpreter is exiting"
+            self.proc.kill()
+            self.proc.join(5)
 
     def _stop_core(self) -> None:
         """Stop a core that may still be starting: SIGTERM ends a start, the message a core already serving."""
@@ -349,6 +359,7 @@ class EngineClient:
     async def _close(self, loop, timeout: float) -> None:
         """Reap the core process and release sockets, reader and threads."""
         self._closed = True
+        atexit.unregister(self._kill_at_exit)
         await loop.run_in_executor(None, self.proc.join, timeout)
         if self.proc.is_alive():
             self.proc.kill()
