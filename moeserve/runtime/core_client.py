@@ -299,11 +299,10 @@ class EngineClient:
             if self.tokenizer is not None:
                 per_token = await loop.run_in_executor(self._prep, max_token_bytes, self.tokenizer)
                 self.max_prompt_chars = self.info["max_model_len"] * max(per_token, 1)
-        except BaseException as e:
+        except BaseException:  # a failed start, or one abandoned (the server was told to stop)
             first.cancel()
             self.dead = "the engine core failed to start"
-            if isinstance(e, asyncio.CancelledError):  # abandoned (the server was told to stop): stop the core now
-                self._stop_core()
+            self._stop_core()
             await self._close(loop, timeout=10)
             raise
         self.output = OutputProcessor(self.tokenizer)
@@ -319,7 +318,7 @@ class EngineClient:
             self.proc.join(5)
 
     def _stop_core(self) -> None:
-        """Stop a core that may still be starting: SIGTERM ends a start, the message a core already serving."""
+        """Stop a core in any state: SIGTERM ends a start, the message a core already serving."""
         try:
             self._to_core.send(pack(["shutdown"]))
         except zmq.ZMQError:

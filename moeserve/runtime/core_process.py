@@ -268,6 +268,7 @@ def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, l
         except StartAbandoned:
             return
         except Exception as e:  # noqa: BLE001 - the frontend reports it and exits
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ending anyway: a SIGTERM now must not raise in the exit
             if isinstance(e, USER_ERRORS):  # the message says it all; the traceback is for --log-level debug
                 logger.debug("engine core failed to start", exc_info=True)
             else:
