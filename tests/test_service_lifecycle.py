@@ -113,11 +113,14 @@ def _core_pid(log: Path) -> int:
     pytest.param(signal.SIGTERM, True, "30", "length", id="sigterm-group"),
     # Ctrl-C reaches the process group; no drain time: aborted
     pytest.param(signal.SIGINT, True, "0", "abort", id="sigint-group-no-drain"),
+    # systemd with a tensor-parallel worker in the group too
+    pytest.param(signal.SIGTERM, True, "30", "length", id="sigterm-group-tp2"),
 ])
 def test_stop_signal_finishes_or_aborts_requests_and_exits_0(model_dir, tmp_path, leftovers, sig, group,
-                                                             shutdown_timeout, finish):
+                                                             shutdown_timeout, finish, request):
     log = tmp_path / "server.log"
-    proc, url = _start_server(leftovers, model_dir, log, "--shutdown-timeout", shutdown_timeout)
+    tp = ["--tensor-parallel-size", "2"] if request.node.callspec.id.endswith("tp2") else []
+    proc, url = _start_server(leftovers, model_dir, log, "--shutdown-timeout", shutdown_timeout, *tp)
     core = _core_pid(log)
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}

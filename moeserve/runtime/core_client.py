@@ -27,7 +27,7 @@ import zmq.asyncio
 from moeserve.config import EngineConfig
 from moeserve.lora.adapter import CONFIG_FILE, LoRAAdapterError, validate_adapter_name
 from moeserve.runtime.core import RequestError, RequestLimits
-from moeserve.runtime.core_process import USER_ERRORS, config_to_wire, pack, run_core, unpack
+from moeserve.runtime.core_process import ABANDON_SIGNAL, USER_ERRORS, config_to_wire, pack, run_core, unpack
 from moeserve.runtime.detokenizer import load_tokenizer
 from moeserve.runtime.output_processor import OutputProcessor, RequestState
 from moeserve.runtime.outputs import CoreOutput, RequestOutput
@@ -310,21 +310,21 @@ class EngineClient:
         exited.add_done_callback(lambda _: self._on_exit())
 
     def _kill_at_exit(self) -> None:
-        """A core still running as the interpreter exits (this client never shut down) is killed. Serving, it
-        ignores SIGTERM, which multiprocessing would stop it with before waiting for it to end: forever."""
+        """A core still running as the interpreter exits (this client never shut down) is killed. It ignores
+        SIGTERM, which multiprocessing would stop it with before waiting for it to end: forever."""
         if self.proc.is_alive():
             self.dead = self.dead or "the interpreter is exiting"
             self.proc.kill()
             self.proc.join(5)
 
     def _stop_core(self) -> None:
-        """Stop a core in any state: SIGTERM ends a start, the message a core already serving."""
+        """Stop a core in any state: ABANDON_SIGNAL ends a start, the message a core already serving."""
         try:
             self._to_core.send(pack(["shutdown"]))
         except zmq.ZMQError:
             pass
         if self.proc.is_alive():
-            self.proc.terminate()
+            os.kill(self.proc.pid, ABANDON_SIGNAL)
 
     @property
     def lora_names(self) -> tuple[str, ...]:

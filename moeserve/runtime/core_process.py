@@ -234,9 +234,12 @@ CORE_LOGGERS = ("moeserve",)
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
+ABANDON_SIGNAL = signal.SIGUSR1  # the frontend's "stop starting": SIGTERM and SIGINT are the service manager's
+
+
 class StartAbandoned(SystemExit):
-    """SIGTERM while starting: the frontend gave up on this start (it was itself told to stop). A SystemExit, so
-    that wherever it lands the process ends quietly with exit code 0."""
+    """ABANDON_SIGNAL while starting: the frontend gave up on this start (it was itself told to stop). A
+    SystemExit, so that wherever it lands the process ends quietly with exit code 0."""
 
 
 def _abandon_start(signum, frame):
@@ -246,13 +249,13 @@ def _abandon_start(signum, frame):
 def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, log_level: str = "INFO") -> None:
     """Entry point of the engine-core process.
 
-    Signals: SIGINT is ignored (Ctrl-C reaches the terminal's whole process group; the frontend decides what
-    stopping means, and tensor-parallel workers started from here inherit the disposition). SIGTERM abandons the
-    start while the model loads (the frontend sends it when it is stopped meanwhile) and is ignored once serving:
-    the core stops when its frontend says so, after the requests in flight have drained, or when the frontend is
-    gone (noticed within a second)."""
+    Signals: SIGINT and SIGTERM are ignored, here and in the tensor-parallel workers started from here (which
+    inherit that): Ctrl-C reaches the terminal's whole process group and systemd signals every process of the
+    service, but stopping is the frontend's to run. The core stops when its frontend says so, after the requests
+    in flight have drained, or when the frontend is gone (noticed within a second); ABANDON_SIGNAL ends a start."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _abandon_start)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(ABANDON_SIGNAL, _abandon_start)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [core]: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -268,14 +271,14 @@ def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, l
         except StartAbandoned:
             return
         except Exception as e:  # noqa: BLE001 - the frontend reports it and exits
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ending anyway: a SIGTERM now must not raise in the exit
+            signal.signal(ABANDON_SIGNAL, signal.SIG_IGN)  # ending anyway: the signal must not raise in the exit
             if isinstance(e, USER_ERRORS):  # the message says it all; the traceback is for --log-level debug
                 logger.debug("engine core failed to start", exc_info=True)
             else:
                 logger.exception("engine core failed to start")
             outbox.send(pack(["startup_failed", *error_wire(e)]))
             return
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(ABANDON_SIGNAL, signal.SIG_IGN)  # started: the frontend stops it with a message
         outbox.send(pack(["ready", core.info()]))
         server = CoreServer(core, inbox, outbox, parent_pid)
         with filter_repeats(loggers=CORE_LOGGERS):  # a failing step or request repeated: one line per interval
