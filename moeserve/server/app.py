@@ -359,7 +359,8 @@ async def _serve(config, sock, host, served_model_name, api_key, log_level, on_s
     import uvicorn
 
     starting = asyncio.ensure_future(EngineClient.start(config, log_level.upper()))
-    with StopSignals(on_stop=lambda why, count: starting.cancel()) as signals:
+    # a stop while the engine starts abandons the start (once: a second cancel would cut short its cleanup)
+    with StopSignals(on_stop=lambda why, count: count == 1 and starting.cancel()) as signals:
         try:
             client = await starting
         except asyncio.CancelledError:
@@ -400,6 +401,7 @@ async def _serve(config, sock, host, served_model_name, api_key, log_level, on_s
                     on_start(server, client)
             await serving
         finally:
+            signals.on_stop = None  # from here on the engine is being stopped anyway
             if drain is not None:
                 drain.cancel()
             gc.unfreeze()  # what the server held may go now (and leaks checkers at exit see no frozen objects)
