@@ -228,3 +228,35 @@ def test_a_client_never_shut_down_does_not_hang_the_exit(model_dir, tmp_path, le
     assert proc.returncode == 0 and "core " in out and "ERROR" not in out, out
     core = int(out.split("core ")[1].split()[0])
     assert core not in leftovers() and not os.path.exists(f"/proc/{core}")  # killed and reaped
+
+
+def test_stop_signal_while_the_engine_starts_abandons_the_start(model_dir, tmp_path, leftovers):
+    """systemd stopping the service while the model loads: the start is abandoned (the core and its tensor-parallel
+    worker stop), exit 0, nothing left. The signal is sent once the core's worker runs, long before the core is
+    ready: its ranks still have to meet and load their shards."""
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "moeserve", "serve", "--model", str(model_dir), "--port", str(_free_port()),
+           "--device", "cpu", "--tensor-parallel-size", "2"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+    leftovers.started.append(proc)
+    deadline = time.monotonic() + 120
+
+    def children(pid) -> list[str]:
+        try:
+            return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:  # gone meanwhile
+            return []
+
+    def grandchildren() -> list[str]:
+        return [g for k in children(proc.pid) for g in children(k)]
+
+    while not grandchildren():  # the core's worker
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(60) == 0, log.read_text()
+    text = log.read_text()
+    assert "stopped while the engine was starting" in text and "serving model" not in text, text
+    assert "ERROR" not in text and "Traceback" not in text, text
+    assert not leftovers(), (leftovers(), text)
