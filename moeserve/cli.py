@@ -87,28 +87,42 @@ def _make_tiny(args) -> int:
 
 
 def _serve(args) -> int:
-    from moeserve.server.app import serve_main
+    from moeserve.server.app import check_serve_args, listening_socket, serve_main
 
-    if args.model is None:
-        # the demo model with its demo adapters under their names (caps, brief), as the README's examples use it
-        from moeserve.lora.demo import ADAPTERS_DIR, demo_adapters
-        from moeserve.models.upcycle import demo_model_path
+    check_serve_args(args)
+    # bound first: a port in use is reported now, not after the model (or the demo model's first build) has loaded
+    sock = listening_socket(args.host, args.port)
+    try:
+        if args.model is None:
+            # the demo model with its demo adapters under their names (caps, brief), as the README's examples use it
+            from moeserve.lora.demo import ADAPTERS_DIR, demo_adapters
+            from moeserve.models.upcycle import demo_model_path
 
-        print("Building (first run only) or reusing the embedded demo model and its demo adapters", flush=True)
-        args.model = str(demo_model_path(progress=True))
-        adapters = demo_adapters(args.model, progress=True)
-        args.enable_lora = True
-        args.lora_modules = [*adapters.items(), *(args.lora_modules or [])]  # the user's win a clash of names
-        if args.enable_lora_runtime_loading and args.lora_dir is None:  # loads by name from the demo's adapters
-            args.lora_dir = os.path.join(args.model, ADAPTERS_DIR)
-    return serve_main(args) or 0
+            print("Building (first run only) or reusing the embedded demo model and its demo adapters", flush=True)
+            args.model = str(demo_model_path(progress=True))
+            adapters = demo_adapters(args.model, progress=True)
+            args.enable_lora = True
+            args.lora_modules = [*adapters.items(), *(args.lora_modules or [])]  # the user's win a clash of names
+            if args.enable_lora_runtime_loading and args.lora_dir is None:  # loads by name from the demo's adapters
+                args.lora_dir = os.path.join(args.model, ADAPTERS_DIR)
+    except BaseException:
+        sock.close()
+        raise
+    return serve_main(args, sock) or 0
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a mistake is one line naming it (not the usage of every flag first; --help has that)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser(argv=None) -> argparse.ArgumentParser:
     from moeserve.engine_args import add_engine_args
     from moeserve.models.tiny import TINY_FAMILIES
 
-    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
+    parser = ArgumentParser(prog="moeserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -174,9 +188,17 @@ def main(argv=None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from moeserve.runtime.core_client import EngineStartError
+
+        if not isinstance(e, EngineStartError):
+            raise
+        print(f"error: the engine failed to start: {e} (its log above has the details)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

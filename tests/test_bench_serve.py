@@ -36,7 +36,7 @@ def server(model_dir, tmp_path_factory):
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "moeserve.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning"]
+           "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning", "--max-model-len", "128"]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV)
     base = f"http://127.0.0.1:{port}"
@@ -93,7 +93,7 @@ def test_real_run(server, tmp_path, capsys):
     rc = bench.main(["--base-url", server, "--num-prompts", "12", "--max-concurrency", "4", "--random-input-len",
                      "8", "--random-output-len", "4", "--vocab-size", "512", "--logprobs", "0", "--num-warmups",
                      "2", "--save-result", "--result-dir", str(tmp_path), "--save-detailed"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert rc == 0, out
     m = _only_json(tmp_path)
     assert not [f for f in FIELDS if f not in m]
@@ -108,18 +108,51 @@ def test_real_run(server, tmp_path, capsys):
         assert 0 < m[f"p50_{name}_ms"] <= m[f"p90_{name}_ms"] <= m[f"p99_{name}_ms"], name
     assert m["mean_ttft_ms"] <= m["mean_e2el_ms"]
     assert "Serving Benchmark Result" in out and "P99 TPOT (ms):" in out
+    assert "12/12" in err  # the progress bar's last state
+
+
+def test_models_report_vocab_size_and_max_model_len(server):
+    card = json.loads(urllib.request.urlopen(server + "/v1/models", timeout=10).read())["data"][0]
+    assert (card["id"], card["object"], card["vocab_size"], card["max_model_len"]) == ("tiny", "model", 512, 128)
+
+
+def test_defaults_fit_the_server(server, tmp_path, capsys):
+    """No --vocab-size and lengths (256 in, 128 out) that do not fit max_model_len 128: the token ids come from the
+    server's vocab_size and both lengths are scaled down by one factor, so every request is answered."""
+    rc = bench.main(["--base-url", server, "--num-prompts", "3", "--save-result", "--result-dir", str(tmp_path),
+                     "--save-detailed", "--disable-tqdm"])
+    out, err = capsys.readouterr()
+    assert rc == 0, out
+    m = _only_json(tmp_path)
+    assert (m["completed"], m["failed"]) == (3, 0), m["errors"]
+    assert m["input_lens"] == [85] * 3 and m["output_lens"] == [42] * 3  # 256:128 scaled by 128/384
+    assert "note: lengths scaled to fit the server's max_model_len 128" in out
+    assert "requests" not in err  # --disable-tqdm: no bar
+
+
+def test_errors_are_counted_before_the_list_is_cut(capsys):
+    args = bench.build_parser().parse_args([])
+    results = [bench.Result(error="timeout after 600 s")] * 150 + [bench.Result(error="HTTP 400: bad")] * 3
+    m = bench.metrics(args, results, 1.0, "/v1/completions", "m")
+    assert len(m["errors"]) == bench.MAX_ERRORS and m["failed"] == 153
+    assert m["error_counts"] == {"timeout after 600 s": 150, "HTTP 400: bad": 3}
+    bench.print_table(args, m)
+    out = capsys.readouterr().out
+    assert "error (150x): timeout after 600 s" in out and "error (3x): HTTP 400: bad" in out
+    assert "150 request(s) timed out" in out
 
 
 def test_refused_requests_are_failures(server, tmp_path, capsys):
     rc = bench.main(["--base-url", server, "--model", "does-not-exist", "--num-prompts", "5", "--random-input-len",
                      "4", "--random-output-len", "2", "--vocab-size", "512", "--save-result", "--result-dir",
                      str(tmp_path), "--result-filename", "r.json"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert rc == 1  # nothing completed
     m = json.loads((tmp_path / "r.json").read_text())
     assert (m["completed"], m["failed"], m["total_output_tokens"]) == (0, 5, 0)
     assert len(m["errors"]) == 5 and all("404" in e and "does-not-exist" in e for e in m["errors"])
     assert "error (5x): HTTP 404" in out
+    assert "5/5" in err and "failed=5" in err  # the progress bar counts failures as they come
 
 
 def test_launch_server_chat(model_dir, tmp_path, capsys, monkeypatch):

@@ -3,16 +3,21 @@
 Protocol (DESIGN.md §7, "Serving protocol"): `--num-prompts` requests are sent to `--endpoint`
 (/v1/completions or /v1/chat/completions), arriving at `--request-rate` per second (Poisson, or gamma
 with `--burstiness`; inf = all at once), at most `--max-concurrency` in flight. Random prompts are
-lists of random token ids sent as the token-id `prompt` of /v1/completions, so input lengths are exact;
-`--ignore-eos` (default for random data) makes every request produce exactly its output length.
+lists of random token ids sent as the token-id `prompt` of /v1/completions, so input lengths are exact; the ids
+are drawn below the `vocab_size` GET /v1/models reports for the model (or --vocab-size), and input and output
+lengths are scaled down together, keeping their ratio, when the longest request would not fit its
+`max_model_len`. `--ignore-eos` (default for random data) makes every request produce exactly its output length.
 Streaming (default) asks for `stream_options.include_usage`; per request:
   TTFT = first chunk carrying text or logprobs, ITL = gaps between later such chunks,
   E2EL = whole request, TPOT = (E2EL - TTFT) / (output tokens - 1), output tokens from usage.
 A request with HTTP status != 200, an in-band `error` event, a connection error or a timeout counts
 as failed and keeps its error text. Throughputs divide by the wall time from the first send to the
-last answer. Prints a table; `--save-result` writes vLLM's JSON field names. Exit status 1 when no
-request completed.
+last answer. A progress bar counts answered and failed requests (--disable-tqdm: none). Prints a table and the
+most frequent errors with their counts; `--save-result` writes vLLM's JSON field names (`errors`: the first
+100; `error_counts`: every distinct error and how often). Exit status 1 when no request completed. The defaults
+(512 requests at once, 256 tokens in, 128 out) are sized for a GPU server; on CPU ask for less:
 
+    moeserve bench serve --num-prompts 32 --max-concurrency 8 --random-input-len 64 --random-output-len 32
     moeserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 512 --max-concurrency 256 \\
         --random-input-len 256 --random-output-len 128 --logprobs 0 --save-result
     moeserve bench serve --launch-server --max-concurrency 256 -- --model /models/Qwen3-30B-A3B --load-format dummy
@@ -88,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--random-prefix-len", type=int, default=0,
                    help="shared prefix of this many tokens before every random prompt (prefix caching)")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="random token ids in [min(1000, V/2), V) (default: [1000, 30000))")
+                   help="random token ids in [min(1000, V/2), V) (default: V = the vocab_size GET /v1/models "
+                        "reports; [1000, 30000) when it reports none)")
     g.add_argument("--num-prompts", type=int, default=512)
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("traffic")
@@ -114,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--result-dir", default=".")
     g.add_argument("--result-filename", default=None)
     g.add_argument("--label", default=None)
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     return p
 
 
@@ -122,7 +129,21 @@ def _lens(rng: random.Random, n: int, length: int, ratio: float, low: int) -> li
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def make_requests(args, model: str, chat: bool) -> list[Request]:
+def fit_lengths(args, max_model_len: int | None) -> tuple[int, int, int]:
+    """(prefix, input, output) lengths of random requests: the flags', or all three scaled down by one factor
+    when the longest request they allow (lengths at their range's top) would not fit max_model_len tokens."""
+    lens = (args.random_prefix_len, args.random_input_len, args.random_output_len)
+    grow = 1 + args.random_range_ratio
+    if max_model_len is None or lens[0] + int(lens[1] * grow) + int(lens[2] * grow) <= max_model_len:
+        return lens
+    f = max_model_len / (lens[0] + (lens[1] + lens[2]) * grow)  # the scaled lengths' top is at most max_model_len
+    prefix, inp, out = (int(n * f) for n in lens)
+    return prefix, max(inp, 0 if prefix else 1), max(out, 1)
+
+
+def make_requests(args, model: str, chat: bool, vocab_size: int | None = None,
+                  max_model_len: int | None = None) -> list[Request]:
+    """`vocab_size`, `max_model_len`: the server's, for random token-id prompts (--vocab-size wins)."""
     rng = random.Random(args.seed)
     n = args.num_prompts
     if args.dataset_name == "jsonl":
@@ -140,15 +161,18 @@ def make_requests(args, model: str, chat: bool) -> list[Request]:
             in_len = len(prompt) if isinstance(prompt, list) else 0  # 0: taken from usage later
             reqs.append(Request(prompt, in_len, int(row.get("output_len", args.random_output_len)), model))
     else:
-        lo, hi = (1000, 30000) if args.vocab_size is None else (min(1000, args.vocab_size // 2), args.vocab_size)
-        in_lens = _lens(rng, n, args.random_input_len, args.random_range_ratio, 0 if args.random_prefix_len else 1)
-        out_lens = _lens(rng, n, args.random_output_len, args.random_range_ratio, 1)
+        vocab = args.vocab_size or vocab_size
+        lo, hi = (1000, 30000) if vocab is None else (min(1000, vocab // 2), vocab)
+        # chat prompts are text, whose token count only the server knows: their lengths are the flags'
+        prefix_len, input_len, output_len = fit_lengths(args, None if chat else max_model_len)
+        in_lens = _lens(rng, n, input_len, args.random_range_ratio, 0 if prefix_len else 1)
+        out_lens = _lens(rng, n, output_len, args.random_range_ratio, 1)
         if chat:  # chat templates take text: one random word is about one token
-            prefix = " ".join(rng.choice(WORDS) for _ in range(args.random_prefix_len))
+            prefix = " ".join(rng.choice(WORDS) for _ in range(prefix_len))
             texts = [" ".join(rng.choice(WORDS) for _ in range(k)) for k in in_lens]
             reqs = [Request((prefix + " " + t).strip(), 0, o, model) for t, o in zip(texts, out_lens)]
         else:
-            prefix = [rng.randrange(lo, hi) for _ in range(args.random_prefix_len)]
+            prefix = [rng.randrange(lo, hi) for _ in range(prefix_len)]
             reqs = [Request(prefix + [rng.randrange(lo, hi) for _ in range(k)], len(prefix) + k, o, model)
                     for k, o in zip(in_lens, out_lens)]
     if args.lora_modules:  # which requests use an adapter: seeded; which adapter: round-robin
@@ -248,16 +272,25 @@ async def send(session, url: str, headers: dict, body: dict, req: Request, timeo
 
 async def run(args, url: str, headers: dict, reqs: list[Request], chat: bool, ignore_eos: bool):
     import aiohttp
+    from tqdm import tqdm
 
+    failed = [0]  # shown beside the progress bar
     limit = args.max_concurrency or 0  # 0 = unlimited connections
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit)) as session:
-        async def one(req: Request) -> Result:
+        async def one(req: Request, bar=None) -> Result:
             call = send(session, url, headers, payload(args, req, chat, ignore_eos), req, args.timeout)
             if sem is None:
-                return await call
-            async with sem:
-                return await call
+                res = await call
+            else:
+                async with sem:
+                    res = await call
+            if bar is not None:
+                failed[0] += not res.ok
+                if not res.ok:
+                    bar.set_postfix(failed=failed[0], refresh=False)
+                bar.update(1)
+            return res
 
         if args.num_warmups:
             warm = await asyncio.gather(*(one(reqs[i % len(reqs)]) for i in range(args.num_warmups)))
@@ -266,13 +299,15 @@ async def run(args, url: str, headers: dict, reqs: list[Request], chat: bool, ig
                 print(f"warning: {len(bad)} of {len(warm)} warm-up requests failed: {bad[0]}", file=sys.stderr)
         arrivals = random.Random(args.seed + 1)  # separate stream: the same prompts at any rate
         tasks = []
+        bar = tqdm(total=len(reqs), desc="requests", unit="req", disable=args.disable_tqdm, dynamic_ncols=True)
         start = time.perf_counter()
-        for i, req in enumerate(reqs):
-            if i and math.isfinite(args.request_rate):  # gamma(k, 1/(rate k)) gaps: mean 1/rate, k=1 Poisson
-                k = args.burstiness
-                await asyncio.sleep(arrivals.gammavariate(k, 1.0 / (args.request_rate * k)))
-            tasks.append(asyncio.create_task(one(req)))
-        results = await asyncio.gather(*tasks)
+        with bar:
+            for i, req in enumerate(reqs):
+                if i and math.isfinite(args.request_rate):  # gamma(k, 1/(rate k)) gaps: mean 1/rate, k=1 Poisson
+                    k = args.burstiness
+                    await asyncio.sleep(arrivals.gammavariate(k, 1.0 / (args.request_rate * k)))
+                tasks.append(asyncio.create_task(one(req, bar)))
+            results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
 
 
@@ -315,7 +350,9 @@ def metrics(args, results: list[Result], duration: float, endpoint: str, model: 
         out[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else 0.0
         for p in _percentiles(args):
             out[f"p{p:g}_{name}_ms"] = percentile(ms, p)
-    out["errors"] = [r.error for r in results if not r.ok][:MAX_ERRORS]
+    errors = [r.error for r in results if not r.ok]
+    out["errors"] = errors[:MAX_ERRORS]
+    out["error_counts"] = dict(Counter(errors).most_common())  # counted before the list above is cut
     if args.save_detailed:
         out.update(input_lens=[r.input_len for r in results], output_lens=[r.output_len for r in results],
                    ttfts=[r.ttft for r in results], itls=[r.itls for r in results])
@@ -346,8 +383,26 @@ def print_table(args, m: dict) -> None:
         for p in _percentiles(args):
             row(f"P{p:g} {name.upper()} (ms):", m[f"p{p:g}_{name}_ms"])
     print("=" * 50)
-    for e, k in list(Counter(m["errors"]).items())[:5]:  # the first distinct errors, in order seen
+    counts = m["error_counts"]
+    for e, k in list(counts.items())[:5]:  # the most frequent
         print(f"error ({k}x): {e}")
+    if len(counts) > 5:
+        print(f"... and {len(counts) - 5} other distinct errors ({sum(list(counts.values())[5:])} requests)")
+    timeouts = sum(k for e, k in counts.items() if e.startswith("timeout after"))
+    if timeouts:
+        print(f"{timeouts} request(s) timed out: the server answers slower than this load needs; ask for less "
+              "(--num-prompts, --max-concurrency, --random-input-len, --random-output-len) or raise --timeout")
+
+
+def note_lengths(args, vocab_size: int | None, max_model_len: int | None) -> None:
+    """Say where the random prompts' token ids and lengths come from when the server, not a flag, decided."""
+    if args.vocab_size is None and vocab_size is None:
+        print("note: the server reports no vocab_size: random token ids in [1000, 30000) (give --vocab-size)")
+    fitted = fit_lengths(args, max_model_len)
+    if fitted != (args.random_prefix_len, args.random_input_len, args.random_output_len):
+        prefix, inp, out = fitted
+        print(f"note: lengths scaled to fit the server's max_model_len {max_model_len}: --random-input-len {inp}, "
+              f"--random-output-len {out}" + (f", --random-prefix-len {prefix}" if args.random_prefix_len else ""))
 
 
 def _get(url: str, headers: dict, timeout: float = 10.0):
@@ -422,15 +477,23 @@ def main(argv: list[str] | None = None) -> int:
         if base.endswith("/v1") and args.endpoint.startswith("/v1/"):
             base = base[:-3]  # accept the OpenAI-client style base URL too
     try:
-        model = args.model
-        if model is None:
-            try:
-                model = json.loads(_get(base + "/v1/models", headers)[1])["data"][0]["id"]
-            except (OSError, ValueError, KeyError, IndexError) as e:
+        try:
+            cards = json.loads(_get(base + "/v1/models", headers)[1])["data"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if args.model is None:
                 print(f"error: no model name from {base}/v1/models ({e}); give --model", file=sys.stderr)
                 return 1
+            cards = []
+        model = args.model or (cards[0]["id"] if cards else None)
+        if model is None:
+            print(f"error: {base}/v1/models lists no model; give --model", file=sys.stderr)
+            return 1
+        card = next((c for c in cards if c.get("id") == model), cards[0] if cards else {})
+        vocab_size, max_model_len = card.get("vocab_size"), card.get("max_model_len")
+        if args.dataset_name == "random" and not chat:
+            note_lengths(args, vocab_size, max_model_len)
         ignore_eos = args.dataset_name == "random" if args.ignore_eos is None else args.ignore_eos
-        reqs = make_requests(args, model, chat)
+        reqs = make_requests(args, model, chat, vocab_size, max_model_len)
         print(f"{len(reqs)} requests to {base}{args.endpoint} (model {model!r}, concurrency "
               f"{args.max_concurrency or 'unlimited'}, rate {args.request_rate:g}/s)", flush=True)
         results, duration = asyncio.run(run(args, base + args.endpoint, headers, reqs, chat, ignore_eos))

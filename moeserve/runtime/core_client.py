@@ -8,6 +8,7 @@ EngineDeadError and is logged once; nothing waits forever on a dead core.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import dataclasses
@@ -26,7 +27,7 @@ import zmq.asyncio
 from moeserve.config import EngineConfig
 from moeserve.lora.adapter import CONFIG_FILE, LoRAAdapterError, validate_adapter_name
 from moeserve.runtime.core import RequestError, RequestLimits
-from moeserve.runtime.core_process import config_to_wire, pack, run_core, unpack
+from moeserve.runtime.core_process import ABANDON_SIGNAL, USER_ERRORS, config_to_wire, pack, run_core, unpack
 from moeserve.runtime.detokenizer import load_tokenizer
 from moeserve.runtime.output_processor import OutputProcessor, RequestState
 from moeserve.runtime.outputs import CoreOutput, RequestOutput
@@ -47,6 +48,10 @@ class EngineDeadError(RuntimeError):
     """The engine core is not running."""
 
 
+class EngineStartError(RuntimeError):
+    """The engine core failed to start for a reason other than the configuration (its log has the traceback)."""
+
+
 class UnknownAdapterError(LookupError):
     """The request names an adapter the engine does not serve."""
 
@@ -59,7 +64,8 @@ class AdapterInUseError(RuntimeError):
 # error types raised in the core, as the frontend re-raises them (the HTTP layer maps them to statuses)
 _ERRORS = {"UnknownLoRAError": UnknownAdapterError, "LoRAInUseError": AdapterInUseError,
            "LoRAAdapterError": LoRAAdapterError, "FileNotFoundError": FileNotFoundError,
-           "NotADirectoryError": FileNotFoundError, "EngineDeadError": EngineDeadError}
+           "NotADirectoryError": FileNotFoundError, "IsADirectoryError": IsADirectoryError,
+           "PermissionError": PermissionError, "EngineDeadError": EngineDeadError}
 
 
 def _error(kind: str, message: str) -> Exception:
@@ -246,6 +252,7 @@ class EngineClient:
         self.counts = {"num_running": 0, "num_waiting": 0}
         self.reserved = 0  # queue places held by requests still being tokenized (see reserve())
         self.dead: str | None = None  # why the core is not running
+        self._closed = False  # the core reaped, sockets closed
         self._call_ids = itertools.count()
         # tokenizing and chat templating run here, off the event loop
         self._prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeserve-tokenize")
@@ -269,6 +276,7 @@ class EngineClient:
         self.proc = mp.Process(target=run_core, name="moeserve-engine-core", daemon=True,
                                args=(config_to_wire(self.config), inbox, outbox, os.getpid(), self.log_level))
         self.proc.start()
+        atexit.register(self._kill_at_exit)
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
         loop.add_reader(self.proc.sentinel, lambda: exited.done() or exited.set_result(None))
@@ -276,28 +284,47 @@ class EngineClient:
         try:
             await asyncio.wait({first, exited}, return_when=asyncio.FIRST_COMPLETED)
             if not first.done():
-                raise RuntimeError(f"the engine core process exited while starting (exit code {self.proc.exitcode})")
+                raise EngineStartError(f"the engine core process exited while starting (exit code "
+                                       f"{self.proc.exitcode})")
             msg = unpack(first.result())
             if msg[0] == "startup_failed":
                 err = _error(msg[1], msg[2])
-                raise err if isinstance(err, (ValueError, FileNotFoundError)) else RuntimeError(msg[2])
-        except BaseException:
+                raise err if isinstance(err, USER_ERRORS) else EngineStartError(msg[2])
+            self.info = msg[1]
+            self.limits = RequestLimits(self.info["vocab_size"], self.info["max_model_len"], self.info["block_size"],
+                                        self.info["num_kv_blocks"])
+            self.lora_versions = {name: 1 for name in self.info["lora_names"]}  # loaded at start: first versions
+            self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info["tokenizer"],
+                                                        self.info["vocab_size"])
+            if self.tokenizer is not None:
+                per_token = await loop.run_in_executor(self._prep, max_token_bytes, self.tokenizer)
+                self.max_prompt_chars = self.info["max_model_len"] * max(per_token, 1)
+        except BaseException:  # a failed start, or one abandoned (the server was told to stop)
             first.cancel()
             self.dead = "the engine core failed to start"
+            self._stop_core()
             await self._close(loop, timeout=10)
             raise
-        self.info = msg[1]
-        self.limits = RequestLimits(self.info["vocab_size"], self.info["max_model_len"], self.info["block_size"],
-                                    self.info["num_kv_blocks"])
-        self.lora_versions = {name: 1 for name in self.info["lora_names"]}  # loaded at start: first versions
-        self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info["tokenizer"],
-                                                    self.info["vocab_size"])
-        if self.tokenizer is not None:
-            per_token = await loop.run_in_executor(self._prep, max_token_bytes, self.tokenizer)
-            self.max_prompt_chars = self.info["max_model_len"] * max(per_token, 1)
         self.output = OutputProcessor(self.tokenizer)
         self._reader = asyncio.ensure_future(self._read())
         exited.add_done_callback(lambda _: self._on_exit())
+
+    def _kill_at_exit(self) -> None:
+        """A core still running as the interpreter exits (this client never shut down) is killed. It ignores
+        SIGTERM, which multiprocessing would stop it with before waiting for it to end: forever."""
+        if self.proc.is_alive():
+            self.dead = self.dead or "the interpreter is exiting"
+            self.proc.kill()
+            self.proc.join(5)
+
+    def _stop_core(self) -> None:
+        """Stop a core in any state: ABANDON_SIGNAL ends a start, the message a core already serving."""
+        try:
+            self._to_core.send(pack(["shutdown"]))
+        except zmq.ZMQError:
+            pass
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, ABANDON_SIGNAL)
 
     @property
     def lora_names(self) -> tuple[str, ...]:
@@ -308,6 +335,9 @@ class EngineClient:
         return self.dead is None
 
     async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core (requests still open end with EngineDeadError) and reap it; a second call does nothing."""
+        if self._closed:
+            return
         if self.dead is None:
             self.dead = "the engine has shut down"
             try:
@@ -318,8 +348,17 @@ class EngineClient:
         self._reader.cancel()
         await self._close(asyncio.get_running_loop(), timeout)
 
+    def abort_all(self) -> int:
+        """Abort every open request (their streams end with finish_reason 'abort'); returns how many."""
+        ids = list(self.streams)
+        for request_id in ids:
+            self.abort(request_id)
+        return len(ids)
+
     async def _close(self, loop, timeout: float) -> None:
         """Reap the core process and release sockets, reader and threads."""
+        self._closed = True
+        atexit.unregister(self._kill_at_exit)
         await loop.run_in_executor(None, self.proc.join, timeout)
         if self.proc.is_alive():
             self.proc.kill()

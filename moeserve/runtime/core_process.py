@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -229,32 +230,65 @@ class CoreServer:
 
 
 CORE_LOGGERS = ("moeserve",)
+# what a user can get wrong (a path, a flag's value): the frontend prints one line for these, without a traceback
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+ABANDON_SIGNAL = signal.SIGUSR1  # the frontend's "stop starting": SIGTERM and SIGINT are the service manager's
+
+
+class StartAbandoned(SystemExit):
+    """ABANDON_SIGNAL while starting: the frontend gave up on this start (it was itself told to stop). A
+    SystemExit, so that wherever it lands the process ends quietly with exit code 0."""
+
+
+def _abandon_start(signum, frame):
+    raise StartAbandoned()
 
 
 def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, log_level: str = "INFO") -> None:
-    """Entry point of the engine-core process."""
+    """Entry point of the engine-core process.
+
+    Signals: SIGINT and SIGTERM are ignored, here and in the tensor-parallel workers started from here (which
+    inherit that): Ctrl-C reaches the terminal's whole process group and systemd signals every process of the
+    service, but stopping is the frontend's to run. The core stops when its frontend says so, after the requests
+    in flight have drained, or when the frontend is gone (noticed within a second); ABANDON_SIGNAL ends a start."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(ABANDON_SIGNAL, _abandon_start)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [core]: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(inbox_addr)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(outbox_addr)
+    core = server = None
     try:
-        from moeserve.runtime.core import EngineCore
+        try:
+            from moeserve.runtime.core import EngineCore
 
-        core = EngineCore(EngineConfig(**config), progress=False)
-    except Exception as e:  # noqa: BLE001 - the frontend reports it and exits
-        logger.exception("engine core failed to start")
-        outbox.send(pack(["startup_failed", *error_wire(e)]))
-        outbox.close(linger=2000)
-        return
-    outbox.send(pack(["ready", core.info()]))
-    server = CoreServer(core, inbox, outbox, parent_pid)
-    try:
+            core = EngineCore(EngineConfig(**config), progress=False)
+        except StartAbandoned:
+            return
+        except Exception as e:  # noqa: BLE001 - the frontend reports it and exits
+            signal.signal(ABANDON_SIGNAL, signal.SIG_IGN)  # ending anyway: the signal must not raise in the exit
+            if isinstance(e, USER_ERRORS):  # the message says it all; the traceback is for --log-level debug
+                logger.debug("engine core failed to start", exc_info=True)
+            else:
+                logger.exception("engine core failed to start")
+            outbox.send(pack(["startup_failed", *error_wire(e)]))
+            return
+        signal.signal(ABANDON_SIGNAL, signal.SIG_IGN)  # started: the frontend stops it with a message
+        outbox.send(pack(["ready", core.info()]))
+        server = CoreServer(core, inbox, outbox, parent_pid)
         with filter_repeats(loggers=CORE_LOGGERS):  # a failing step or request repeated: one line per interval
             server.run()
     finally:
-        server.reader.shutdown(wait=False, cancel_futures=True)
+        if server is not None:
+            server.reader.shutdown(wait=False, cancel_futures=True)
+        stop_workers = getattr(core.runner, "shutdown", None) if core is not None else None
+        if stop_workers is not None:  # tensor parallelism: the other ranks leave the group and exit
+            stop_workers()
         inbox.close(linger=0)
         outbox.close(linger=1000)
         ctx.term()

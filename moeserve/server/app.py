@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
@@ -33,10 +34,12 @@ from moeserve.server.completions import ServerState, create_chat_completion, cre
 from moeserve.server.connections import (HTTPLimits, guarded_protocol_class, limit_request_body,
                                          raise_open_files_limit, raw_response)
 from moeserve.server.errors import ClientGone, engine_error, lora_error, queue_full, validation_error
+from moeserve.server.lifecycle import Drain, ServerWithoutSignals, StopSignals, listening_socket, stop_resource_tracker
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRARequest, OpenAIError, UnloadLoRARequest
 
 logger = logging.getLogger("moeserve")
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0  # a stop's drain: under Kubernetes' 30 s grace period (docker stop gives 10 s: -t)
 GENERATION_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
 
@@ -163,12 +166,14 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models():
+        # OpenAI's card, with vLLM's max_model_len, and vocab_size: the token ids a prompt may hold ([0, vocab_size)),
+        # which a client sending token ids (bench serve's random prompts) needs
+        shape = {"max_model_len": state.max_model_len, "vocab_size": engine.info["vocab_size"]}
         base = {"id": served_model_name, "object": "model", "created": state.created, "owned_by": "moeserve",
-                "root": served_model_name, "parent": None, "max_model_len": state.max_model_len}
+                "root": served_model_name, "parent": None, **shape}
         # "version": 1 at an adapter's first load, +1 per reload under its name (load_inplace)
         adapters = [{"id": name, "object": "model", "created": state.created, "owned_by": "moeserve",
-                     "root": name, "parent": served_model_name, "max_model_len": state.max_model_len,
-                     "version": version}
+                     "root": name, "parent": served_model_name, **shape, "version": version}
                     for name, version in engine.lora_versions.items()]
         return {"object": "list", "data": [base, *adapters]}
 
@@ -281,6 +286,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes, metavar="BYTES",
                    help="largest request body accepted; a larger one is answered 413 before it is read "
                         "(default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT, how long requests in flight may take to finish before they are aborted "
+                        "(a second signal aborts them at once) (default: %(default)s)")
     g.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
                    help="most open connections; more are answered 503 and closed at once (default: the open-files "
                         "limit, raised towards its hard limit at start, less a reserve)")
@@ -294,13 +302,27 @@ def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
                       max_request_body_bytes=args.max_request_body_bytes)
 
 
-def serve_main(args: argparse.Namespace) -> int:
+def check_serve_args(args: argparse.Namespace) -> None:
+    """The server flags' values (ValueError naming the flag), before anything is bound or loaded."""
+    http_limits_from_args(args)
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
+
+
+def serve_main(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """`moeserve serve`: serve until SIGTERM or SIGINT, then exit 0. `sock`: the listening socket, bound already
+    (else bound here, before the engine starts)."""
     from moeserve.engine_args import engine_config_from_args
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    check_serve_args(args)
     server = run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.api_key,
-                        args.log_level, limits=http_limits_from_args(args))
-    return run_on_server_loop(server)
+                        args.log_level, limits=http_limits_from_args(args), sock=sock,
+                        shutdown_timeout=args.shutdown_timeout)
+    try:
+        return run_on_server_loop(server)
+    finally:
+        stop_resource_tracker()  # the engine core is reaped by now; the tracker would outlive this process
 
 
 def run_on_server_loop(coro):
@@ -314,46 +336,74 @@ def run_on_server_loop(coro):
 
 
 async def run_server(config, host: str, port: int, served_model_name: str | None = None, api_key: str | None = None,
-                     log_level: str = "info", on_start=None, limits: HTTPLimits | None = None) -> int:
-    """Start the engine core process, then serve HTTP until told to stop (SIGINT/SIGTERM, or
-    `server.should_exit`); the core is shut down either way. `on_start(server, client)` is called once
-    the socket listens. `limits`: connection deadlines and cap (defaults: HTTPLimits())."""
+                     log_level: str = "info", on_start=None, limits: HTTPLimits | None = None,
+                     sock: socket.socket | None = None, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:
+    """Bind host:port (unless `sock` is given, listening already), start the engine core process, then serve HTTP
+    until told to stop (SIGINT/SIGTERM on the main thread, or `server.should_exit`); the core is shut down either
+    way. `on_start(server, client)` is called once the server runs. `limits`: connection deadlines and cap
+    (defaults: HTTPLimits()). A stop signal gives requests in flight `shutdown_timeout` seconds, then aborts them
+    (server/lifecycle.py)."""
     limits = limits or HTTPLimits()
     raise_open_files_limit()  # before the cap is derived from it
-    with filter_repeats():
-        return await _serve(config, host, port, served_model_name, api_key, log_level, on_start, limits)
+    sock = sock if sock is not None else listening_socket(host, port)
+    try:
+        with filter_repeats():
+            return await _serve(config, sock, host, served_model_name, api_key, log_level, on_start, limits,
+                                shutdown_timeout)
+    finally:
+        sock.close()  # uvicorn closed it if it ran; not if the engine failed to start
 
 
-async def _serve(config, host, port, served_model_name, api_key, log_level, on_start, limits: HTTPLimits) -> int:
+async def _serve(config, sock, host, served_model_name, api_key, log_level, on_start, limits: HTTPLimits,
+                 shutdown_timeout: float) -> int:
     import uvicorn
 
-    client = await EngineClient.start(config, log_level.upper())
-    try:
-        name = served_model_name or Path(client.info["model"]).name
-        app = create_app(client, name, api_key=api_key, max_request_body_bytes=limits.max_request_body_bytes)
-        # keep-alive (default 75 s) longer than a client's pause between requests: a connection closed by the
-        # server exactly as the client reuses it is a dropped request. The connection cap is enforced by the
-        # protocol class (uvicorn's limit_concurrency would still accept the sockets, and answer in plain text)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, backlog=4096,
-                                               timeout_keep_alive=limits.timeout_keep_alive,
-                                               http=guarded_protocol_class(limits, app.state.admission.shed)))
-        serving = asyncio.ensure_future(server.serve())
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.01)
-        if server.started:
-            # everything alive now (torch, transformers, the app) lives as long as the server: freezing it keeps
-            # the oldest-generation collections, which a burst of connections triggers, from scanning it each
-            # time (a few hundred ms a pass, during which nothing is answered)
-            gc.collect()
-            gc.freeze()
-            adapters = ", ".join(client.lora_names) or "none"
-            port = server.servers[0].sockets[0].getsockname()[1]
-            print(f"moeserve: serving model {name!r} (adapters: {adapters}) at http://{host}:{port}/v1 "
-                  f"(engine core pid {client.proc.pid}, {client.info['device']}, {client.info['dtype']})", flush=True)
-            if on_start is not None:
-                on_start(server, client)
-        await serving
-    finally:
-        gc.unfreeze()  # what the server held may go now (and leaks checkers at exit see no frozen objects)
-        await client.shutdown()
+    starting = asyncio.ensure_future(EngineClient.start(config, log_level.upper()))
+    # a stop while the engine starts abandons the start (once: a second cancel would cut short its cleanup)
+    with StopSignals(on_stop=lambda why, count: count == 1 and starting.cancel()) as signals:
+        try:
+            client = await starting
+        except asyncio.CancelledError:
+            if not signals.received:
+                raise
+            print("moeserve: stopped while the engine was starting", flush=True)
+            return 0
+        drain = None
+        try:
+            name = served_model_name or Path(client.info["model"]).name
+            app = create_app(client, name, api_key=api_key, max_request_body_bytes=limits.max_request_body_bytes)
+            # keep-alive (default 75 s) longer than a client's pause between requests: a connection closed by the
+            # server exactly as the client reuses it is a dropped request. The connection cap is enforced by the
+            # protocol class (uvicorn's limit_concurrency would still accept the sockets, and answer in plain text)
+            server = ServerWithoutSignals(uvicorn.Config(
+                app, host=host, port=sock.getsockname()[1], log_level=log_level, backlog=4096,
+                timeout_keep_alive=limits.timeout_keep_alive,
+                http=guarded_protocol_class(limits, app.state.admission.shed)))
+            drain = Drain(server, client, shutdown_timeout)
+            signals.on_stop = drain.stop
+            if signals.received:  # a signal between the engine's start and now
+                drain.stop("stop signal", 1)
+            serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+            while not server.started and not serving.done():
+                await asyncio.sleep(0.01)
+            if server.started:
+                # everything alive now (torch, transformers, the app) lives as long as the server: freezing it keeps
+                # the oldest-generation collections, which a burst of connections triggers, from scanning it each
+                # time (a few hundred ms a pass, during which nothing is answered)
+                gc.collect()
+                gc.freeze()
+                adapters = ", ".join(client.lora_names) or "none"
+                port = server.servers[0].sockets[0].getsockname()[1]
+                print(f"moeserve: serving model {name!r} (adapters: {adapters}) at http://{host}:{port}/v1 "
+                      f"(engine core pid {client.proc.pid}, {client.info['device']}, {client.info['dtype']})",
+                      flush=True)
+                if on_start is not None:
+                    on_start(server, client)
+            await serving
+        finally:
+            signals.on_stop = None  # from here on the engine is being stopped anyway
+            if drain is not None:
+                drain.cancel()
+            gc.unfreeze()  # what the server held may go now (and leaks checkers at exit see no frozen objects)
+            await client.shutdown()
     return 0

@@ -29,6 +29,10 @@ _FD_HEADROOM = 512  # descriptors kept for the engine's files, sockets and the e
 _LINGER_S = 2.0  # how long a connection answered early may still send what it was sending
 
 
+def _flag(name: str) -> str:
+    return f"{name} (--{name.replace('_', '-')})"
+
+
 @dataclass
 class HTTPLimits:
     timeout_header: float = 10.0  # seconds to receive a request's headers
@@ -41,12 +45,13 @@ class HTTPLimits:
         for name in ("timeout_header", "timeout_body", "timeout_keep_alive"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+                raise ValueError(f"{_flag(name)} must be a positive number of seconds, got {v!r}")
         if self.limit_concurrency is not None and (not isinstance(self.limit_concurrency, int)
                                                    or self.limit_concurrency <= 0):
-            raise ValueError(f"limit_concurrency must be a positive integer, got {self.limit_concurrency!r}")
+            raise ValueError(f"{_flag('limit_concurrency')} must be a positive integer, got {self.limit_concurrency!r}")
         if not isinstance(self.max_request_body_bytes, int) or self.max_request_body_bytes <= 0:
-            raise ValueError(f"max_request_body_bytes must be a positive integer, got {self.max_request_body_bytes!r}")
+            raise ValueError(f"{_flag('max_request_body_bytes')} must be a positive integer, got "
+                             f"{self.max_request_body_bytes!r}")
 
     def connection_cap(self) -> int:
         if self.limit_concurrency is not None:
