@@ -160,10 +160,10 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
         add_serve_args(p)
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("bench", help="benchmarks: kernels | decode | attention | serve | churn | protocol | tp_decode | "
-                                     "collectives")
-    p.add_argument("which", choices=("kernels", "decode", "attention", "serve", "churn", "protocol", "tp_decode",
-                                     "collectives"))
+    p = sub.add_parser("bench", help="benchmarks: kernels | decode | prefill | attention | serve | churn | protocol | "
+                                     "tp_decode | collectives")
+    p.add_argument("which", choices=("kernels", "decode", "prefill", "attention", "serve", "churn", "protocol",
+                                     "tp_decode", "collectives"))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=_bench)
     return parser

@@ -1,6 +1,6 @@
 """Serving benchmark: many concurrent clients against a running OpenAI-compatible server (as `vllm bench serve`).
 
-Protocol (DESIGN.md §7, "Serving protocol"): `--num-prompts` requests are sent to `--endpoint`
+Protocol (docs/benchmarks.md, "Serving"): `--num-prompts` requests are sent to `--endpoint`
 (/v1/completions or /v1/chat/completions), arriving at `--request-rate` per second (Poisson, or gamma
 with `--burstiness`; inf = all at once), at most `--max-concurrency` in flight. Random prompts are
 lists of random token ids sent as the token-id `prompt` of /v1/completions, so input lengths are exact; the ids

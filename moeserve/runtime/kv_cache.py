@@ -5,7 +5,7 @@ there, so they can never touch a live sequence's cache.
 
 Prefix caching: a full block of prompt tokens is named by a hash chain over (parent hash, the block's
 token ids), seeded by the adapter version the sequence runs with (`prefix_hashes`), so a block computed
-under one adapter, or under an older version of the same name, is never found for another (DESIGN §3.9).
+under one adapter, or under an older version of the same name, is never found for another (docs/architecture.md, invariant 9).
 Blocks are refcounted; a hashed block nobody uses stays cached ("evictable") until the allocator needs
 room, least recently used first. A block is only ever shared read-only: a sequence that finds cached
 blocks starts computing at the first uncached one, which it owns.

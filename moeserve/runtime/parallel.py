@@ -4,7 +4,7 @@ The engine core (scheduler, LoRA manager, sampling) stays in one process, rank 0
 process per other rank (torch.multiprocessing, spawn; runtime/worker.py) and talks to each over a pipe.
 Each step rank 0 decides everything on the host once — the batch, eager or graph and the GraphKey, which
 rows need logits — and sends that StepPlan to every worker before running it itself; so every rank runs
-the same forward and replays the same GraphKey (DESIGN invariants 3 and 10). Only activations travel
+the same forward and replays the same GraphKey (docs/architecture.md, invariants 3 and 10). Only activations travel
 through collectives: the all-reduces inside the forward, the all-gather of logits, and the broadcast of
 rank 0's sampled tokens (the input of the next step's pending rows).
 
