@@ -4,7 +4,8 @@ kernel after it (tests/test_gpu_first_request.py)."""
 import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
-from moeserve.runtime.warmup import decode_batches, eager_decode_sizes, warm_up, warmup_batches, warmup_token_counts
+from moeserve.runtime.warmup import (decode_batches, decode_split_shapes, eager_decode_sizes, warm_up, warmup_batches,
+                                     warmup_token_counts)
 
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
@@ -39,7 +40,7 @@ def test_warm_up_leaves_no_trace(tmp_path):
 
     cold, warm = engine(), engine()
     kv_before = [t.clone() for layer in warm.runner.model.kv_caches for t in layer]
-    warm_up(warm.runner, [1, 5, 33], with_lora=True, block_size=4, decode_sizes=[1, 3])
+    warm_up(warm.runner, [1, 5, 33], with_lora=True, block_size=4, decode_shapes=[(1, 1), (3, 2)])
     kv_after = [t for layer in warm.runner.model.kv_caches for t in layer]
     block0 = [torch.equal(a[1:], b[1:]) for a, b in zip(kv_before, kv_after)]  # blocks past the dummy one
     assert all(block0)
@@ -55,8 +56,16 @@ def test_eager_decode_sizes_are_those_no_graph_serves():
     assert eager_decode_sizes(300, 256) == [257, 300]
     sizes = eager_decode_sizes(40, None)  # no graphs: every decode step is eager
     assert sizes[0] == 1 and sizes[-1] == 40 and any(b % 16 == 0 for b in sizes)
-    batches = decode_batches([3], [-1], block_size=4)
+    batches = decode_batches([(3, 2)], [-1], block_size=4)
     assert [(len(b.seqs), b.is_decode, b.num_new_tokens) for b in batches] == [(3, True, [1, 1, 1])]
+    assert [len(s.block_table) for s in batches[0].seqs] == [2, 2, 2]
+
+
+def test_decode_split_shapes_cover_every_split_count():
+    splits = lambda b, blocks: min(-(-12 // b), blocks)  # noqa: E731  (a split rule of batch and context)
+    shapes = decode_split_shapes(range(1, 9), 6, splits)
+    want = {splits(b, k) for b in range(1, 9) for k in range(1, 7)}
+    assert sorted(splits(b, k) for b, k in shapes) == sorted(want)  # each count once, by its smallest shape
 
 
 def test_configured_adapters_are_resident_before_the_first_request(tmp_path):

@@ -153,12 +153,27 @@ class EngineCore:
         if not cfg.enforce_eager:
             self.runner.capture_graphs(progress=progress)
         if cfg.warmup and cfg.device.startswith("cuda"):
-            from moeserve.runtime.warmup import eager_decode_sizes, warm_up, warmup_token_counts
+            self._warm_up()
 
-            counts = warmup_token_counts(cfg.max_num_batched_tokens, cfg.max_model_len)
-            graphs = self.runner.graph_runner
-            decode = eager_decode_sizes(cfg.max_num_seqs, max(graphs.sizes) if graphs is not None else None)
-            warm_up(self.runner, counts, self.lora_manager is not None, cfg.block_size, decode)
+    def _warm_up(self) -> None:
+        """Compile and run every eager shape now (runtime/warmup.py): prefill chunks, and decode steps larger than
+        the largest graph (every decode step without graphs) with each split count of the decode attention."""
+        from moeserve.runtime.warmup import decode_split_shapes, eager_decode_sizes, warm_up, warmup_token_counts
+
+        cfg = self.config
+        counts = warmup_token_counts(cfg.max_num_batched_tokens, cfg.max_model_len)
+        graphs = self.runner.graph_runner
+        low = max(graphs.sizes) if graphs is not None else 0
+        shapes = [(b, 1) for b in eager_decode_sizes(cfg.max_num_seqs, low or None)]
+        if shapes and cfg.attention_backend == "triton":
+            from moeserve.kernels.paged_attention import DECODE_BLOCK_N, MAX_DECODE_SPLITS, default_num_splits
+
+            n_kv = self.runner.model.kv_caches[0][0].shape[-2]  # this rank's KV heads
+            # contexts past MAX_DECODE_SPLITS tiles give no split count of their own
+            max_blocks = min(self.runner.max_blocks_per_seq, -(-MAX_DECODE_SPLITS * DECODE_BLOCK_N // cfg.block_size))
+            shapes += decode_split_shapes(range(low + 1, cfg.max_num_seqs + 1), max_blocks, lambda b, blocks:
+                                          default_num_splits(b, n_kv, blocks, cfg.block_size, self.runner.device))
+        warm_up(self.runner, counts, self.lora_manager is not None, cfg.block_size, sorted(set(shapes)))
 
     def info(self) -> dict:
         """What a frontend needs to know about this core (sent once, at start)."""

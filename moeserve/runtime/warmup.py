@@ -71,24 +71,36 @@ def eager_decode_sizes(max_num_seqs: int, graph_max_bs: int | None) -> list[int]
     return sorted({b for b in WARM_TOKENS if low < b <= max_num_seqs} | ({max_num_seqs} if max_num_seqs > low else set()))
 
 
-def decode_batches(sizes: list[int], lora_slots: list[int], block_size: int) -> list[ScheduledBatch]:
-    """Eager decode steps: B sequences of one cached block, one new token each."""
-    return [ScheduledBatch([_sequence(1, block_size, slot, block_size) for _ in range(b)], [1] * b, True)
-            for slot in lora_slots for b in sizes]
+def decode_split_shapes(sizes: range, max_blocks: int, splits_of) -> list[tuple[int, int]]:
+    """(batch, context blocks) of eager decode steps covering every split count `splits_of(batch, blocks)` takes
+    for batches in `sizes` and contexts of 1..max_blocks blocks (the decode attention kernel is compiled once per
+    split count, which depends on both), the smallest of each."""
+    shapes: dict[int, tuple[int, int]] = {}
+    for blocks in range(1, max_blocks + 1):
+        for b in sizes:
+            shapes.setdefault(splits_of(b, blocks), (b, blocks))
+    return sorted(set(shapes.values()))
+
+
+def decode_batches(shapes: list[tuple[int, int]], lora_slots: list[int], block_size: int) -> list[ScheduledBatch]:
+    """Eager decode steps: (B, context blocks) -> B sequences of that many cached blocks, one new token each."""
+    return [ScheduledBatch([_sequence(1, blocks * block_size - 1, slot, block_size) for _ in range(b)], [1] * b, True)
+            for slot in lora_slots for b, blocks in shapes]
 
 
 def warm_up(runner, token_counts: list[int], with_lora: bool, block_size: int,
-            decode_sizes: list[int] = ()) -> float:
+            decode_shapes: list[tuple[int, int]] = ()) -> float:
     """Run the warm-up batches through `runner` (launch and collect, as a step does): prefills of `token_counts`
-    tokens and eager decode steps of `decode_sizes` rows; seconds taken. LoRA batches use slot 0 whatever it
-    holds: the kernels compile the same for an empty slot (rank 0)."""
+    tokens and eager decode steps of `decode_shapes` (batch, context blocks); seconds taken. LoRA batches use
+    slot 0 whatever it holds: the kernels compile the same for an empty slot (rank 0)."""
     t0 = time.perf_counter()
     slots = [-1, 0] if with_lora else [-1]
-    for batch in warmup_batches(token_counts, slots, block_size) + decode_batches(list(decode_sizes), slots,
+    for batch in warmup_batches(token_counts, slots, block_size) + decode_batches(list(decode_shapes), slots,
                                                                                   block_size):
         runner.collect(runner.launch(batch))
     runner.prev_tokens = None
     seconds = time.perf_counter() - t0
-    logger.info("warm-up: %d prefill shapes%s compiled and run in %.1f s", len(token_counts),
+    logger.info("warm-up: %d prefill and %d eager decode shapes%s compiled and run in %.1f s", len(token_counts),
+                len(decode_shapes),
                 " with and without adapters" if with_lora else "", seconds)
     return seconds
