@@ -28,7 +28,7 @@ REGIONS = (  # (region, substrings of kernel names), first match wins
     ("experts", ("_moe_", "_align_", "_silu_mul", "_topk_sum", "_gemv_gate_up", "_gemv_down")),
     ("lora", ("lora",)),
     ("router", ("topk", "router", "_route")),
-    ("attention", ("attn", "attention", "flash", "paged")),
+    ("attention", ("attn", "attention", "flash", "paged", "_prefill_kernel", "_decode_split", "_decode_merge")),
     ("norm/rotary", ("norm", "rotary", "rope")),
     ("dense GEMM", ("gemm", "gemv", "cutlass", "sm90", "xmma", "cublas", "nvjet")),
 )
