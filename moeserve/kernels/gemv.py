@@ -106,7 +106,7 @@ def _epilogue(acc, t, n, T, N, bias_ptr, out_ptr, stride_ot,
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(t < T)[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])  # sizes that vary by step: one compile
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr,
                  scratch_ptr, b_ptr, slots_ptr, ranks_ptr,
                  T, N, K, R_MAX, END0, END1, END2,

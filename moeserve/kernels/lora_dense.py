@@ -67,7 +67,7 @@ def _first_slot_of_lane(slots, lane):
     return cur
 
 
-@triton.jit(do_not_specialize=["T"])  # sizes that vary by step: one compile
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, slots_ptr, ranks_ptr, scratch_ptr,
     T, IN, R_MAX, K_PER_SPLIT,
@@ -110,7 +110,7 @@ def _shrink_kernel(
             cur = _next_slot(slots, cur)
 
 
-@triton.jit(do_not_specialize=["T"])  # sizes that vary by step: one compile
+@triton.jit
 def _expand_kernel(
     scratch_ptr, b_ptr, slots_ptr, ranks_ptr, out_ptr,
     T, R_MAX,

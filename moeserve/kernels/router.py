@@ -146,7 +146,7 @@ def _softmax_topk_store(logits, rows, row_ok, cols, col_ok, w_ptr, ids_ptr,
     tl.store(ids_ptr + out, top_i, mask=mask)
 
 
-@triton.jit(do_not_specialize=["T"])  # sizes that vary by step: one compile
+@triton.jit
 def _topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l,
                  TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                  RENORMALIZE: tl.constexpr, PACKED_TOPK: tl.constexpr, USE_PDL: tl.constexpr):
@@ -160,7 +160,7 @@ def _topk_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_l,
                         PACKED_TOPK)
 
 
-@triton.jit(do_not_specialize=["T"])  # sizes that vary by step: one compile
+@triton.jit
 def _gemm_topk_kernel(x_ptr, weight_ptr, delta_ptr, scratch_ptr, counters_ptr, w_ptr, ids_ptr,
                       T, E, H, stride_x, stride_w, stride_d,
                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
