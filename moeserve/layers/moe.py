@@ -224,7 +224,8 @@ class MoEBlock(nn.Module):
         the loader writes before it)."""
         if self.w13.device.type != "cpu":
             return None
-        key = (self.w13.data_ptr(), self.w13._version, self.w2.data_ptr(), self.w2._version)
+        # inference tensors (made under inference_mode) keep no version counter: their storage is the identity
+        key = tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in (self.w13, self.w2))
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, PackedExperts.of(self.w13, self.w2))
         return self._packed[1]
