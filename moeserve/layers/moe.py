@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers import cpu_linear
 from moeserve.layers.linear import LoRALinear
 from moeserve.models.spec import ModelSpec
 from moeserve.layers.batch import LoRABatch
@@ -53,27 +54,15 @@ def moe_experts_torch(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None
 
 @dataclass
 class PackedExperts:
-    """Each expert's w13 and w2 reordered once into oneDNN's blocked layout (a copy beside the parameters).
-    At decode sizes (a few rows per expert) the CPU matmul is bound by reading the weights: MKL's GEMM on the
-    plain layout reads them at 6-9 GB/s on one core, oneDNN on packed weights at 13-17 (2x faster at 4 rows)."""
+    """Each expert's w13 and w2 packed for oneDNN (layers/cpu_linear.py: about 2x MKL at decode sizes)."""
     w13: list[torch.Tensor]
     w2: list[torch.Tensor]
 
     @staticmethod
     def of(w13, w2) -> PackedExperts | None:
-        """None where oneDNN cannot take them: not float32 (other dtypes keep the plain matmul's rounding),
-        not on the CPU, or torch without oneDNN."""
-        if (w13.device.type != "cpu" or w13.dtype != torch.float32 or w2.dtype != torch.float32
-                or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)):
+        if not (cpu_linear.packable(w13[0]) and cpu_linear.packable(w2[0])):
             return None
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        return PackedExperts([reorder(w, None) for w in w13], [reorder(w, None) for w in w2])
-
-
-def _linear(x, w, packed_w):
-    if packed_w is None:
-        return x @ w.t()
-    return torch.ops.mkldnn._linear_pointwise(x, packed_w, None, "none", [], "")
+        return PackedExperts([cpu_linear.pack(w) for w in w13], [cpu_linear.pack(w) for w in w2])
 
 
 # Rows go through an expert's matmuls in blocks padded with zero rows to a multiple of this. CPU GEMMs pick
@@ -111,7 +100,7 @@ def moe_experts_routed(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | Non
         start += n
         padded = -(-n // ROW_BLOCK) * ROW_BLOCK
         xe = _pad_rows(x.index_select(0, rows), padded)
-        gu = _linear(xe, w13[e], packed.w13[e] if packed else None)
+        gu = cpu_linear.linear(xe, w13[e], packed.w13[e] if packed else None)
         if use_lora:
             slots = _pad_rows(lora.token_slots.index_select(0, rows), padded)
             slots[n:] = -1
@@ -126,7 +115,7 @@ def moe_experts_routed(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | Non
                     _lora_delta(xa, up_a, b.gate_up_b[:, e, inter:], slots, lora.active_slots)], dim=-1)
             gu = torch.where(has_adapter, gu + d.to(gu.dtype), gu)
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = _linear(h, w2[e], packed.w2[e] if packed else None)
+        y = cpu_linear.linear(h, w2[e], packed.w2[e] if packed else None)
         if use_lora:
             d = _lora_delta(h.to(b.down_a.dtype), b.down_a[:, e], b.down_b[:, e], slots, lora.active_slots)
             y = torch.where(has_adapter, y + d.to(y.dtype), y)
@@ -219,13 +208,11 @@ class MoEBlock(nn.Module):
                 router_kernels.counter_slots(max(gemm_topk_max_tokens, 1)), dtype=torch.int32), persistent=False)
 
     def _packed_experts(self) -> PackedExperts | None:
-        """The experts packed for the CPU path, made at the first forward and again when the parameters are
-        replaced or written through themselves (writes through `.data` after the first forward are not seen;
-        the loader writes before it)."""
+        """The experts packed for the CPU path, made at the first forward and again when the parameters change
+        (cpu_linear.identity; the loader writes them before the first forward)."""
         if self.w13.device.type != "cpu":
             return None
-        # inference tensors (made under inference_mode) keep no version counter: their storage is the identity
-        key = tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in (self.w13, self.w2))
+        key = cpu_linear.identity(self.w13, self.w2)
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, PackedExperts.of(self.w13, self.w2))
         return self._packed[1]
