@@ -1,6 +1,6 @@
 """The torch experts on the CPU run each expert over its routed rows only: a row's result must not depend on
-the other rows of the batch (bitwise), must match a float64 per-row reference, and the oneDNN-packed copy of
-the weights must follow the parameters."""
+the other rows of the batch (bitwise), must match a float64 per-row reference, and the oneDNN-packed copies of
+the weights (experts, dense linears) must follow the parameters."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,3 +87,23 @@ def test_moe_block_repacks_when_its_weights_are_written():
     assert (again.double() - reference(x, 2 * w13, w2.flip(0), weights, ids)).abs().max() <= 1e-5
     if torch.backends.mkldnn.is_available():
         assert block._packed_experts() is not None  # the fast path is the one tested
+
+
+def test_a_packed_linear_matches_and_follows_its_weight():
+    """LoRALinear (with a bias) on its packed weight: equal to a float64 reference, again after the weight is
+    written in place."""
+    from moeserve.layers import cpu_linear
+    from moeserve.layers.linear import LoRALinear
+
+    g = torch.Generator().manual_seed(5)
+    layer = LoRALinear(576, (576, 192, 192), True)
+    x = torch.randn(8, 576, generator=g)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(960, 576, generator=g) * 0.04)
+        layer.bias.copy_(torch.randn(960, generator=g))
+        for scale in (1.0, -3.0):
+            layer.weight.mul_(scale)
+            ref = x.double() @ layer.weight.double().t() + layer.bias.double()
+            assert (layer(x, None).double() - ref).abs().max() <= 1e-5
+    if cpu_linear.packable(layer.weight):
+        assert layer.packed.get(layer.weight) is not None  # the fast path is the one tested
