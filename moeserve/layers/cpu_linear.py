@@ -1,9 +1,9 @@
 """float32 matmuls on the CPU through oneDNN, on weights reordered once into its blocked layout.
 
 At decode sizes (a few rows) a CPU matmul is bound by reading the weight. MKL's GEMM on the plain layout reads
-it at 6-9 GB/s on one core at 4-8 rows; oneDNN on a copy packed once at 13-17
-GB/s (demo model shapes, 2x faster at 4 rows, lm_head 20 -> 8 ms at 8 rows). The copy lives beside the
-parameter (twice the weight's memory) and is remade when the parameter is replaced or written through itself.
+it at 6-9 GB/s on one core at 4-8 rows; oneDNN on a copy packed once at 13-17 GB/s (demo model shapes, 2x
+faster at 4 rows, lm_head 20 -> 8 ms at 8 rows). The copy lives beside the parameter (twice the weight's
+memory) and is remade when the parameter is replaced or written through itself.
 """
 from __future__ import annotations
 
