@@ -7,9 +7,9 @@ are allocated once by the slot pool and never move; slots are filled in place.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers import cpu_linear
 from moeserve.layers.batch import LoRABatch
 
 
@@ -52,6 +52,7 @@ class LoRALinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.lora_a: torch.Tensor | None = None  # [L, S, R, in], set by the slot pool
         self.lora_b: torch.Tensor | None = None  # [L, N, R]
+        self.packed = cpu_linear.PackedWeight()  # float32 on the CPU: the weight packed for oneDNN
         self.use_triton = lora_backend == "triton"
         if self.use_triton:
             from moeserve.kernels import lora_dense
@@ -68,7 +69,7 @@ class LoRALinear(nn.Module):
         if self.gemv_kernels is not None and self.gemv_kernels.serves(x.shape[0], self.out_features,
                                                                       self.in_features):
             return self._gemv_forward(x, lora if with_lora else None)
-        y = F.linear(x, self.weight, self.bias)
+        y = cpu_linear.linear(x, self.weight, self.packed.get(self.weight), self.bias)
         if with_lora:
             self.add_lora(x, lora, y)
         return y

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers import cpu_linear
 from moeserve.layers.linear import LoRALinear
 from moeserve.models.spec import ModelSpec
 from moeserve.layers.batch import LoRABatch
@@ -42,10 +43,91 @@ def _lora_delta(inp, a, b, token_slots, slots):
 
 
 def moe_experts_torch(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None,
+                      lora_bufs: ExpertLoRABuffers | None, packed: PackedExperts | None = None) -> torch.Tensor:
+    """Reference experts. On the CPU each expert runs over the rows routed to it only (through `packed`
+    where given); elsewhere (a CUDA graph cannot hold the routed path's host sync) every expert runs densely
+    over every row."""
+    if x.device.type == "cpu":
+        return moe_experts_routed(x, w13, w2, topk_weights, topk_ids, lora, lora_bufs, packed)
+    return moe_experts_dense(x, w13, w2, topk_weights, topk_ids, lora, lora_bufs)
+
+
+@dataclass
+class PackedExperts:
+    """Each expert's w13 and w2 packed for oneDNN (layers/cpu_linear.py: about 2x MKL at decode sizes)."""
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
+
+    @staticmethod
+    def of(w13, w2) -> PackedExperts | None:
+        if not (cpu_linear.packable(w13[0]) and cpu_linear.packable(w2[0])):
+            return None
+        return PackedExperts([cpu_linear.pack(w) for w in w13], [cpu_linear.pack(w) for w in w2])
+
+
+# Rows go through an expert's matmuls in blocks padded with zero rows to a multiple of this. CPU GEMMs pick
+# their kernel by the number of rows (MKL: 1, 2-3, >= 4 rows and, split over threads, uneven remainders;
+# oneDNN: 1 and >= 2 rows), and the kernels round differently, so a row's result would depend on how many
+# other rows share its expert. Padded, every row takes the same kernel whatever the others are
+# (tests/test_cpu_experts.py); 4 rows is also oneDNN's fastest decode size here.
+ROW_BLOCK = 4
+
+
+def _pad_rows(t, n):
+    return t if t.shape[0] == n else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
+
+
+def moe_experts_routed(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None,
+                       lora_bufs: ExpertLoRABuffers | None, packed: PackedExperts | None = None) -> torch.Tensor:
+    """Each expert over the rows routed to it (gathered, padded to a multiple of ROW_BLOCK), its output times
+    the routing weight added to those rows in expert order, as the dense loop adds them. One host sync (rows
+    per expert). Expert ids outside [0, E) (another rank's, under expert parallelism) are skipped."""
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    out = torch.zeros_like(x)
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)  # (row, k) pairs by expert, rows ascending within one
+    rows_all = order // topk_ids.shape[1]
+    weights_all = topk_weights.flatten()[order]
+    counts = torch.bincount(flat_ids, minlength=num_experts)[:num_experts].tolist()
+    use_lora = lora is not None and lora_bufs is not None
+    b = lora_bufs
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = rows_all[start:start + n]
+        weight = weights_all[start:start + n].unsqueeze(-1)
+        start += n
+        padded = -(-n // ROW_BLOCK) * ROW_BLOCK
+        xe = _pad_rows(x.index_select(0, rows), padded)
+        gu = cpu_linear.linear(xe, w13[e], packed.w13[e] if packed else None)
+        if use_lora:
+            slots = _pad_rows(lora.token_slots.index_select(0, rows), padded)
+            slots[n:] = -1
+            has_adapter = (slots >= 0).unsqueeze(-1)
+            xa = xe.to(b.gate_up_a.dtype)
+            if b.up_a is None:
+                d = _lora_delta(xa, b.gate_up_a[:, e], b.gate_up_b[:, e], slots, lora.active_slots)
+            else:  # up rows: each slot's own up A where it has one (flag 1), its one A otherwise
+                up_a = torch.where(b.gate_up_separate.view(-1, 1, 1) != 0, b.up_a[:, e], b.gate_up_a[:, e])
+                d = torch.cat([
+                    _lora_delta(xa, b.gate_up_a[:, e], b.gate_up_b[:, e, :inter], slots, lora.active_slots),
+                    _lora_delta(xa, up_a, b.gate_up_b[:, e, inter:], slots, lora.active_slots)], dim=-1)
+            gu = torch.where(has_adapter, gu + d.to(gu.dtype), gu)
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        y = cpu_linear.linear(h, w2[e], packed.w2[e] if packed else None)
+        if use_lora:
+            d = _lora_delta(h.to(b.down_a.dtype), b.down_a[:, e], b.down_b[:, e], slots, lora.active_slots)
+            y = torch.where(has_adapter, y + d.to(y.dtype), y)
+        out.index_add_(0, rows, y[:n] * weight.to(y.dtype))
+    return out
+
+
+def moe_experts_dense(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None,
                       lora_bufs: ExpertLoRABuffers | None) -> torch.Tensor:
-    """Reference experts: a static loop over experts, each applied densely and weighted by the
-    routing weight (0 where not routed). Sync-free; expert order matches the HF reference sum.
-    Rows without an adapter take `where(False, ...)`, so they stay bitwise the no-LoRA result."""
+    """Every expert applied densely to every row and weighted by the routing weight (0 where not routed).
+    Sync-free, so it can be captured in a CUDA graph; expert order matches the HF reference sum. Rows without
+    an adapter take `where(False, ...)`, so they stay bitwise the no-LoRA result."""
     inter = w2.shape[2]
     out = torch.zeros_like(x)
     use_lora = lora is not None and lora_bufs is not None
@@ -104,6 +186,7 @@ class MoEBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
         self.lora_bufs: ExpertLoRABuffers | None = None  # set by the slot pool
+        self._packed: tuple[tuple, PackedExperts | None] | None = None  # (weights' identity, packed), torch CPU
         self.shared_expert = None
         if spec.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, lora_backend, gemv=gemv, pdl=pdl)
@@ -123,6 +206,16 @@ class MoEBlock(nn.Module):
             # arrival counters of the fused router GEMM: zero between launches (each launch resets them)
             self.register_buffer("router_counters", torch.zeros(
                 router_kernels.counter_slots(max(gemm_topk_max_tokens, 1)), dtype=torch.int32), persistent=False)
+
+    def _packed_experts(self) -> PackedExperts | None:
+        """The experts packed for the CPU path, made at the first forward and again when the parameters change
+        (cpu_linear.identity; the loader writes them before the first forward)."""
+        if self.w13.device.type != "cpu":
+            return None
+        key = cpu_linear.identity(self.w13, self.w2)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, PackedExperts.of(self.w13, self.w2))
+        return self._packed[1]
 
     def route(self, x, lora: LoRABatch | None):
         """(top-k weights [T, K], expert ids [T, K]) over all experts, best first."""
@@ -167,7 +260,8 @@ class MoEBlock(nn.Module):
                                                b.down_b, b.up_a, b.gate_up_separate)
             out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args, pdl=self.pdl)
         else:
-            out = moe_experts_torch(x, self.w13, self.w2, topk_w, topk_ids, lora, self.lora_bufs if use_lora else None)
+            out = moe_experts_torch(x, self.w13, self.w2, topk_w, topk_ids, lora, self.lora_bufs if use_lora else None,
+                                    self._packed_experts())
         if self.shared_expert is not None:
             shared = self.shared_expert(x, lora)
             out = out + torch.sigmoid(self.shared_expert_gate(x, lora)) * shared

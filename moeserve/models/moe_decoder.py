@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers import cpu_linear
 from moeserve.layers.attention import Attention, make_attention_backend
 from moeserve.layers.moe import DenseMLP, MoEBlock
 from moeserve.distributed.parallel_state import ParallelState
@@ -101,6 +102,7 @@ class MoEForCausalLM(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else nn.Parameter(
             torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # bound by the model runner
+        self.packed_logits = cpu_linear.PackedWeight()  # float32 on the CPU: the output weight packed for oneDNN
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, H] after the final norm (logits are computed outside, per selected row)."""
@@ -122,4 +124,4 @@ class MoEForCausalLM(nn.Module):
             return vocab_parallel_logits(hidden, w, self.spec.vocab_size, self.tp)
         if self.gemv is not None and self.gemv.serves(hidden.shape[0], w.shape[0], w.shape[1]):
             return self.gemv.gemv(hidden, w, pdl=self.pdl).float()  # rounded to the activation dtype as F.linear's
-        return F.linear(hidden, w).float()
+        return cpu_linear.linear(hidden, w, self.packed_logits.get(w)).float()
