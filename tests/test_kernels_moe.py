@@ -559,9 +559,10 @@ def test_every_plan_fits_shared_memory_in_every_dtype(num_tokens):
         plan = default_plan(num_tokens, 8, lora=lora)
         for dtype in (torch.float32, torch.bfloat16):
             elt = torch.empty((), dtype=dtype).element_size()
+            down_loads = 2 if plan.fused_act else 1
             gate_up = moe_plan.fit_tile(plan.gate_up, elt, 1, H200_SMEM)
-            down = moe_plan.fit_tile(plan.down, elt, 2, H200_SMEM)
-            for tile, loads in ((gate_up, 1), (down, 2)):
+            down = moe_plan.fit_tile(plan.down, elt, down_loads, H200_SMEM)
+            for tile, loads in ((gate_up, 1), (down, down_loads)):
                 assert moe_plan.tile_smem(tile, elt, loads) <= H200_SMEM - moe_plan.SMEM_MARGIN
             if dtype == torch.bfloat16 and not plan.decode:  # the tuned bf16 tiles already fit: unchanged
                 assert (gate_up, down) == (plan.gate_up, plan.down)
@@ -600,8 +601,12 @@ def test_shipped_table_parses_and_fits():
         for _, gate_up, down, options in rows:
             assert set(options) <= set(moe_plan.PLAN_OPTIONS)
             assert gate_up.block_m == down.block_m, (device, key)
+            down_loads = 2 if options.get("fused_act", True) else 1
             assert moe_plan.tile_smem(gate_up, elt, 1) <= H200_SMEM - moe_plan.SMEM_MARGIN
-            assert moe_plan.tile_smem(down, elt, 2) <= H200_SMEM - moe_plan.SMEM_MARGIN
+            assert moe_plan.tile_smem(down, elt, down_loads) <= H200_SMEM - moe_plan.SMEM_MARGIN
+            # the plan a call runs is the tuned one: fitting changes nothing
+            plan = MoEPlan(False, gate_up, down, **options)
+            assert moe_plan.fit_plan(plan, dtype, torch.device("cpu"), H200_SMEM) == plan
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -498,9 +498,11 @@ def test_adapter_load_failing_on_one_rank_is_rolled_back_on_every_rank(tmp_path,
     family = "qwen2_moe"
     base = save_base_checkpoint(family, tmp_path / "base")
     path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
-    kw = dict(lora_modules={"ad": path}, max_loras=2)
+    kw = dict(enable_lora=True, max_loras=2)
     one = Engine(config(base, **kw))
     two = tp_engine(config(base, tensor_parallel_size=2, **kw))
+    for engine in (one, two):  # registered after start: its slot load waits for its first request
+        engine.load_lora("ad", path)
     pool = two.runner.lora_pool.pool  # rank 0's own slot pool, under the sharded wrapper
     real_load = pool.load
 

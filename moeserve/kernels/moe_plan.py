@@ -124,7 +124,7 @@ def smem_limit(device: torch.device) -> int | None:
 
 def tile_smem(tile: GemmTile, elt_bytes: int, a_loads: int) -> int:
     """Bytes of a sorted-path GEMM's pipelined operands: num_stages buffers of the A tile(s) and the B tile
-    (`a_loads`: A tiles per K step, 2 for the down GEMM's gate and up)."""
+    (`a_loads`: A tiles per K step, 2 for a down GEMM that loads gate and up, MoEPlan.fused_act)."""
     return tile.num_stages * (a_loads * tile.block_m + tile.block_n) * tile.block_k * elt_bytes
 
 
@@ -145,13 +145,16 @@ def fit_tile(tile: GemmTile, elt_bytes: int, a_loads: int, limit: int | None) ->
     return tile
 
 
-def fit_plan(plan: MoEPlan, dtype: torch.dtype, device: torch.device) -> MoEPlan:
-    """The sorted-path tiles fitted to `dtype` on `device` (the GEMV path keeps no pipelined operands)."""
-    limit = smem_limit(device)
+def fit_plan(plan: MoEPlan, dtype: torch.dtype, device: torch.device, limit: int | None = None) -> MoEPlan:
+    """The sorted-path tiles fitted to `dtype` on `device`, or to `limit` bytes of shared memory (the GEMV path
+    keeps no pipelined operands)."""
+    limit = smem_limit(device) if limit is None else limit
     if plan.decode or limit is None:
         return plan
     elt = torch.empty((), dtype=dtype).element_size()
-    return replace(plan, gate_up=fit_tile(plan.gate_up, elt, 1, limit), down=fit_tile(plan.down, elt, 2, limit))
+    down_loads = 2 if plan.fused_act else 1  # gate and up tiles, or the activation's one
+    return replace(plan, gate_up=fit_tile(plan.gate_up, elt, 1, limit),
+                   down=fit_tile(plan.down, elt, down_loads, limit))
 
 
 # ---------------------------------------------------------------------------------------------
