@@ -44,6 +44,8 @@ def _demo(args) -> int:
         questions += ADAPTER_QUESTIONS
         loras += [name] * len(ADAPTER_QUESTIONS)
     prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+    # one untimed step first: on the CPU the first forward packs the fp32 weights for oneDNN (layers/cpu_linear.py)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0), lora=loras[:1])
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, lora=loras)
     dt = time.perf_counter() - t0
