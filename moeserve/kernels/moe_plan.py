@@ -151,7 +151,7 @@ def fit_plan(plan: MoEPlan, dtype: torch.dtype, device: torch.device, limit: int
     limit = smem_limit(device) if limit is None else limit
     if plan.decode or limit is None:
         return plan
-    elt = torch.empty((), dtype=dtype).element_size()
+    elt = dtype.itemsize
     down_loads = 2 if plan.fused_act else 1  # gate and up tiles, or the activation's one
     return replace(plan, gate_up=fit_tile(plan.gate_up, elt, 1, limit),
                    down=fit_tile(plan.down, elt, down_loads, limit))
@@ -209,6 +209,7 @@ def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
     return rows[-1][1:]
 
 
+@functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step: the lookups and fitting once per shape
 def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False,
                  problem: MoEProblem | None = None) -> MoEPlan:
     """The plan a call runs: the heuristic's path and LoRA options, the tuned base tiles where the table has
