@@ -317,6 +317,26 @@ def test_sorted_lora_epilogue_variants_match_references(items):
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
 
 
+@pytest.mark.parametrize("items", [0, 4], ids=["walk", "items4"])
+@pytest.mark.parametrize("fused_act", [True, False], ids=["fused_act", "act_kernel"])
+def test_sorted_lora_apart_from_the_gemms_matches_references(items, fused_act):
+    """The expands after plain GEMMs (lora_epilogue=False: SiLU*up with the gate_up deltas by its own kernel, the
+    down deltas added to the weighted per-pair output) on the mixed-rank case, NaN wherever the kernels must not
+    read; rows without an adapter bitwise the no-LoRA call of the same plan, whichever way it applies SiLU*up."""
+    problem = _mixed_lora_problem(24, 64, 32, seed=13)
+    plan = replace(SMALL_PLAN, lora_epilogue=False, lora_epilogue_items=items, fused_act=fused_act)
+    base = _check_sorted_lora(*problem, plan)
+    assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
+
+
+def test_sorted_lora_apart_in_sub_blocks_matches_references():
+    """Expand programs that take a part of an alignment block (32-row blocks, 16-row expand programs)."""
+    tile = GemmTile(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=1)
+    plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue=False, lora_apart_tile=(16, 32))
+    base = _check_sorted_lora(*_mixed_lora_problem(40, 64, 32, seed=14), plan)
+    assert torch.isfinite(base).all()
+
+
 def test_sorted_lora_epilogue_options_are_checked():
     problem, ranks, slots, clean, _ = _mixed_lora_problem(24, 64, 32, seed=12)
     lora = MoELoRAArgs(slots, ranks, *clean)
@@ -324,14 +344,15 @@ def test_sorted_lora_epilogue_options_are_checked():
         fused_moe(*problem, lora, plan=replace(SMALL_PLAN, lora_epilogue_items=3))
 
 
-@pytest.mark.parametrize("items", [0, 4], ids=["walk", "items4"])
+@pytest.mark.parametrize("items", [0, 4, "apart"], ids=["walk", "items4", "apart"])
 def test_sorted_lora_after_hot_load_and_eviction(items):
     """Slot buffers change in place between two calls (same tensors, as in a captured graph):
     slot 4 is loaded (rank 16) and slot 1 evicted (rank 0, left NaN); tokens move to slot 4.
     The plain walk and the epilogue that loads 4 items at once (default_plan's at block_m 16)."""
     problem, ranks, slots, clean, dirty = _mixed_lora_problem(24, 64, 32, seed=8)
     lora = MoELoRAArgs(slots, ranks, *dirty)
-    plan = replace(SMALL_PLAN, lora_epilogue_items=items)
+    plan = (replace(SMALL_PLAN, lora_epilogue=False) if items == "apart"
+            else replace(SMALL_PLAN, lora_epilogue_items=items))
     first = fused_moe(*problem, lora, plan=plan)
     assert _rel(first, fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))) < 1e-5
 
@@ -355,8 +376,9 @@ def test_sorted_lora_after_hot_load_and_eviction(items):
     assert torch.equal(_bits(second[no_adapter]), _bits(base[no_adapter]))
 
 
-@pytest.mark.parametrize("from_gate_up,lanes", [(False, 1), (True, 3)], ids=["x", "gate_up"])
-def test_lora_block_shrink_matches_twin(from_gate_up, lanes):
+@pytest.mark.parametrize("from_gate_up,lanes,activated", [(False, 1, False), (True, 3, False), (True, 2, True)],
+                         ids=["x", "gate_up", "h"])
+def test_lora_block_shrink_matches_twin(from_gate_up, lanes, activated):
     """The shrink over the base expert blocks, summed over its K splits, against its torch twin;
     every entry the twin does not name (rows without adapter, padding, columns >= rank) is left
     unwritten."""
@@ -365,17 +387,17 @@ def test_lora_block_shrink_matches_twin(from_gate_up, lanes):
     top_k = ids.shape[1]
     aligned = moe_align(ids, 3, 16)
     lora = MoELoRAArgs(slots, ranks, *dirty)
-    if from_gate_up:
-        src = torch.randn(ids.numel(), 2 * 40, device=DEV)
+    if from_gate_up:  # gu [pairs, 2I], or h [pairs, I] with SiLU*up applied
+        src = torch.randn(ids.numel(), (1 if activated else 2) * 40, device=DEV)
         a, a_clean, splits = dirty[2], clean[2], 2
     else:
         src, a, a_clean, splits = x, dirty[0], clean[0], 3
     k = a.shape[3]
     out = torch.full((splits, aligned.sorted_ids.numel(), 64), float("nan"), device=DEV)
     moe_lora.lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
-                               block_k=16, splits=splits, lanes=lanes, out=out)
+                               block_k=16, splits=splits, lanes=lanes, out=out, activated=activated)
     twin = moe_lora.lora_block_shrink_ref(src, a_clean, aligned, lora, top_k,
-                                          from_gate_up=from_gate_up)
+                                          from_gate_up=from_gate_up, activated=activated)
     assert len(twin) > 10 and k > 16 * (splits - 1)
     written = torch.zeros_like(out, dtype=torch.bool)
     for row, want in twin.items():
@@ -436,7 +458,8 @@ def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
 EPILOGUE_VARIANTS = {"default": {},
                      "walk": {"lora_epilogue_items": 0},
                      "items2": {"lora_epilogue_items": 2},
-                     "items4": {"lora_epilogue_items": 4}}
+                     "items4": {"lora_epilogue_items": 4},
+                     "apart": {"lora_epilogue": False}}
 
 
 @pytest.mark.gpu
@@ -592,6 +615,27 @@ def test_tuned_table_lookup(tmp_path):
     assert pick(10, "GPU Y") is None and pick(10, None) is None
     other = moe_plan.MoEProblem(64, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
     assert moe_plan.tuned_tiles(10, other, "GPU X", table) is None
+
+
+def test_lora_calls_above_the_apart_threshold_run_the_tuned_no_lora_tiles(monkeypatch):
+    """Where the table has the problem, a LoRA call with more pairs than LORA_APART_MIN_PAIRS runs the no-LoRA
+    call's tiles and options with the expands apart (so its rows without an adapter are the no-LoRA call's);
+    smaller ones keep the epilogue plan."""
+    h200 = moe_plan.tile_table()
+    (device, key), _ = next(iter(h200.items()))
+    problem = moe_plan.MoEProblem(*key[:4], getattr(torch, key[4]), torch.device("cpu"))
+    monkeypatch.setattr(moe_plan, "_device_name", lambda device_: device)
+    moe_plan.default_plan.cache_clear()
+    try:
+        top_k = key[3]
+        large = moe_plan.LORA_APART_MIN_PAIRS // top_k + 1
+        base, lora = (moe_plan.default_plan(large, top_k, problem=problem, lora=flag) for flag in (False, True))
+        assert not lora.lora_epilogue and (lora.gate_up, lora.down) == (base.gate_up, base.down)
+        assert (lora.y_fp32, lora.fused_act) == (base.y_fp32, base.fused_act)
+        small = moe_plan.default_plan(moe_plan.LORA_APART_MIN_PAIRS // top_k, top_k, problem=problem, lora=True)
+        assert small.lora_epilogue and not small.decode
+    finally:
+        moe_plan.default_plan.cache_clear()
 
 
 def test_shipped_table_parses_and_fits():

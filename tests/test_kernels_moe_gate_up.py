@@ -36,6 +36,7 @@ SORTED_PLAN = MoEPlan(False, SMALL_TILE, SMALL_TILE, lora_shrink_block_k=16, lor
                       lora_down_splits=2, lora_shrink_lanes=2)
 DECODE_PLAN = MoEPlan(True, SMALL_TILE, SMALL_TILE)
 SORTED_ITEMS_PLAN = replace(SORTED_PLAN, lora_epilogue_items=4)  # default_plan's epilogue at block_m 16
+APART_PLAN = replace(SORTED_PLAN, lora_epilogue=False)  # plain GEMMs, the expands by their own kernels
 
 
 def _rel(out, ref):
@@ -91,7 +92,7 @@ def _one_a(lora):
     return MoELoRAArgs(lora.token_slots, lora.slot_ranks, lora.gate_up_a, lora.gate_up_b, lora.down_a, lora.down_b)
 
 
-@pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
+@pytest.mark.parametrize("decode", [True, False, "apart"], ids=["decode", "sorted", "sorted-apart"])
 @pytest.mark.parametrize("shape", [(8, 64, 32), (10, 48, 40)], ids=["H64I32", "H48I40"])
 def test_separate_and_one_a_slots_in_one_batch_match_references(shape, decode):
     """Ranks 8/16 in a rank-16 pool, separate and one-A slots side by side, tokens without an adapter and on an
@@ -99,7 +100,7 @@ def test_separate_and_one_a_slots_in_one_batch_match_references(shape, decode):
     Against fp32 fused_moe_ref and the torch MoE backend; rows without an adapter bitwise the no-LoRA kernel's."""
     num_tokens, hidden, inter = shape
     problem, slots, clean, dirty = make_problem(num_tokens, 2, 4, hidden, inter, seed=num_tokens)
-    plan = DECODE_PLAN if decode else SORTED_PLAN
+    plan = {True: DECODE_PLAN, False: SORTED_PLAN, "apart": APART_PLAN}[decode]
     out = fused_moe(*problem, dirty, plan=plan)
     ref = fused_moe_ref(*problem, clean)
     assert torch.isfinite(out).all()
@@ -136,7 +137,7 @@ def test_slot_reloaded_from_separate_to_one_a_and_back():
             lora.gate_up_separate[0] = separate
         dirty.up_a[0].copy_(clean.up_a[0]) if separate else None
         ref = fused_moe_ref(*problem, clean)
-        for plan in (DECODE_PLAN, SORTED_PLAN, SORTED_ITEMS_PLAN):
+        for plan in (DECODE_PLAN, SORTED_PLAN, SORTED_ITEMS_PLAN, APART_PLAN):
             out = fused_moe(*problem, dirty, plan=plan)
             assert torch.isfinite(out).all() and _rel(out, ref) < 1e-5, (separate, plan)
 

@@ -39,6 +39,8 @@ from moeserve.kernels.moe_lora import (
     RANK_STEP,
     lora_block_epilogue,
     lora_block_shrink,
+    lora_expand_act,
+    lora_expand_down,
     lora_rank_block,
     lora_shrink_pairs,
     silu_mul,
@@ -457,53 +459,70 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     num_blocks = aligned.block_groups.numel()
     has_lora = lora is not None
     up_half = has_lora and lora.up_a is not None
+    apart = has_lora and not plan.lora_epilogue  # plain GEMMs, then lora_expand_act / lora_expand_down
+    in_epilogue = has_lora and not apart
+
+    def shrink(from_gate_up, src, splits, activated=False):
+        a = lora.down_a if from_gate_up else lora.gate_up_a
+        return lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
+                                 block_k=plan.lora_shrink_block_k, splits=splits,
+                                 lanes=plan.lora_shrink_lanes, num_warps=plan.lora_shrink_warps,
+                                 up_a=lora.up_a if up_half and not from_gate_up else None, pdl=pdl,
+                                 activated=activated)
 
     def epilogue_lora(from_gate_up, src, splits):
         """Launch args of a GEMM's LoRA epilogue; runs the shrink of that GEMM's input first."""
-        if not has_lora:
+        if not in_epilogue:
             return (topk_ids, topk_ids, x, x), (0,) * 5, 1  # unused placeholders
-        a, b = (lora.down_a, lora.down_b) if from_gate_up else (lora.gate_up_a, lora.gate_up_b)
-        up_a = lora.up_a if up_half and not from_gate_up else None
+        b = lora.down_b if from_gate_up else lora.gate_up_b
         if b.stride(3) != 1:
             raise ValueError(f"LoRA {'down' if from_gate_up else 'gate_up'} B buffer must be contiguous along the "
                              f"rank (stride {b.stride(3)}, shape {tuple(b.shape)})")
-        shrunk = lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
-                                   block_k=plan.lora_shrink_block_k, splits=splits,
-                                   lanes=plan.lora_shrink_lanes, num_warps=plan.lora_shrink_warps,
-                                   up_a=up_a, pdl=pdl)
+        shrunk = shrink(from_gate_up, src, splits)
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
                 (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])
 
     items = _epilogue_items(plan) if has_lora else 0  # lora=None: the kernels compile as without the option
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
+    shrunk_x = shrink(False, x, plan.lora_gate_up_splits) if apart else None
     ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
-    halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half else (topk_ids, 0, two_i)
+    halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half and in_epilogue else (topk_ids, 0, two_i)
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
         x, w13, gu, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, two_i, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, UP_HALF=up_half, LORA_ITEMS=0 if up_half else items,  # up halves: the walk only
+        EVEN_K=hidden % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
+        RANK_STEP=RANK_STEP, UP_HALF=up_half and in_epilogue,
+        LORA_ITEMS=0 if up_half or not in_epilogue else items,  # up halves: the walk only
         GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
 
-    act = gu  # the down GEMM's A: gu with SiLU*up applied as it loads, or h computed by its own kernel
-    if not plan.fused_act:
+    # the down GEMM's A: gu with SiLU*up applied as it loads, or h computed by its own kernel (with the gate_up
+    # LoRA deltas added first when they run apart)
+    fused_act = plan.fused_act and not apart
+    act = gu
+    if apart:
+        act = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile, pdl=pdl)
+    elif not fused_act:
         act = torch.empty(num_pairs, inter, dtype=x.dtype, device=dev)
         block = min(1024, triton.next_power_of_2(inter))
         _silu_mul_kernel[(num_pairs, triton.cdiv(inter, block))](
             gu, act, inter, gu.stride(0), act.stride(0), BLOCK_N=block, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=dev)
     t = plan.down
+    shrunk_h = shrink(True, act, plan.lora_down_splits, activated=True) if apart else None
     ptrs, strides, k_splits = epilogue_lora(True, gu, plan.lora_down_splits)
     _moe_down_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
         act, w2, y, topk_weights, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        EVEN_K=inter % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, LORA_ITEMS=items, GROUP_M=t.group_m, FUSED_ACT=plan.fused_act, USE_PDL=pdl,
-        launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
+        EVEN_K=inter % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
+        RANK_STEP=RANK_STEP, LORA_ITEMS=items if in_epilogue else 0, GROUP_M=t.group_m, FUSED_ACT=fused_act,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
+    if apart:
+        lora_expand_down(y, topk_weights, shrunk_h, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile,
+                         pdl=pdl)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 

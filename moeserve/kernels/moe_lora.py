@@ -354,10 +354,132 @@ def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr,
     return acc
 
 
+# Expands after plain GEMMs (MoEPlan.lora_epilogue=False): the GEMMs run the tuned no-LoRA tiles (128-row
+# blocks at prefill sizes, whose accumulators leave no registers for an epilogue walk) and these two
+# memory-bound kernels add the deltas. The gate_up one also applies SiLU*up, standing in for the activation
+# kernel; rows without an adapter get exactly that kernel's h and keep the no-LoRA y.
+
+@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
+def _lora_expand_act_kernel(
+    gu_ptr, h_ptr, sorted_ids_ptr, block_groups_ptr, slots_ptr, ranks_ptr, b_ptr, scratch_ptr,
+    separate_ptr, num_pairs, top_k, I, stride_gu, stride_h,
+    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, stride_sh,
+    BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLITS: tl.constexpr,
+    RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr, ITEMS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """h[pair, cols] = silu(g + dG) * (u + dU) for SUB_M rows of one expert block (of BLOCK_M): g, u from the
+    plain gate_up GEMM's gu [pairs, 2I], dG / dU the pair's adapter expand of the block shrink (gate columns,
+    and the up columns at offs + I)."""
+    pdl_launch.enter(USE_PDL)
+    pid_m = tl.program_id(0)  # sub-block: aligned rows pid_m * SUB_M ...
+    expert = tl.load(block_groups_ptr + pid_m * SUB_M // BLOCK_M)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * SUB_M + tl.arange(0, SUB_M))
+    pair_ok = pairs < num_pairs
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = pair_ok[:, None] & (offs_n < I)[None, :]
+    gu_rows = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
+    gate = tl.load(gu_rows, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_rows + I, mask=mask, other=0.0).to(tl.float32)
+    gate = lora_block_epilogue(gate, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, scratch_ptr, b_ptr,
+                               expert, offs_n, I, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                               separate_ptr, stride_sh, I, SUB_M, K_SPLITS, RANK_STEP, UP_HALF, ITEMS)
+    up = lora_block_epilogue(up, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, scratch_ptr, b_ptr,
+                             expert, offs_n + I, 2 * I, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                             separate_ptr, stride_sh, I, SUB_M, K_SPLITS, RANK_STEP, UP_HALF, ITEMS)
+    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_h + offs_n[None, :],
+             silu_mul(gate, up).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
+def _lora_expand_down_kernel(
+    y_ptr, topk_weights_ptr, sorted_ids_ptr, block_groups_ptr, slots_ptr, ranks_ptr, b_ptr, scratch_ptr,
+    num_pairs, top_k, N, stride_y, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+    BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLITS: tl.constexpr,
+    RANK_STEP: tl.constexpr, ITEMS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """y[pair, cols] += w[pair] * dD for the rows with an adapter among SUB_M rows of one expert block (y: the
+    plain down GEMM's weighted per-pair output); sub-blocks without any adapter row return at once, other rows
+    are not touched."""
+    pdl_launch.enter(USE_PDL)
+    pid_m = tl.program_id(0)  # sub-block: aligned rows pid_m * SUB_M ...
+    expert = tl.load(block_groups_ptr + pid_m * SUB_M // BLOCK_M)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * SUB_M + tl.arange(0, SUB_M))
+    pair_ok = pairs < num_pairs
+    slots, _ = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
+    if tl.max(slots, 0) < 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    delta = lora_block_epilogue(tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32), pid_m, pairs, pair_ok, top_k,
+                                slots_ptr, ranks_ptr, scratch_ptr, b_ptr, expert, offs_n, N, stride_sk,
+                                stride_sr, stride_bl, stride_be, stride_bn, slots_ptr, 0, N, SUB_M, K_SPLITS,
+                                RANK_STEP, False, ITEMS)
+    mine = slots >= 0
+    mask = mine[:, None] & (offs_n < N)[None, :]
+    y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+    weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok & mine, other=0.0).to(tl.float32)
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + delta * weights[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _expand_tile(block_m: int, tile: tuple[int, int], n: int) -> tuple[int, int]:
+    """(rows, columns) of an expand program: `tile` with the rows at most the alignment's block (of which they
+    are a power-of-two part) and the columns at most n rounded up."""
+    rows, cols = tile
+    return min(rows, block_m), min(cols, triton.next_power_of_2(n))
+
+
+def lora_expand_act(gu: torch.Tensor, shrunk: torch.Tensor, aligned: AlignedBlocks, lora, top_k: int,
+                    *, items: int = 0, tile: tuple[int, int] = (64, 128), pdl: bool = False) -> torch.Tensor:
+    """h [pairs, I] = silu(g + dG) * (u + dU) from the plain gate_up GEMM's gu [pairs, 2I] and the gate_up
+    block shrink `shrunk` (lora_block_shrink of x; [2, splits, rows, R] with the up halves of separate
+    slots). Rows of unrouted pairs are left unwritten, as the activation kernel leaves them."""
+    num_pairs, two_i = gu.shape
+    inter = two_i // 2
+    num_blocks = aligned.block_groups.numel()
+    block_m = aligned.sorted_ids.numel() // num_blocks
+    up_half = shrunk.dim() == 4
+    b = lora.gate_up_b
+    if b.stride(3) != 1:
+        raise ValueError(f"LoRA gate_up B buffer must be contiguous along the rank (shape {tuple(b.shape)})")
+    h = torch.empty(num_pairs, inter, dtype=gu.dtype, device=gu.device)
+    sub_m, block_n = _expand_tile(block_m, tile, inter)
+    _lora_expand_act_kernel[(aligned.sorted_ids.numel() // sub_m, triton.cdiv(inter, block_n))](
+        gu, h, aligned.sorted_ids, aligned.block_groups, lora.token_slots, lora.slot_ranks, b, shrunk,
+        lora.gate_up_separate if up_half else lora.slot_ranks, num_pairs, top_k, inter, gu.stride(0),
+        h.stride(0), shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3], shrunk.stride(0) if up_half else 0,
+        BLOCK_M=block_m, SUB_M=sub_m, BLOCK_N=block_n, K_SPLITS=shrunk.shape[-3], RANK_STEP=RANK_STEP,
+        UP_HALF=up_half,
+        ITEMS=0 if up_half else items, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return h
+
+
+def lora_expand_down(y: torch.Tensor, topk_weights: torch.Tensor, shrunk: torch.Tensor, aligned: AlignedBlocks,
+                     lora, top_k: int, *, items: int = 0, tile: tuple[int, int] = (64, 128),
+                     pdl: bool = False) -> torch.Tensor:
+    """y [pairs, H] += w * dD in place, for the pairs with an adapter; `shrunk`: lora_block_shrink of h."""
+    num_pairs, hidden = y.shape
+    num_blocks = aligned.block_groups.numel()
+    block_m = aligned.sorted_ids.numel() // num_blocks
+    b = lora.down_b
+    if b.stride(3) != 1:
+        raise ValueError(f"LoRA down B buffer must be contiguous along the rank (shape {tuple(b.shape)})")
+    sub_m, block_n = _expand_tile(block_m, tile, hidden)
+    _lora_expand_down_kernel[(aligned.sorted_ids.numel() // sub_m, triton.cdiv(hidden, block_n))](
+        y, topk_weights, aligned.sorted_ids, aligned.block_groups, lora.token_slots, lora.slot_ranks, b, shrunk,
+        num_pairs, top_k, hidden, y.stride(0), shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3],
+        BLOCK_M=block_m, SUB_M=sub_m, BLOCK_N=block_n, K_SPLITS=shrunk.shape[-3], RANK_STEP=RANK_STEP,
+        ITEMS=items, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return y
+
+
 @triton.jit
 def _shrink_slot(a_base, out_ptrs, src_rows, mine, rank, k_lo, k_hi, K, stride_ar,
                  FROM_GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 RANK_STEP: tl.constexpr):
+                 RANK_STEP: tl.constexpr, ACTIVATED: tl.constexpr = False):
     """out[rows of the slot, :rank] = v[rows, k_lo:k_hi] @ A[:rank, k_lo:k_hi]^T, A at a_base."""
     dtype = a_base.dtype.element_ty
     offs_k = tl.arange(0, BLOCK_K)
@@ -369,7 +491,7 @@ def _shrink_slot(a_base, out_ptrs, src_rows, mine, rank, k_lo, k_hi, K, stride_a
             k = k0 + offs_k
             k_ok = k < k_hi
             v_mask = mine[:, None] & k_ok[None, :]
-            if FROM_GATE_UP:
+            if FROM_GATE_UP and not ACTIVATED:
                 gate = tl.load(src_rows + k[None, :], mask=v_mask, other=0.0)
                 up = tl.load(src_rows + K + k[None, :], mask=v_mask, other=0.0)
                 v = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype)
@@ -389,10 +511,11 @@ def _lora_block_shrink_kernel(
     stride_src, stride_al, stride_ae, stride_ar, stride_sk, stride_sr, stride_sh,
     FROM_GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_STEP: tl.constexpr, LANES: tl.constexpr, UP_HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    ACTIVATED: tl.constexpr = False,
 ):
     """scratch[split, row, :rank] = v[row, split cols] @ A[slot, expert][:rank, split cols]^T for
     the rows of each adapter slot of one expert block. v = x[token], or silu(g) * u of the bf16
-    gu row the down GEMM reads. The distinct slots of a block are dealt round-robin to LANES
+    gu row the down GEMM reads (ACTIVATED: the pair's row of h = silu(g) * u itself). The distinct slots of a block are dealt round-robin to LANES
     programs (they own disjoint rows). Only rows with an adapter, rank columns < rank, are
     written. UP_HALF: slots flagged separate also write scratch + stride_sh from up_a (same
     strides as A)."""
@@ -422,7 +545,7 @@ def _lora_block_shrink_kernel(
         rank = tl.max(tl.where(mine, row_ranks, 0), 0)
         a_offs = cur.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
         _shrink_slot(a_ptr + a_offs, out_ptrs, src_rows, mine, rank, k_lo, k_hi, K, stride_ar,
-                     FROM_GATE_UP, BLOCK_M, BLOCK_K, RANK_STEP)
+                     FROM_GATE_UP, BLOCK_M, BLOCK_K, RANK_STEP, ACTIVATED)
         if UP_HALF:
             if tl.load(separate_ptr + cur) != 0:
                 _shrink_slot(up_a_ptr + a_offs, out_ptrs + stride_sh, src_rows, mine, rank, k_lo,
@@ -434,13 +557,14 @@ def _lora_block_shrink_kernel(
 def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks, lora,
                       top_k: int, *, from_gate_up: bool, block_k: int = 128, splits: int = 4,
                       lanes: int = 1, num_warps: int = 4, up_a: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                      out: torch.Tensor | None = None, pdl: bool = False,
+                      activated: bool = False) -> torch.Tensor:
     """Shrink grouped by the base expert blocks -> fp32 partials [splits, aligned rows, R]
     (row = position in `aligned.sorted_ids`), to be summed over splits by `lora_block_expand`;
     with `up_a` (gate_up of a pool with separate up A's) [2, splits, rows, R], half 1 written
     for the rows of slots flagged in lora.gate_up_separate. `src` is x [T, H] or, with
-    `from_gate_up`, gu [pairs, 2I]. Grid: (blocks, splits, lanes), all from static shapes and
-    config; `out` (tests) lets a caller see which entries were written."""
+    `from_gate_up`, gu [pairs, 2I] (with `activated`: h [pairs, I], SiLU*up already applied). Grid: (blocks,
+    splits, lanes), all from static shapes and config; `out` (tests) lets a caller see which entries were written."""
     num_blocks = aligned.block_groups.numel()
     num_rows = aligned.sorted_ids.numel()
     block_m = num_rows // num_blocks
@@ -451,6 +575,8 @@ def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks
     splits = triton.cdiv(k, k_per_split)
     if a.stride(3) != 1 or src.stride(1) != 1:
         raise ValueError("lora_block_shrink needs LoRA A and its input contiguous along K")
+    if activated and (not from_gate_up or up_a is not None):
+        raise ValueError("activated input is the down GEMM's h: from_gate_up without up_a")
     up_half = up_a is not None
     if up_half and up_a.stride() != a.stride():
         raise ValueError(f"up_a {tuple(up_a.shape)} must have gate_up_a's layout {tuple(a.shape)}")
@@ -467,13 +593,13 @@ def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks
         src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(-3), out.stride(-2),
         out.stride(0) if up_half else 0,
         FROM_GATE_UP=from_gate_up, BLOCK_M=block_m, BLOCK_K=block_k, RANK_STEP=RANK_STEP,
-        LANES=lanes, UP_HALF=up_half, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
+        LANES=lanes, UP_HALF=up_half, USE_PDL=pdl, ACTIVATED=activated, launch_pdl=pdl, num_warps=num_warps)
     return out
 
 
 def lora_block_shrink_ref(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks, lora,
-                          top_k: int, *, from_gate_up: bool,
-                          up_a: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+                          top_k: int, *, from_gate_up: bool, up_a: torch.Tensor | None = None,
+                          activated: bool = False) -> dict[int, torch.Tensor]:
     """Plain-torch twin of `lora_block_shrink`, summed over splits: {aligned row: fp32 shrink
     [rank]} for every row with an adapter (the rows the kernel writes). With `up_a`: the up half,
     {row: shrink} for the rows of slots flagged separate only."""
@@ -494,7 +620,9 @@ def lora_block_shrink_ref(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBl
         slot = slots[pair // top_k]
         if slot < 0 or ranks[slot] == 0:
             continue
-        if from_gate_up:
+        if activated:
+            v = src[pair].float()
+        elif from_gate_up:
             g, u = src[pair, :k].float(), src[pair, k:].float()
             v = (F.silu(g) * u).to(src.dtype).float()
         else:

@@ -4,8 +4,10 @@ The sorted path's base tiles come from a table of tuned tiles shipped as data (`
 GPU name, dtype and problem shape (experts, hidden, intermediate, top-k), one entry per token count tuned
 (`python -m moeserve.bench.kernels --tune` regenerates it for another GPU or shape; `MOESERVE_MOE_TILES=PATH`
 adds a table of one's own in front of the shipped one). Problems the table does not hold take the heuristic
-of `heuristic_plan`. Calls with LoRA take the heuristic's LoRA tiles (its epilogue was tuned on those) with the
-table's options (bf16 top-k partials, SiLU*up by its own kernel), which decide how rows without an adapter round.
+of `heuristic_plan`. Calls with LoRA up to LORA_APART_MIN_PAIRS take the heuristic's LoRA tiles (its epilogue was
+tuned on those) with the table's options (bf16 top-k partials, SiLU*up by its own kernel), which decide how rows
+without an adapter round; larger ones run the table's tiles themselves with the LoRA expands after the GEMMs
+(MoEPlan.lora_epilogue=False), so their rows without an adapter are bitwise the no-LoRA call's.
 
 Every plan is fitted to the dtype it runs in and the device's shared memory before use (`fit_tile`): a tile
 chosen for bf16 would ask fp32 for more than the GPU has.
@@ -60,6 +62,11 @@ class MoEPlan:
     # own kernel into [pairs, I], which the down GEMM then reads as a plain operand)
     y_fp32: bool = True
     fused_act: bool = True
+    # sorted path with LoRA: the expands in the GEMM epilogues (above), or after plain GEMMs on the plan's own tiles
+    # by two memory-bound kernels (moe_lora.lora_expand_act, which also applies SiLU*up, and lora_expand_down): what
+    # 128-row tiles need, whose accumulators leave no registers for an epilogue
+    lora_epilogue: bool = True
+    lora_apart_tile: tuple[int, int] = (64, 128)  # (rows, columns) of an apart expand program
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,14 @@ def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
     return rows[-1][1:]
 
 
+# Above this many pairs a LoRA call runs the tuned no-LoRA tiles with the expands apart (MoEPlan.lora_epilogue):
+# H200, 4 rank-16 adapters on every row, (MoE + LoRA) us, epilogue plan / apart: T=64 355 / 378, T=256 461 / 460,
+# T=512 561 / 497, T=2048 1107 / 859, T=8192 3540 / 2491 (shrinks unsplit, 64x128 expand programs, 4 items)
+LORA_APART_MIN_PAIRS = 2048
+LORA_APART = dict(lora_epilogue=False, lora_gate_up_splits=1, lora_down_splits=1, lora_epilogue_items=4,
+                  lora_apart_tile=(64, 128))
+
+
 @functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step: the lookups and fitting once per shape
 def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False,
                  problem: MoEProblem | None = None) -> MoEPlan:
@@ -220,6 +235,10 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: 
     if not plan.decode:
         tuned = tuned_tiles(num_tokens, problem, _device_name(problem.device))
         if tuned is not None and tuned[0].block_m == tuned[1].block_m:
-            # LoRA calls keep their own tiles but take the options, which decide how base rows round
-            plan = replace(plan, **tuned[2]) if lora else replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
+            if not lora:
+                plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
+            elif num_tokens * top_k > LORA_APART_MIN_PAIRS:
+                plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2], **LORA_APART)
+            else:  # LoRA calls keep their own tiles but take the options, which decide how base rows round
+                plan = replace(plan, **tuned[2])
     return fit_plan(plan, problem.dtype, problem.device)
