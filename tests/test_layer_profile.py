@@ -10,7 +10,7 @@ import torch
 
 from moeserve.bench import layer_profile
 from moeserve.bench.decode import DecodeBench
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 BASE = dict(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, top_k=2,
             moe_intermediate_size=48, intermediate_size=80, norm_topk_prob=True, max_position_embeddings=1024)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from moeserve import Engine, EngineConfig
 from moeserve.cli import main as cli_main
 from moeserve.models import loader
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 BLOCK = 128

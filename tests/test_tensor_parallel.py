@@ -151,7 +151,7 @@ def test_a_rank_loads_exactly_its_slices_through_get_slice(tmp_path, monkeypatch
     only the rank's rows; replicated norms and routers are the only whole reads)."""
     from moeserve.distributed.parallel_state import ParallelState
     from moeserve.models import loader
-    from moeserve.models.spec import ModelSpec
+    from moeserve.model_spec import ModelSpec
 
     base = save_base_checkpoint(family, tmp_path / "base", **overrides)
     spec = ModelSpec.from_model_dir(base)

@@ -14,7 +14,7 @@ import transformers as tf
 from safetensors import safe_open
 
 from moeserve.models import upcycle
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.models.tiny import TINY_FAMILIES, make_tiny
 from moeserve.models.tokenizer_tiny import tiny_tokenizer_json
 

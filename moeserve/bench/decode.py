@@ -26,7 +26,7 @@ from moeserve.config import EngineConfig
 from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models import loader
 from moeserve.models.moe_decoder import MoEForCausalLM
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.runtime.graph_runner import LORA, NOLORA, CudaGraph, GraphRunner
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.scheduler import ScheduledBatch

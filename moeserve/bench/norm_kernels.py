@@ -18,7 +18,7 @@ from moeserve.layers.attention import Attention
 from moeserve.layers.batch import AttentionMetadata
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 TOKENS = (1, 8, 64, 256, 512)
 HIDDEN, EPS, BLOCK_SIZE, MAX_POS = 2048, 1e-6, 16, 4096

@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         return 1
     from moeserve import Engine, EngineConfig
     from moeserve.bench.protocol import NUM_ADAPTERS, write_adapter, write_model_config
-    from moeserve.models.spec import ModelSpec
+    from moeserve.model_spec import ModelSpec
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ from moeserve.bench import layer_profile
 from moeserve.bench.decode import PRESETS, PROMPT, preset_spec
 from moeserve.config import EngineConfig
 from moeserve.lora.adapter import ExpertLoRA, LoRAAdapter
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.runtime.core import EngineCore
 from moeserve.runtime.scheduler import ScheduledBatch
 from moeserve.runtime.sequence import Sequence

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from moeserve.bench import layer_profile
 from moeserve.bench.decode import PROMPT
 from moeserve.config import EngineConfig
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.runtime.model_runner import ModelRunner
 from moeserve.runtime.scheduler import ScheduledBatch
 from moeserve.runtime.sequence import Sequence

@@ -22,7 +22,7 @@ from moeserve.config import EngineConfig
 from moeserve.lora.adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter
 from moeserve.lora.slot_pool import ALL_TARGETS, LoRASlotPool
 from moeserve.models.moe_decoder import MoEForCausalLM
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 if TYPE_CHECKING:  # the scheduler hands sequences in; lora/ does not depend on runtime/
     from moeserve.runtime.sequence import Sequence

@@ -15,7 +15,7 @@ import torch
 from moeserve.layers.moe import ExpertLoRABuffers
 from moeserve.lora.adapter import LoRAAdapter, LoRAAdapterError
 from moeserve.models.moe_decoder import MoEForCausalLM
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 logger = logging.getLogger("moeserve")
 

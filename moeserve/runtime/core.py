@@ -22,7 +22,7 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.distributed.parallel_state import RankFailure
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.runtime.detokenizer import eos_token_ids, load_tokenizer
 from moeserve.runtime.kv_cache import BlockAllocator
 from moeserve.runtime.model_runner import InFlightStep, ModelRunner

@@ -21,7 +21,7 @@ from moeserve.lora.slot_pool import describe_by_target, format_bytes
 from moeserve.layers.sampler import SamplingTensors, compute_logprobs, row_key, sample
 from moeserve.models.loader import load_model
 from moeserve.models.moe_decoder import MoEForCausalLM
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from moeserve.runtime.scheduler import ScheduledBatch

@@ -33,7 +33,7 @@ from moeserve.distributed.parallel_state import (SYMM_MEM_MAX_BYTES, ParallelSta
 from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapter
 from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.models.loader import load_model
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.runtime.graph_runner import GraphKey
 from moeserve.runtime.model_runner import InFlightStep, ModelRunner, StepResult
 from moeserve.runtime.scheduler import ScheduledBatch
