@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from moeserve.runtime.core_client import EngineStartError
+        from moeserve.frontend.core_client import EngineStartError
 
         if not isinstance(e, EngineStartError):
             raise

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from moeserve.lora.adapter import validate_adapter_name
+from moeserve.lora.slot_pool import ALL_TARGETS
+from moeserve.models.quantization import checkpoint_quantization
+
 logger = logging.getLogger("moeserve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,7 +88,7 @@ class EngineConfig:
     # >= 9.0); True: asked for, refused where it cannot run; False: off
     pdl: bool | None = None
     # at start, on CUDA: run the eager (prefill) shapes the engine will run, with and without LoRA, so every kernel
-    # variant is compiled then and not in a user's request (runtime/warmup.py); --no-warmup skips it
+    # variant is compiled then and not in a user's request (engine/warmup.py); --no-warmup skips it
     warmup: bool = True
 
     # serving
@@ -166,19 +170,13 @@ class EngineConfig:
             logger.info("lora_modules (--lora-modules) given: enabling LoRA")
             self.enable_lora = True
         if self.model is not None and os.path.isdir(self.model):  # a missing folder is reported by the engine
-            from moeserve.models.quantization import checkpoint_quantization
-
             checkpoint_quantization(self.model)  # a quantization_config not implemented: refused before any load
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"{flag('lora_dir')} {self.lora_dir!r} is not a directory")
         if self.lora_modules:
-            from moeserve.lora.adapter import validate_adapter_name
-
             for name in self.lora_modules:
                 validate_adapter_name(name)
         if self.lora_target_modules:  # None or empty: inferred from lora_modules
-            from moeserve.lora.slot_pool import ALL_TARGETS
-
             bad = [t for t in self.lora_target_modules if t not in ALL_TARGETS]
             if bad:
                 raise ValueError(f"{flag('lora_target_modules')}: unsupported {bad}; supported: "

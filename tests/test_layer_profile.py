@@ -40,7 +40,7 @@ def cpu_timer(fns) -> float:
 def test_regions_chained_are_the_layer_forward(family, backend):
     bench = DecodeBench(spec_for(family), max_bs=3, steps=4, device="cpu", dtype=torch.float32, backend=backend)
     B = 3
-    from moeserve.runtime.scheduler import ScheduledBatch
+    from moeserve.worker.sequence import ScheduledBatch
 
     seqs = bench.sequences(B, [-1] * B)
     batch = bench.runner.prepare(ScheduledBatch(seqs, [1] * B, is_decode=True))

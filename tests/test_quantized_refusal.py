@@ -121,7 +121,7 @@ def test_the_server_path_reports_the_refusal_as_a_config_error(fp8_model):
     ValueError with its message, which the command line prints as `error: ...`."""
     import asyncio
 
-    from moeserve.runtime.core_client import EngineClient
+    from moeserve.frontend.core_client import EngineClient
 
     with pytest.raises(ValueError, match="quantization method 'fp8' .config.json quantization_config. is not "
                                          "supported; supported: none"):

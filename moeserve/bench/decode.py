@@ -27,10 +27,10 @@ from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models import loader
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.model_spec import ModelSpec
-from moeserve.runtime.graph_runner import LORA, NOLORA, CudaGraph, GraphRunner
-from moeserve.runtime.model_runner import ModelRunner
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import Sequence
+from moeserve.worker.graph_runner import LORA, NOLORA, CudaGraph, GraphRunner
+from moeserve.worker.model_runner import ModelRunner
+from moeserve.worker.sequence import ScheduledBatch
+from moeserve.worker.sequence import Sequence
 from moeserve.sampling_params import SamplingParams
 
 PRESETS = {

@@ -55,7 +55,7 @@ def profile_forward(engine, num_tokens: int, lora: bool) -> dict[str, float]:
     """µs per region of one eager prefill forward of `num_tokens` tokens (16 prompts)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from moeserve.runtime.warmup import warmup_batches
+    from moeserve.engine.warmup import warmup_batches
 
     slot = 0 if lora else -1
     batch = [b for b in warmup_batches([num_tokens], [slot], engine.config.block_size) if len(b.seqs) == 16][0]

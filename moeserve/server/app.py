@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP frontend: routes, error handlers and `moeserve serve`.
 
-The engine core runs in its own process (runtime/core_process.py); this process serves HTTP,
+The engine core runs in its own process (engine/core_process.py); this process serves HTTP,
 tokenizes, detokenizes and formats SSE, and talks to the core only through EngineClient's
 messages. Every request is validated (pydantic, then SamplingParams, then the core's limits)
 before a byte of the response is sent, so each mistake is a 4xx in the OpenAI error shape and a
@@ -26,16 +26,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeserve.frontend.core_client import (AdapterPathError, EngineClient, EngineDeadError, UnknownAdapterError,
+                                           resolve_adapter_path)
 from moeserve.log_filter import filter_repeats
 from moeserve.lora.adapter import LoRAAdapterError, validate_adapter_name
-from moeserve.runtime.core_client import (AdapterPathError, EngineClient, EngineDeadError, UnknownAdapterError,
-                                          resolve_adapter_path)
 from moeserve.server.completions import ServerState, create_chat_completion, create_completion
 from moeserve.server.connections import (HTTPLimits, guarded_protocol_class, limit_request_body,
                                          raise_open_files_limit, raw_response)
 from moeserve.server.errors import ClientGone, engine_error, lora_error, queue_full, validation_error
 from moeserve.server.lifecycle import Drain, ServerWithoutSignals, StopSignals, listening_socket, stop_resource_tracker
-from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRARequest, OpenAIError, UnloadLoRARequest
+from moeserve.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRARequest, OpenAIError,
+                                      UnloadLoRARequest)
 
 logger = logging.getLogger("moeserve")
 

@@ -1,7 +1,7 @@
 """Tensor parallelism on the engine side: rank 0's model runner and the plan every rank runs per step.
 
 The engine core (scheduler, LoRA manager, sampling) stays in one process, rank 0. It starts one worker
-process per other rank (torch.multiprocessing, spawn; runtime/worker.py) and talks to each over a pipe.
+process per other rank (torch.multiprocessing, spawn; worker/tp_worker.py) and talks to each over a pipe.
 Each step rank 0 decides everything on the host once — the batch, eager or graph and the GraphKey, which
 rows need logits — and sends that StepPlan to every worker before running it itself; so every rank runs
 the same forward and replays the same GraphKey (docs/architecture.md, invariants 3 and 10). Only activations travel
@@ -14,97 +14,29 @@ every worker is stopped with it.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import pickle
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.distributed.parallel_state import (SYMM_MEM_MAX_BYTES, ParallelState, RankFailure,
-                                                 abort_parallel_state, destroy_parallel_state, init_parallel_state,
-                                                 rendezvous_store)
+from moeserve.distributed.parallel_state import (ParallelState, RankFailure, abort_parallel_state,
+                                                 destroy_parallel_state, init_parallel_state, rendezvous_store)
 from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapter
-from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
-from moeserve.models.loader import load_model
+from moeserve.lora.adapter import LoRAAdapterError
 from moeserve.model_spec import ModelSpec
-from moeserve.runtime.graph_runner import GraphKey
-from moeserve.runtime.model_runner import InFlightStep, ModelRunner, StepResult
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import resolve_pending
+from moeserve.models.loader import load_model
+from moeserve.worker.model_runner import InFlightStep, ModelRunner, StepResult
+from moeserve.worker.sequence import ScheduledBatch
+from moeserve.worker.tp_step import StepPlan, batch_to_wire, release_graphs, run_forward, symm_mem_buffer
+from moeserve.worker.tp_worker import worker_main
 
 logger = logging.getLogger("moeserve")
-
-
-# ---- what every rank runs -------------------------------------------------------------------------------
-
-def symm_mem_buffer(config: EngineConfig, spec: ModelSpec) -> tuple[int, torch.dtype] | None:
-    """The symmetric all-reduce buffer every rank asks for, (elements, dtype), or None under
-    --disable-custom-all-reduce. It holds the largest forward's activations (a prefill chunk or a decode
-    batch, [rows, hidden]) up to SYMM_MEM_MAX_BYTES; larger ones go through NCCL. Computed from the config
-    alone, so every rank asks for the same."""
-    if config.disable_custom_all_reduce or config.tensor_parallel_size < 2:
-        return None
-    dtype = config.torch_dtype
-    row_bytes = spec.hidden_size * dtype.itemsize
-    rows = min(max(config.max_num_batched_tokens, config.max_num_seqs), max(1, SYMM_MEM_MAX_BYTES // row_bytes))
-    return rows * spec.hidden_size, dtype
-
-
-@dataclass
-class StepPlan:
-    """One step as rank 0 decided it; every rank runs exactly this."""
-    batch: dict  # the host ForwardBatch as numpy arrays and plain values (see batch_to_wire)
-    key: GraphKey | None  # the graph every rank replays; None: eager
-    pending: bool  # rows read their input token from the previous step's sampled tokens
-    sample_rows: list[int]  # rows whose logits are computed for sampling
-    prompt_rows: list[tuple[int, int]]  # (first row, count) of prompt-logprob rows, in order
-
-
-def batch_to_wire(b: ForwardBatch) -> dict:
-    """A host ForwardBatch as picklable numpy arrays and plain values, field by field (a field added to the
-    batch travels without changes here). LoRA slot ranks stay behind: each rank has its own buffer."""
-    def wire(obj):
-        return {f.name: (v.numpy() if isinstance(v, torch.Tensor) else v) for f in fields(obj)
-                if f.name not in ("attn", "lora", "slot_ranks") for v in [getattr(obj, f.name)]}
-
-    return {"batch": wire(b), "attn": wire(b.attn), "lora": None if b.lora is None else wire(b.lora)}
-
-
-def batch_from_wire(w: dict, slot_ranks: torch.Tensor | None) -> ForwardBatch:
-    """The host ForwardBatch again (tensors on the CPU), with this rank's LoRA slot ranks."""
-    def unwire(d):
-        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in d.items()}
-
-    lora = None if w["lora"] is None else LoRABatch(slot_ranks=slot_ranks, **unwire(w["lora"]))
-    return ForwardBatch(attn=AttentionMetadata(**unwire(w["attn"])), lora=lora, **unwire(w["batch"]))
-
-
-def _to_device(b: ForwardBatch, device: torch.device) -> ForwardBatch:
-    """Every host tensor of the batch on `device` (the LoRA slot ranks are already there)."""
-    def moved(obj):
-        values = {f.name: getattr(obj, f.name) for f in fields(obj) if f.name != "slot_ranks"}
-        return replace(obj, **{k: v.to(device, non_blocking=True) for k, v in values.items()
-                               if isinstance(v, torch.Tensor)})
-
-    return replace(moved(b), attn=moved(b.attn), lora=None if b.lora is None else moved(b.lora))
-
-
-def run_forward(runner: ModelRunner, host_batch: ForwardBatch, key: GraphKey | None,
-                pending: torch.Tensor | None) -> torch.Tensor:
-    """The step's forward, on any rank: replay `key`'s graph, or run eagerly."""
-    if key is not None:
-        return runner.graph_runner.replay(key, host_batch, pending)
-    batch = _to_device(host_batch, runner.device)
-    if pending is not None:
-        resolve_pending(batch.input_ids, pending)
-    return runner.model(batch)
 
 
 # ---- rank 0 ---------------------------------------------------------------------------------------------
@@ -168,8 +100,6 @@ class ParallelModelRunner(ModelRunner):
                     ", routed experts expert-parallel" if ep else "")
 
     def _start_workers(self, ctx, n: int, store_port: int, config: EngineConfig, spec: ModelSpec, model_dir) -> None:
-        from moeserve.runtime.worker import worker_main
-
         for rank in range(1, n):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"moeserve-tp-rank{rank}", daemon=True,
@@ -396,17 +326,6 @@ class ParallelModelRunner(ModelRunner):
                 return
 
 
-def release_graphs(runner: ModelRunner) -> None:
-    """Destroy the runner's CUDA graphs. Graphs that recorded NCCL collectives hold on to the communicator's
-    resources until they are destroyed, and NCCL's teardown waits for them (both ranks hung in
-    destroy_process_group on two H200s while the graphs were alive)."""
-    runner.graph_runner = None
-    gc.collect()
-    device = getattr(runner, "device", None)  # unset when rank 0 failed while loading its shard
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class ShardedLoRAPool:
     """Rank 0's slot pool as the LoRA manager sees it: a load or clear happens on every rank, each copying its
     slice of the adapter (distributed/sharding.py), or on none — a load that fails anywhere is cleared
@@ -419,8 +338,6 @@ class ShardedLoRAPool:
         return getattr(self.pool, name)
 
     def load(self, slot: int, adapter) -> None:
-        from moeserve.lora.adapter import LoRAAdapterError
-
         self.runner._send(("lora_load", slot, adapter))
         errors = {}
         try:
