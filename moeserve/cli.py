@@ -20,7 +20,7 @@ ADAPTER_QUESTIONS = DEMO_QUESTIONS[2:]  # asked again through each adapter; none
 def _demo(args) -> int:
     from moeserve import Engine, EngineConfig, SamplingParams
     from moeserve.engine_args import engine_config_from_args
-    from moeserve.lora.demo import ADAPTERS_DIR, DEMO_ADAPTERS, demo_adapters
+    from moeserve.demo_adapters import ADAPTERS_DIR, DEMO_ADAPTERS, demo_adapters
     from moeserve.models.upcycle import demo_model_path
 
     cfg = engine_config_from_args(args)
@@ -97,7 +97,7 @@ def _serve(args) -> int:
     try:
         if args.model is None:
             # the demo model with its demo adapters under their names (caps, brief), as the README's examples use it
-            from moeserve.lora.demo import ADAPTERS_DIR, demo_adapters
+            from moeserve.demo_adapters import ADAPTERS_DIR, demo_adapters
             from moeserve.models.upcycle import demo_model_path
 
             print("Building (first run only) or reusing the embedded demo model and its demo adapters", flush=True)
