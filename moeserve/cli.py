@@ -162,18 +162,26 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
         add_serve_args(p)
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("bench", help="benchmarks: kernels | decode | prefill | attention | serve | churn | protocol | "
-                                     "tp_decode | collectives")
-    p.add_argument("which", choices=("kernels", "decode", "prefill", "attention", "serve", "churn", "protocol",
-                                     "tp_decode", "collectives"))
+    p = sub.add_parser("bench", help="benchmarks: serve | decode | prefill | protocol | churn | tp_decode (kernel "
+                                     "benchmarks: python -m benchmarks.kernels.kernels in a clone)")
+    p.add_argument("which", choices=BENCHMARKS + tuple(DEVELOPER_BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=_bench)
     return parser
 
 
+BENCHMARKS = ("serve", "decode", "prefill", "protocol", "churn", "tp_decode")  # moeserve/bench/<name>.py
+# kernel and collective micro-benchmarks live outside the package, in the repository's benchmarks/kernels/
+DEVELOPER_BENCHMARKS = {"kernels": "kernels", "attention": "attention", "collectives": "collectives"}
+
+
 def _bench(args) -> int:
     import importlib
 
+    if args.which in DEVELOPER_BENCHMARKS:
+        raise ValueError(f"`bench {args.which}` is a developer benchmark, not installed with the package: from a "
+                         f"clone of the repository, at its root, run `python -m benchmarks.kernels."
+                         f"{DEVELOPER_BENCHMARKS[args.which]}`")
     mod = importlib.import_module(f"moeserve.bench.{args.which}")
     return mod.main(args.rest) or 0
 

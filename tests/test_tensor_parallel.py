@@ -530,7 +530,7 @@ def test_bench_collectives_checks_and_times_each_collective_on_two_ranks(tmp_pat
     the symmetric-memory rows say why they were skipped on CPU."""
     import json
 
-    from moeserve.bench import collectives
+    from benchmarks.kernels import collectives
 
     assert collectives.main(["--device", "cpu", "--batches", "1,3", "--hidden", "8", "--iters", "2",
                              "--dtype", "float32", "--out", str(tmp_path)]) == 0
