@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -190,6 +190,15 @@ class EngineConfig:
                                  f"{self.cuda_graph_bs!r}")
         self._resolved = True
         return self
+
+    def on_device(self, device: str) -> "EngineConfig":
+        """This resolved config on another device of the same kind (a tensor-parallel rank's own GPU): a copy,
+        resolved and checked already."""
+        if not self._resolved:
+            raise ValueError("on_device() needs a resolved config: call resolve() first")
+        other = replace(self, device=device)
+        other._resolved = True
+        return other
 
     @property
     def torch_dtype(self) -> torch.dtype:

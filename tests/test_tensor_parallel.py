@@ -493,7 +493,7 @@ def test_bad_parallel_settings_are_refused_by_name(tmp_path):
 
 
 def test_adapter_load_failing_on_one_rank_is_rolled_back_on_every_rank(tmp_path, tp_engine, monkeypatch):
-    from moeserve.worker.tp_worker import lora_slot_state
+    from moeserve.lora.slot_pool import lora_slot_state
 
     family = "qwen2_moe"
     base = save_base_checkpoint(family, tmp_path / "base")

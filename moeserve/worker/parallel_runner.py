@@ -132,7 +132,7 @@ class ParallelModelRunner(ModelRunner):
         return result["tp"]
 
     # ---- talking to the workers ------------------------------------------------------------------
-    def _send(self, msg) -> None:
+    def send_to_workers(self, msg) -> None:
         self._check_workers()
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for w in self.workers:
@@ -142,7 +142,7 @@ class ParallelModelRunner(ModelRunner):
                 self._check_workers(wait_s=1.0)
                 self._fail(f"tensor-parallel rank {w.rank} stopped reading its messages")
 
-    def _replies(self, what: str) -> dict[int, object]:
+    def worker_replies(self, what: str) -> dict[int, object]:
         """One reply from every worker, each waited for at most timeout_s while its process lives."""
         out = {}
         for w in self.workers:
@@ -160,7 +160,7 @@ class ParallelModelRunner(ModelRunner):
         return out
 
     def _expect_ok(self, what: str) -> None:
-        for rank, error in sorted(self._replies(what).items()):
+        for rank, error in sorted(self.worker_replies(what).items()):
             if error is not None:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed {what}: {error}")
 
@@ -204,15 +204,15 @@ class ParallelModelRunner(ModelRunner):
     # ---- engine hooks ----------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
         """Every rank sizes its cache; all use the smallest count (the scheduler hands out one block table)."""
-        self._send(("kv_cache", num_blocks))
+        self.send_to_workers(("kv_cache", num_blocks))
         mine = super().allocate_kv_cache(num_blocks)
-        counts = self._replies("allocating its KV cache")
+        counts = self.worker_replies("allocating its KV cache")
         bad = {r: c for r, c in counts.items() if isinstance(c, str)}
         if bad:
             rank, err = min(bad.items())
             raise RuntimeError(f"tensor-parallel rank {rank} failed allocating its KV cache: {err}")
         least = min(mine, *counts.values())
-        self._send(("kv_cache_final", least))
+        self.send_to_workers(("kv_cache_final", least))
         if mine != least:
             self.model.kv_caches = []
             if self.device.type == "cuda":
@@ -223,30 +223,30 @@ class ParallelModelRunner(ModelRunner):
 
     def shard_lora_pool(self, pool):
         """Wrap rank 0's slot pool so that every load and clear also happens on the other ranks."""
-        self._send(("lora_pool", sorted(pool.targets), pool.max_loras, pool.max_rank, pool.separate_gate_up))
+        self.send_to_workers(("lora_pool", sorted(pool.targets), pool.max_loras, pool.max_rank, pool.separate_gate_up))
         self._expect_ok("allocating its LoRA slot pool")
         return ShardedLoRAPool(pool, self)
 
     def capture_graphs(self, progress: bool = False) -> None:
-        self._send(("capture",))  # every rank captures the same keys in the same order (collectives inside)
+        self.send_to_workers(("capture",))  # every rank captures the same keys in the same order (collectives inside)
         with self._collectives("graph capture"):
             super().capture_graphs(progress)
         self._expect_ok("capturing its graphs")
 
     def worker_replay_counts(self) -> dict[int, dict[str, int]]:
         """Each worker's graph replays per GraphKey (tests compare them with rank 0's)."""
-        self._send(("replay_counts",))
-        return self._replies("reporting its replay counts")
+        self.send_to_workers(("replay_counts",))
+        return self.worker_replies("reporting its replay counts")
 
     def worker_all_reduce_backends(self) -> dict[int, str]:
         """Each worker's all-reduce backend (every rank must run the same one)."""
-        self._send(("all_reduce_backend",))
-        return self._replies("reporting its all-reduce backend")
+        self.send_to_workers(("all_reduce_backend",))
+        return self.worker_replies("reporting its all-reduce backend")
 
     def worker_lora_slots(self) -> dict[int, list[tuple[int, bool]]]:
         """Each worker's LoRA slots as (rank, holds any nonzero weight) (tests check loads and rollbacks)."""
-        self._send(("lora_slots",))
-        return self._replies("reporting its LoRA slots")
+        self.send_to_workers(("lora_slots",))
+        return self.worker_replies("reporting its LoRA slots")
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -256,7 +256,7 @@ class ParallelModelRunner(ModelRunner):
         key = self.graph_runner.key_for(batch, [s.lora_slot for s in sb.seqs]) if graphed else None
         rows, _, prompt_rows = self._logit_rows(sb)
         pending = any(s.num_pending for s in sb.seqs)
-        self._send(("step", StepPlan(batch_to_wire(batch), key, pending, rows,
+        self.send_to_workers(("step", StepPlan(batch_to_wire(batch), key, pending, rows,
                                      [(first, count) for _, first, count in prompt_rows])))
         with self._collectives("a forward step"):
             hidden = run_forward(self, batch, key, self.prev_tokens if pending else None)
@@ -291,7 +291,7 @@ class ParallelModelRunner(ModelRunner):
         try:
             if healthy and self.workers:
                 try:
-                    self._send(("shutdown",))
+                    self.send_to_workers(("shutdown",))
                 except RankFailure:
                     healthy = False
             if self.tp is not None:
@@ -338,13 +338,13 @@ class ShardedLoRAPool:
         return getattr(self.pool, name)
 
     def load(self, slot: int, adapter) -> None:
-        self.runner._send(("lora_load", slot, adapter))
+        self.runner.send_to_workers(("lora_load", slot, adapter))
         errors = {}
         try:
             self.pool.load(slot, shard_adapter(adapter, self.runner.sharding))
         except Exception as e:  # noqa: BLE001 - rolled back below, on every rank
             errors[0] = f"{type(e).__name__}: {e}"
-        errors.update({r: e for r, e in self.runner._replies("loading an adapter").items() if e is not None})
+        errors.update({r: e for r, e in self.runner.worker_replies("loading an adapter").items() if e is not None})
         if errors:
             self.clear(slot)
             rank, err = min(errors.items())
@@ -352,5 +352,5 @@ class ShardedLoRAPool:
                                    f"({err}); slot {slot} was cleared on every rank")
 
     def clear(self, slot: int) -> None:
-        self.runner._send(("lora_clear", slot))
+        self.runner.send_to_workers(("lora_clear", slot))
         self.pool.clear(slot)

@@ -7,7 +7,6 @@ when rank 0 says so or when rank 0's end of the pipe closes (rank 0 is gone).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pickle
 import sys
@@ -17,7 +16,7 @@ import torch
 
 from moeserve.distributed.parallel_state import destroy_parallel_state, init_parallel_state, rendezvous_store
 from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapter
-from moeserve.lora.slot_pool import LoRASlotPool
+from moeserve.lora.slot_pool import LoRASlotPool, lora_slot_state
 from moeserve.models.loader import load_model
 from moeserve.worker.model_runner import ModelRunner
 from moeserve.worker.tp_step import batch_from_wire, release_graphs, run_forward, symm_mem_buffer
@@ -30,8 +29,7 @@ class Worker:
         if config.device.startswith("cuda"):
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-            config = dataclasses.replace(config, device=str(device))
-            config._resolved = True
+            config = config.on_device(str(device))
         else:
             device = torch.device("cpu")
         self.config, self.spec, self.model_dir, self.device = config, spec, model_dir, device
@@ -84,20 +82,6 @@ class Worker:
     def replay_counts(self) -> dict[str, int]:
         gr = self.runner.graph_runner
         return gr.replay_counts() if gr is not None else {}
-
-
-def lora_slot_state(pool) -> list[tuple[int, bool]]:
-    """(rank, holds any nonzero weight) per slot of a LoRA slot pool."""
-    model = pool.model
-    used = [False] * pool.max_loras
-    for layer in model.layers:
-        bufs = getattr(layer.mlp, "lora_bufs", None)
-        tensors = [t for lin in pool._linears(layer) if lin.lora_a is not None for t in (lin.lora_a, lin.lora_b)]
-        tensors += [] if bufs is None else [bufs.gate_up_a, bufs.gate_up_b, bufs.down_a, bufs.down_b]
-        for t in tensors:
-            for slot in range(pool.max_loras):
-                used[slot] = used[slot] or bool(t[slot].any())
-    return list(zip(pool.slot_ranks.tolist(), used))
 
 
 def worker_main(rank: int, world_size: int, store_port: int, config, spec, model_dir, conn) -> None:
