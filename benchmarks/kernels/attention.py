@@ -1,4 +1,4 @@
-"""Paged decode attention at Qwen3-30B-A3B shapes (dense multi-LoRA: `bench kernels --parts dense_lora`).
+"""Paged decode attention at Qwen3-30B-A3B shapes (dense multi-LoRA: `benchmarks.kernels.kernels --parts dense_lora`).
 
     python -m benchmarks.kernels.attention --out DIR [--quick]
 
