@@ -1,6 +1,6 @@
 """moeserve: Mixture-of-Experts LLM serving with many LoRA adapters and LoRA-variant CUDA graphs."""
 from moeserve.config import EngineConfig
-from moeserve.frontend.engine import Engine, EngineShutdownError, RequestError
+from moeserve.frontend.offline_engine import Engine, EngineShutdownError, RequestError
 from moeserve.outputs import RequestOutput, TokenLogprobs
 from moeserve.sampling_params import SamplingParams
 
