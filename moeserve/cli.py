@@ -1,4 +1,7 @@
-"""`moeserve` command line: demo, generate, make-tiny, serve, bench."""
+"""`moeserve` command line: demo, generate, make-tiny, serve, bench.
+
+Each command imports what it needs when it runs (the server's fastapi and uvicorn, the demo's builders, a
+benchmark's module), so a command, --help or a mistyped flag does not pay for the others."""
 from __future__ import annotations
 
 import argparse

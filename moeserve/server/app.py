@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeserve.engine_args import add_engine_args, engine_config_from_args
 from moeserve.frontend.core_client import (AdapterPathError, EngineClient, EngineDeadError, UnknownAdapterError,
                                            resolve_adapter_path)
 from moeserve.log_filter import filter_repeats
@@ -264,8 +265,6 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from moeserve.engine_args import add_engine_args
-
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -313,8 +312,6 @@ def check_serve_args(args: argparse.Namespace) -> None:
 def serve_main(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     """`moeserve serve`: serve until SIGTERM or SIGINT, then exit 0. `sock`: the listening socket, bound already
     (else bound here, before the engine starts)."""
-    from moeserve.engine_args import engine_config_from_args
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     check_serve_args(args)
     server = run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.api_key,
