@@ -1,7 +1,7 @@
 """moeserve: Mixture-of-Experts LLM serving with many LoRA adapters and LoRA-variant CUDA graphs."""
 from moeserve.config import EngineConfig
-from moeserve.runtime.engine import Engine, EngineShutdownError, RequestError
-from moeserve.runtime.outputs import RequestOutput, TokenLogprobs
+from moeserve.frontend.offline_engine import Engine, EngineShutdownError, RequestError
+from moeserve.outputs import RequestOutput, TokenLogprobs
 from moeserve.sampling_params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "TokenLogprobs", "RequestError",

@@ -1,4 +1,7 @@
-"""`moeserve` command line: demo, generate, make-tiny, serve, bench."""
+"""`moeserve` command line: demo, generate, make-tiny, serve, bench.
+
+Each command imports what it needs when it runs (the server's fastapi and uvicorn, the demo's builders, a
+benchmark's module), so a command, --help or a mistyped flag does not pay for the others."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +23,7 @@ ADAPTER_QUESTIONS = DEMO_QUESTIONS[2:]  # asked again through each adapter; none
 def _demo(args) -> int:
     from moeserve import Engine, EngineConfig, SamplingParams
     from moeserve.engine_args import engine_config_from_args
-    from moeserve.lora.demo import ADAPTERS_DIR, DEMO_ADAPTERS, demo_adapters
+    from moeserve.demo_adapters import ADAPTERS_DIR, DEMO_ADAPTERS, demo_adapters
     from moeserve.models.upcycle import demo_model_path
 
     cfg = engine_config_from_args(args)
@@ -97,7 +100,7 @@ def _serve(args) -> int:
     try:
         if args.model is None:
             # the demo model with its demo adapters under their names (caps, brief), as the README's examples use it
-            from moeserve.lora.demo import ADAPTERS_DIR, demo_adapters
+            from moeserve.demo_adapters import ADAPTERS_DIR, demo_adapters
             from moeserve.models.upcycle import demo_model_path
 
             print("Building (first run only) or reusing the embedded demo model and its demo adapters", flush=True)
@@ -162,18 +165,26 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
         add_serve_args(p)
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("bench", help="benchmarks: kernels | decode | prefill | attention | serve | churn | protocol | "
-                                     "tp_decode | collectives")
-    p.add_argument("which", choices=("kernels", "decode", "prefill", "attention", "serve", "churn", "protocol",
-                                     "tp_decode", "collectives"))
+    p = sub.add_parser("bench", help="benchmarks: serve | decode | prefill | protocol | churn | tp_decode (kernel "
+                                     "benchmarks: python -m benchmarks.kernels.kernels in a clone)")
+    p.add_argument("which", choices=BENCHMARKS + tuple(DEVELOPER_BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=_bench)
     return parser
 
 
+BENCHMARKS = ("serve", "decode", "prefill", "protocol", "churn", "tp_decode")  # moeserve/bench/<name>.py
+# kernel and collective micro-benchmarks live outside the package, in the repository's benchmarks/kernels/
+DEVELOPER_BENCHMARKS = {"kernels": "kernels", "attention": "attention", "collectives": "collectives"}
+
+
 def _bench(args) -> int:
     import importlib
 
+    if args.which in DEVELOPER_BENCHMARKS:
+        raise ValueError(f"`bench {args.which}` is a developer benchmark, not installed with the package: from a "
+                         f"clone of the repository, at its root, run `python -m benchmarks.kernels."
+                         f"{DEVELOPER_BENCHMARKS[args.which]}`")
     mod = importlib.import_module(f"moeserve.bench.{args.which}")
     return mod.main(args.rest) or 0
 
@@ -195,7 +206,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from moeserve.runtime.core_client import EngineStartError
+        from moeserve.frontend.core_client import EngineStartError
 
         if not isinstance(e, EngineStartError):
             raise

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
+
+from moeserve.lora.adapter import validate_adapter_name
+from moeserve.lora.slot_pool import ALL_TARGETS
+from moeserve.models.quantization import checkpoint_quantization
 
 logger = logging.getLogger("moeserve")
 
@@ -84,7 +88,7 @@ class EngineConfig:
     # >= 9.0); True: asked for, refused where it cannot run; False: off
     pdl: bool | None = None
     # at start, on CUDA: run the eager (prefill) shapes the engine will run, with and without LoRA, so every kernel
-    # variant is compiled then and not in a user's request (runtime/warmup.py); --no-warmup skips it
+    # variant is compiled then and not in a user's request (engine/warmup.py); --no-warmup skips it
     warmup: bool = True
 
     # serving
@@ -166,19 +170,13 @@ class EngineConfig:
             logger.info("lora_modules (--lora-modules) given: enabling LoRA")
             self.enable_lora = True
         if self.model is not None and os.path.isdir(self.model):  # a missing folder is reported by the engine
-            from moeserve.models.quantization import checkpoint_quantization
-
             checkpoint_quantization(self.model)  # a quantization_config not implemented: refused before any load
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"{flag('lora_dir')} {self.lora_dir!r} is not a directory")
         if self.lora_modules:
-            from moeserve.lora.adapter import validate_adapter_name
-
             for name in self.lora_modules:
                 validate_adapter_name(name)
         if self.lora_target_modules:  # None or empty: inferred from lora_modules
-            from moeserve.lora.slot_pool import ALL_TARGETS
-
             bad = [t for t in self.lora_target_modules if t not in ALL_TARGETS]
             if bad:
                 raise ValueError(f"{flag('lora_target_modules')}: unsupported {bad}; supported: "
@@ -192,6 +190,15 @@ class EngineConfig:
                                  f"{self.cuda_graph_bs!r}")
         self._resolved = True
         return self
+
+    def on_device(self, device: str) -> "EngineConfig":
+        """This resolved config on another device of the same kind (a tensor-parallel rank's own GPU): a copy,
+        resolved and checked already."""
+        if not self._resolved:
+            raise ValueError("on_device() needs a resolved config: call resolve() first")
+        other = replace(self, device=device)
+        other._resolved = True
+        return other
 
     @property
     def torch_dtype(self) -> torch.dtype:

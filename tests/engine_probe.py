@@ -1,8 +1,8 @@
 """Test helper: logits of every prompt position through an engine's own batch code and forward."""
 import torch
 
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import Sequence
+from moeserve.worker.sequence import ScheduledBatch
+from moeserve.worker.sequence import Sequence
 from moeserve.sampling_params import SamplingParams
 
 

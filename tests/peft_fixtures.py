@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.models.tiny import tiny_hf_config
 
 WEIGHT_STD = 0.02  # base weights ~ N(0, 0.02)

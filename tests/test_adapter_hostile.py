@@ -90,7 +90,7 @@ def write_safetensors(path: Path, header: dict | bytes, data: bytes = b"", heade
 _CHILD = textwrap.dedent("""
     import json, sys, time
     from moeserve.lora.adapter import LoRAAdapterError, load_lora_adapter
-    from moeserve.models.spec import ModelSpec
+    from moeserve.model_spec import ModelSpec
     spec = ModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[1]).items()})
     for path in sys.argv[2:]:
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ pytest.importorskip("uvicorn")
 
 from moeserve import Engine, EngineConfig, SamplingParams  # noqa: E402
 from moeserve.models.tiny import make_tiny  # noqa: E402
-from moeserve.runtime.core_client import EngineClient  # noqa: E402
+from moeserve.frontend.core_client import EngineClient  # noqa: E402
 from server_harness import RunningServer, wait_until  # noqa: E402
 
 MODEL = "tiny-moe"

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.layers.moe import MoEBlock, PackedExperts, moe_experts_torch
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 # (hidden, intermediate, experts, top-k): the demo model's experts (SmolLM2-135M upcycled), and a tiny shape
 SHAPES = [(576, 1536, 4, 2), (64, 96, 8, 2)]

@@ -8,10 +8,10 @@ import transformers as tf
 
 from moeserve import Engine, EngineConfig, RequestError, SamplingParams
 from moeserve.models.loader import CheckpointError
-from moeserve.models.spec import UnsupportedModelError
+from moeserve.model_spec import UnsupportedModelError
 from moeserve.models.tiny import TINY_FAMILIES, make_tiny
-from moeserve.runtime.detokenizer import detokenize_step
-from moeserve.runtime.output_processor import RequestState
+from moeserve.frontend.detokenizer import detokenize_step
+from moeserve.frontend.output_processor import RequestState
 
 from engine_probe import prompt_logits
 

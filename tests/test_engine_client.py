@@ -13,9 +13,9 @@ import pytest
 from moeserve import Engine, EngineConfig, RequestError, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
 from moeserve.models.tiny import make_tiny
-from moeserve.runtime.core_client import (EngineClient, EngineDeadError, EngineStepError, QueueFullError,
+from moeserve.frontend.core_client import (EngineClient, EngineDeadError, EngineStepError, QueueFullError,
                                           RequestStream, UnknownAdapterError)
-from moeserve.runtime.outputs import RequestOutput
+from moeserve.outputs import RequestOutput
 
 os.environ["MOESERVE_TEST_HOOKS"] = "1"  # the core's fault hook, inherited by the processes started here
 ENGINE_KW = dict(max_model_len=128, num_kv_blocks=128, max_num_seqs=16, enable_lora=True, max_loras=2,

@@ -8,7 +8,7 @@ import torch
 from moeserve import Engine, EngineConfig, RequestError, SamplingParams
 from moeserve.layers.sampler import _filter_top_k_top_p, request_key, row_key
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.runtime.output_processor import find_stop
+from moeserve.frontend.output_processor import find_stop
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -7,7 +7,7 @@ import weakref
 import pytest
 
 from moeserve import Engine, EngineConfig, SamplingParams
-from moeserve.runtime.engine import EngineShutdownError
+from moeserve.frontend.offline_engine import EngineShutdownError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 9], [300, 12, 7]]

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from moeserve import cli
-from moeserve.lora import demo
+from moeserve import demo_adapters as demo
 from moeserve.models.tiny import make_tiny
 from moeserve.models.upcycle import DEMO_MODEL_NAME
 

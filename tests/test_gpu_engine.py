@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
-from moeserve.runtime.graph_runner import LORA, NOLORA, GraphKey, GraphRunner
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import Sequence
+from moeserve.worker.graph_runner import LORA, NOLORA, GraphKey, GraphRunner
+from moeserve.worker.sequence import ScheduledBatch
+from moeserve.worker.sequence import Sequence
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
 pytestmark = pytest.mark.gpu

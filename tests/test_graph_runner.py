@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
-from moeserve.runtime.graph_runner import (LORA, NOLORA, EagerGraph, GraphKey, GraphRunner, dual_capture_plan,
+from moeserve.worker.graph_runner import (LORA, NOLORA, EagerGraph, GraphKey, GraphRunner, dual_capture_plan,
                                            graph_batch_sizes, pick_bucket, resolve_variant)
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
@@ -124,7 +124,7 @@ def test_dual_variant_routing_with_fake_triton_flag(lora_setup, monkeypatch):
     """With dual capture (forced here on the torch backend), no-adapter batches replay `nolora`,
     batches with an adapter replay `lora`, and both equal eager."""
     base, loras = lora_setup
-    import moeserve.runtime.graph_runner as grm
+    import moeserve.worker.graph_runner as grm
 
     monkeypatch.setattr(grm, "dual_capture_plan", lambda cfg: ([LORA, NOLORA], None))
     eager = _engine(base, loras)

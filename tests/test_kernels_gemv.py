@@ -321,7 +321,7 @@ def test_model_takes_the_gemv_where_it_should(monkeypatch):
     """q/k/v/o, the shared expert and dense MLPs, and lm_head take the gemv; the router and the shared-expert
     gate keep their own paths; the logits equal F.linear's, through the gemv at one row only."""
     from moeserve.models.loader import random_model
-    from moeserve.models.spec import ModelSpec
+    from moeserve.model_spec import ModelSpec
 
     spec = ModelSpec(family="qwen2_moe", num_layers=2, sparse_layers=(True, False), vocab_size=96, hidden_size=64,
                      num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=32,

@@ -11,7 +11,7 @@ from moeserve.layers.attention import Attention
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.layers.batch import AttentionMetadata
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 EPS = 1e-6
 

@@ -22,7 +22,7 @@ from moeserve.kernels.router import (  # noqa: E402
 )
 from moeserve.layers.batch import LoRABatch  # noqa: E402
 from moeserve.layers.moe import MoEBlock  # noqa: E402
-from moeserve.models.spec import ModelSpec  # noqa: E402
+from moeserve.model_spec import ModelSpec  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu  # skipped without CUDA (conftest); selected by `-m gpu`

@@ -10,7 +10,7 @@ import torch
 
 from moeserve.bench import layer_profile
 from moeserve.bench.decode import DecodeBench
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 BASE = dict(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, top_k=2,
             moe_intermediate_size=48, intermediate_size=80, norm_topk_prob=True, max_position_embeddings=1024)
@@ -40,7 +40,7 @@ def cpu_timer(fns) -> float:
 def test_regions_chained_are_the_layer_forward(family, backend):
     bench = DecodeBench(spec_for(family), max_bs=3, steps=4, device="cpu", dtype=torch.float32, backend=backend)
     B = 3
-    from moeserve.runtime.scheduler import ScheduledBatch
+    from moeserve.worker.sequence import ScheduledBatch
 
     seqs = bench.sequences(B, [-1] * B)
     batch = bench.runner.prepare(ScheduledBatch(seqs, [1] * B, is_decode=True))

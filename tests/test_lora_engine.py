@@ -6,7 +6,7 @@ import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.lora.manager import LoRAInUseError, UnknownLoRAError
+from moeserve.engine.lora_manager import LoRAInUseError, UnknownLoRAError
 from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models.tiny import TINY_FAMILIES
 

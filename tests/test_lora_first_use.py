@@ -7,7 +7,7 @@ import pytest
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.lora.manager import UnknownLoRAError
+from moeserve.engine.lora_manager import UnknownLoRAError
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
 FAMILY = "qwen3_moe"

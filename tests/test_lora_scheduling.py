@@ -7,8 +7,8 @@ import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.lora.manager import UnknownLoRAError
-from moeserve.runtime.scheduler import LORA_MAX_WAIT_STEPS
+from moeserve.engine.lora_manager import UnknownLoRAError
+from moeserve.engine.scheduler import LORA_MAX_WAIT_STEPS
 
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
@@ -233,7 +233,7 @@ def test_reload_under_the_same_name_keeps_started_requests_on_the_old_version(se
 def test_versions_bind_when_a_request_starts_and_survive_preemption(setup):
     """The binding rule behind replace: a started request keeps its version (and the version its slot) across
     preemption; one still queued when the replace lands starts on the new version."""
-    from moeserve.runtime.sequence import Sequence
+    from moeserve.worker.sequence import Sequence
 
     base, ads = setup
     engine = make_engine(base, max_loras=2, enable_lora=True)
@@ -264,9 +264,9 @@ def test_versions_bind_when_a_request_starts_and_survive_preemption(setup):
 
 def test_a_steady_stream_of_prompts_does_not_starve_running_decodes():
     """Even with prefill due at every step, a prefill step is always followed by a decode step."""
-    from moeserve.runtime.kv_cache import BlockAllocator
-    from moeserve.runtime.scheduler import Scheduler
-    from moeserve.runtime.sequence import Sequence
+    from moeserve.worker.kv_cache import BlockAllocator
+    from moeserve.engine.scheduler import Scheduler
+    from moeserve.worker.sequence import Sequence
     from moeserve.sampling_params import SamplingParams
 
     sched = Scheduler(BlockAllocator(400, 4), max_num_seqs=64, max_num_batched_tokens=64, chunked_prefill=True,

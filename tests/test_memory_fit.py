@@ -7,7 +7,7 @@ import torch
 
 from moeserve import Engine, EngineConfig
 from moeserve.engine_args import add_engine_args, engine_config_from_args
-from moeserve.runtime.model_runner import ACTIVATION_HEADROOM, InsufficientMemoryError
+from moeserve.worker.model_runner import ACTIVATION_HEADROOM, InsufficientMemoryError
 from peft_fixtures import make_peft_adapter, save_base_checkpoint, tiny_base_model, tiny_spec
 
 FAMILY = "qwen2_moe"  # attention, routed experts, a shared expert and a dense layer: every pool target
@@ -91,7 +91,7 @@ def test_forward_with_unbound_kv_caches_raises():
     """Issue 10.4: layers zipped with fewer KV caches than layers would silently run fewer layers."""
     from moeserve.layers.batch import AttentionMetadata, ForwardBatch
     from moeserve.models.moe_decoder import MoEForCausalLM
-    from moeserve.runtime.kv_cache import allocate_kv_cache
+    from moeserve.worker.kv_cache import allocate_kv_cache
 
     spec = tiny_spec(FAMILY)
     model = MoEForCausalLM(spec)

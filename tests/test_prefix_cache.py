@@ -11,7 +11,7 @@ import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.engine_args import add_engine_args, engine_config_from_args
-from moeserve.runtime.kv_cache import BlockAllocator, prefix_hashes
+from moeserve.worker.kv_cache import BlockAllocator, prefix_hashes
 
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
@@ -396,7 +396,7 @@ def test_cached_tokens_in_openai_usage_and_metrics(tmp_path):
 @pytest.mark.gpu
 def test_gpu_cache_on_equals_cache_off_with_triton_and_decode_graphs(setup):
     """fp32 so that the comparison is about the cache, not bf16 rounding of different prefill shapes."""
-    from moeserve.runtime.graph_runner import LORA, GraphKey
+    from moeserve.worker.graph_runner import LORA, GraphKey
 
     base, ads = setup
     g = torch.Generator().manual_seed(7)

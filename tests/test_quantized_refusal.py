@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from moeserve import Engine, EngineConfig
 from moeserve.cli import main as cli_main
 from moeserve.models import loader
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 BLOCK = 128
@@ -121,7 +121,7 @@ def test_the_server_path_reports_the_refusal_as_a_config_error(fp8_model):
     ValueError with its message, which the command line prints as `error: ...`."""
     import asyncio
 
-    from moeserve.runtime.core_client import EngineClient
+    from moeserve.frontend.core_client import EngineClient
 
     with pytest.raises(ValueError, match="quantization method 'fp8' .config.json quantization_config. is not "
                                          "supported; supported: none"):

@@ -129,7 +129,7 @@ def test_router_target_can_be_left_out_and_named(adapters):
 def test_router_lora_in_cuda_graphs(adapters):
     """bf16 on the GPU: graphs (both variants) equal eager with router adapters in alternating traffic; the
     nolora graph of a router-LoRA engine is bitwise the LoRA-disabled engine's and records the same kernels."""
-    from moeserve.runtime.graph_runner import LORA, NOLORA, GraphKey
+    from moeserve.worker.graph_runner import LORA, NOLORA, GraphKey
 
     base, path, _ = adapters["mixtral"]
     kw = dict(model=str(base), device="cuda", block_size=16, cuda_graph_bs=[1, 2, 4], kv_cache_memory_bytes=256 << 20)

@@ -208,7 +208,7 @@ def test_bad_flag_values_are_one_error_line(capsys, args, want):
 FORGOTTEN_CLIENT = """
 import asyncio, sys, threading
 from moeserve import EngineConfig
-from moeserve.runtime.core_client import EngineClient
+from moeserve.frontend.core_client import EngineClient
 if __name__ == "__main__":
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

@@ -151,7 +151,7 @@ def test_a_rank_loads_exactly_its_slices_through_get_slice(tmp_path, monkeypatch
     only the rank's rows; replicated norms and routers are the only whole reads)."""
     from moeserve.distributed.parallel_state import ParallelState
     from moeserve.models import loader
-    from moeserve.models.spec import ModelSpec
+    from moeserve.model_spec import ModelSpec
 
     base = save_base_checkpoint(family, tmp_path / "base", **overrides)
     spec = ModelSpec.from_model_dir(base)
@@ -273,7 +273,7 @@ def test_all_reduce_backend_is_agreed_by_every_rank_and_falls_back_together(tmp_
 
 def test_symm_mem_buffer_follows_the_config_and_every_rank_asks_alike():
     from moeserve.distributed.parallel_state import SYMM_MEM_MAX_BYTES
-    from moeserve.runtime.parallel import symm_mem_buffer
+    from moeserve.worker.parallel_runner import symm_mem_buffer
 
     class Spec:  # the one field of a ModelSpec the buffer's size reads
         hidden_size = 2048
@@ -493,7 +493,7 @@ def test_bad_parallel_settings_are_refused_by_name(tmp_path):
 
 
 def test_adapter_load_failing_on_one_rank_is_rolled_back_on_every_rank(tmp_path, tp_engine, monkeypatch):
-    from moeserve.runtime.worker import lora_slot_state
+    from moeserve.lora.slot_pool import lora_slot_state
 
     family = "qwen2_moe"
     base = save_base_checkpoint(family, tmp_path / "base")
@@ -530,7 +530,7 @@ def test_bench_collectives_checks_and_times_each_collective_on_two_ranks(tmp_pat
     the symmetric-memory rows say why they were skipped on CPU."""
     import json
 
-    from moeserve.bench import collectives
+    from benchmarks.kernels import collectives
 
     assert collectives.main(["--device", "cpu", "--batches", "1,3", "--hidden", "8", "--iters", "2",
                              "--dtype", "float32", "--out", str(tmp_path)]) == 0

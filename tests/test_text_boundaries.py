@@ -12,8 +12,8 @@ from transformers import AutoTokenizer
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.models.tiny import make_tiny
-from moeserve.runtime.outputs import CoreOutput
-from moeserve.runtime.output_processor import OutputProcessor, RequestState
+from moeserve.outputs import CoreOutput
+from moeserve.frontend.output_processor import OutputProcessor, RequestState
 from server_harness import RunningServer
 
 MODEL = "tiny-sp"
@@ -107,7 +107,7 @@ def test_a_prompt_ending_inside_a_character_loses_no_output_text(sp_model):
     """A prompt of token ids may end with the first bytes of a character; the first output token completing it
     must not make the detokenizer drop text that follows (the window starts after the prompt's last complete
     character: the completing byte shows as U+FFFD, as it did before the window took prompt tokens)."""
-    from moeserve.runtime.detokenizer import load_tokenizer
+    from moeserve.models.tokenizer import load_tokenizer
 
     hf = AutoTokenizer.from_pretrained(str(sp_model))
     tok = load_tokenizer(sp_model, json.loads((sp_model / "config.json").read_text())["vocab_size"])
@@ -166,7 +166,7 @@ def test_streamed_echo_logprobs_of_a_prompt_prefilled_in_chunks_are_all_there(tm
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory):
-    from moeserve.runtime.detokenizer import load_tokenizer
+    from moeserve.models.tokenizer import load_tokenizer
 
     d = make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny_tok"))
     return load_tokenizer(d, json.loads((d / "config.json").read_text())["vocab_size"])

@@ -14,7 +14,7 @@ import transformers as tf
 from safetensors import safe_open
 
 from moeserve.models import upcycle
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.models.tiny import TINY_FAMILIES, make_tiny
 from moeserve.models.tokenizer_tiny import tiny_tokenizer_json
 
@@ -311,7 +311,7 @@ def test_make_tiny_refuses_a_file_or_a_model_unless_forced(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 def test_demo_adapter_targets():
-    from moeserve.lora.demo import adapter_target, first_sentence
+    from moeserve.demo_adapters import adapter_target, first_sentence
 
     long = "The sky is blue. Light scatters off air. " + "More words here. " * 10
     assert first_sentence("Dr. Who? No.") == "Dr."  # a plain rule, good enough for the model's answers
@@ -329,7 +329,7 @@ def test_demo_adapter_targets():
 def test_demo_training_loss_is_the_transformers_loss(tiny_dir):
     """The demo trainer projects to the vocabulary only where a token is scored; its loss is the one a
     transformers causal LM computes for the same labels (padding, prompt positions and batch rows mixed)."""
-    from moeserve.lora.demo import answer_loss
+    from moeserve.demo_adapters import answer_loss
 
     model = tf.AutoModelForCausalLM.from_pretrained(tiny_dir("mixtral"), dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -359,7 +359,7 @@ def test_demo_adapters_have_their_effects(demo_dir):
     """The trained demo adapters on prompts they were not trained on: caps answers in capitals, brief in
     one sentence, where the base model does neither."""
     from moeserve import Engine, EngineConfig, SamplingParams
-    from moeserve.lora.demo import HELD_OUT_PROMPTS, TRAIN_PROMPTS, demo_adapters
+    from moeserve.demo_adapters import HELD_OUT_PROMPTS, TRAIN_PROMPTS, demo_adapters
 
     assert not set(HELD_OUT_PROMPTS) & set(TRAIN_PROMPTS)
     adapters = demo_adapters(demo_dir, progress=False)
@@ -385,7 +385,7 @@ def test_demo_adapters_have_their_effects(demo_dir):
 @pytest.mark.slow
 def test_demo_command(demo_dir):
     """`moeserve demo` on the cached demo model: answers, what each adapter does, the device and dtype used."""
-    from moeserve.lora.demo import demo_adapters
+    from moeserve.demo_adapters import demo_adapters
 
     demo_adapters(demo_dir, progress=False)
     env = {**os.environ, "MOESERVE_CACHE_DIR": str(demo_dir.parent)}

@@ -1,10 +1,10 @@
-"""Start-up warm-up (runtime/warmup.py): it runs every prefill shape with and without adapters, touches nothing
+"""Start-up warm-up (engine/warmup.py): it runs every prefill shape with and without adapters, touches nothing
 but the dummy KV block, and leaves the engine's results exactly as they were. On the GPU, no request compiles a
 kernel after it (tests/test_gpu_first_request.py)."""
 import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
-from moeserve.runtime.warmup import (decode_batches, decode_split_shapes, eager_decode_sizes, warm_up, warmup_batches,
+from moeserve.engine.warmup import (decode_batches, decode_split_shapes, eager_decode_sizes, warm_up, warmup_batches,
                                      warmup_token_counts)
 
 from peft_fixtures import make_peft_adapter, save_base_checkpoint

@@ -26,11 +26,11 @@ from moeserve.config import EngineConfig
 from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models import loader
 from moeserve.models.moe_decoder import MoEForCausalLM
-from moeserve.models.spec import ModelSpec
-from moeserve.runtime.graph_runner import LORA, NOLORA, CudaGraph, GraphRunner
-from moeserve.runtime.model_runner import ModelRunner
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import Sequence
+from moeserve.model_spec import ModelSpec
+from moeserve.worker.graph_runner import LORA, NOLORA, CudaGraph, GraphRunner
+from moeserve.worker.model_runner import ModelRunner
+from moeserve.worker.sequence import ScheduledBatch
+from moeserve.worker.sequence import Sequence
 from moeserve.sampling_params import SamplingParams
 
 PRESETS = {

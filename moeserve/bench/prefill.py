@@ -55,7 +55,7 @@ def profile_forward(engine, num_tokens: int, lora: bool) -> dict[str, float]:
     """µs per region of one eager prefill forward of `num_tokens` tokens (16 prompts)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from moeserve.runtime.warmup import warmup_batches
+    from moeserve.engine.warmup import warmup_batches
 
     slot = 0 if lora else -1
     batch = [b for b in warmup_batches([num_tokens], [slot], engine.config.block_size) if len(b.seqs) == 16][0]
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         return 1
     from moeserve import Engine, EngineConfig
     from moeserve.bench.protocol import NUM_ADAPTERS, write_adapter, write_model_config
-    from moeserve.models.spec import ModelSpec
+    from moeserve.model_spec import ModelSpec
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

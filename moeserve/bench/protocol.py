@@ -56,7 +56,7 @@ def write_adapter(model_dir: Path, out: Path, seed: int) -> Path:
     """A rank-16 PEFT adapter on q/k/v/o and every routed expert (target_parameters form), bf16."""
     from safetensors.torch import save_file
 
-    from moeserve.models.spec import ModelSpec
+    from moeserve.model_spec import ModelSpec
 
     spec = ModelSpec.from_model_dir(model_dir)
     H, E, inter, r = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size, RANK

@@ -52,10 +52,10 @@ from moeserve.bench import layer_profile
 from moeserve.bench.decode import PRESETS, PROMPT, preset_spec
 from moeserve.config import EngineConfig
 from moeserve.lora.adapter import ExpertLoRA, LoRAAdapter
-from moeserve.models.spec import ModelSpec
-from moeserve.runtime.core import EngineCore
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import Sequence
+from moeserve.model_spec import ModelSpec
+from moeserve.engine.core import EngineCore
+from moeserve.worker.sequence import ScheduledBatch
+from moeserve.worker.sequence import Sequence
 from moeserve.sampling_params import SamplingParams
 
 MODES = ("base", "idle-dual", "active")

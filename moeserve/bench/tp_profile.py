@@ -1,6 +1,6 @@
 """Per-layer kernel budget of a decode layer under tensor / expert parallelism (`bench tp_decode --profile`).
 
-Each rank builds its shard of the random-weight model as an engine worker does (runtime/worker.py), and then all
+Each rank builds its shard of the random-weight model as an engine worker does (worker/tp_worker.py), and then all
 ranks run layer_profile's regions in lockstep, rank 0 reporting: a region holding a collective (the all-reduce after
 attention and after the MoE, OLMoE's sharded q/k norms) only runs when every rank runs it, so every rank captures
 and replays the same graphs in the same order. Rank 0 is the calling process, the others are started here
@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from moeserve.bench import layer_profile
 from moeserve.bench.decode import PROMPT
 from moeserve.config import EngineConfig
-from moeserve.models.spec import ModelSpec
-from moeserve.runtime.model_runner import ModelRunner
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import Sequence
+from moeserve.model_spec import ModelSpec
+from moeserve.worker.model_runner import ModelRunner
+from moeserve.worker.sequence import ScheduledBatch
+from moeserve.worker.sequence import Sequence
 from moeserve.sampling_params import SamplingParams
 
 CPU_BANDWIDTH = 1e11  # bytes/s: a nominal floor on CPU, where only the tests run the budget (gloo, wall clock)
@@ -60,7 +60,7 @@ def setup_rank(rank: int, config: EngineConfig, model_dir: str, store_port: int)
     if config.tensor_parallel_size == 1:
         runner, tp = ModelRunner(config, spec, model_dir), None
     else:
-        from moeserve.runtime.worker import Worker
+        from moeserve.worker.tp_worker import Worker
 
         worker = Worker(rank, config.tensor_parallel_size, store_port, config, spec, model_dir)  # joins the group
         worker.load()
@@ -117,7 +117,7 @@ def release(runner: ModelRunner, tp) -> None:
     """Leave the group as the engine's ranks do: graphs and buffers first, then the symmetric buffer and group."""
     if tp is not None:
         from moeserve.distributed.parallel_state import destroy_parallel_state
-        from moeserve.runtime.parallel import release_graphs
+        from moeserve.worker.tp_step import release_graphs
 
         release_graphs(runner)
         destroy_parallel_state(tp)

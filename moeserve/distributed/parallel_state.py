@@ -8,8 +8,8 @@ the same calls either way, so the CPU tests run the code the GPUs run.
 
 On CUDA the activation all-reduces can instead go through a symmetric-memory buffer (torch's one-shot and
 two-shot all-reduce kernels read the peers' buffers over NVLink directly): at decode sizes they took 0.44-0.64x
-NCCL's time on two H200s (bench collectives, kernels alone). The ranks agree on it at start-up; what does not
-fit that buffer still goes through NCCL.
+NCCL's time on two H200s (benchmarks.kernels.collectives, kernels alone). The ranks agree on it at start-up;
+what does not fit that buffer still goes through NCCL.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ logger = logging.getLogger("moeserve")
 # Activations larger than this are all-reduced by NCCL: its bandwidth-bound algorithms serve big prefill chunks,
 # and the buffer stays small. Below ONE_SHOT_MAX_BYTES the one-shot kernel (every rank reads every peer's whole
 # buffer, the input copied in by the kernel itself) beats two-shot plus its copy; the lead tunes both with
-# `bench collectives` (rows one_shot_copy / two_shot_copy are the calls made here).
+# `benchmarks.kernels.collectives` (rows one_shot_copy / two_shot_copy are the calls made here).
 SYMM_MEM_MAX_BYTES = 16 << 20
 ONE_SHOT_MAX_BYTES = 512 << 10
 SYMM_MEM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")  # split along output rows
 ROW = ("o_proj", "down_proj", "w2")  # split along input columns

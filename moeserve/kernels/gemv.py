@@ -56,20 +56,20 @@ class GemvLoRA(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def default_config(N: int, K: int) -> GemvConfig:
-    """The H200 sweep's best at one row (`bench kernels --parts gemv --sweep`): with no software pipelining the
-    bytes in flight per SM are (resident programs) x (one tile), so 4 columns per program (o_proj: 2048 columns
-    in 512 programs) and a wide K tile, 1024 where K or the program count is large (o_proj, lm_head); within
-    0.3 us of the best of the swept configs elsewhere."""
+    """The H200 sweep's best at one row (`benchmarks.kernels.kernels --parts gemv --sweep`): with no software
+    pipelining the bytes in flight per SM are (resident programs) x (one tile), so 4 columns per program (o_proj:
+    2048 columns in 512 programs) and a wide K tile, 1024 where K or the program count is large (o_proj, lm_head);
+    within 0.3 us of the best of the swept configs elsewhere."""
     block_k = 1024 if (K >= 4096 or N >= 16384) else 512
     return GemvConfig(block_n=4, block_k=min(max(16, triton.next_power_of_2(K)), block_k), num_warps=4)
 
 
 def serves(T: int, N: int, K: int) -> bool:
-    """Whether the layers route a T-row projection of an [N, K] weight here rather than to cuBLAS. Measured on
-    the H200 (`bench kernels --parts gemv`, 2026-11-30): the GEMV wins at one row (o_proj 7.6 vs 10.0 us, qkv
-    8.4 vs 8.6, lm_head 151.6 vs 152.9; with 4 adapters 12.4 vs 17.5 and 12.7 vs 15.7 us, the expand fused) and
-    at two rows where K > N (o_proj 7.9 vs 9.9 us); from two rows of qkv (11.3 vs 8.6) and from three rows of
-    any shape cuBLAS wins, so the kernel is not used there."""
+    """Whether the layers route a T-row projection of an [N, K] weight here rather than to cuBLAS. Measured on the
+    H200 (`benchmarks.kernels.kernels --parts gemv`, 2026-11-30): the GEMV wins at one row (o_proj 7.6 vs 10.0 us,
+    qkv 8.4 vs 8.6, lm_head 151.6 vs 152.9; with 4 adapters 12.4 vs 17.5 and 12.7 vs 15.7 us, the expand fused) and
+    at two rows where K > N (o_proj 7.9 vs 9.9 us); from two rows of qkv (11.3 vs 8.6) and from three rows of any
+    shape cuBLAS wins, so the kernel is not used there."""
     return T == 1 or (T == 2 and K > N)
 
 

@@ -2,7 +2,7 @@
 
 The sorted path's base tiles come from a table of tuned tiles shipped as data (`moe_tiles.json`), keyed by
 GPU name, dtype and problem shape (experts, hidden, intermediate, top-k), one entry per token count tuned
-(`python -m moeserve.bench.kernels --tune` regenerates it for another GPU or shape; `MOESERVE_MOE_TILES=PATH`
+(`python -m benchmarks.kernels.kernels --tune` regenerates it for another GPU or shape; `MOESERVE_MOE_TILES=PATH`
 adds a table of one's own in front of the shipped one). Problems the table does not hold take the heuristic
 of `heuristic_plan`. Calls with LoRA up to LORA_APART_MIN_PAIRS take the heuristic's LoRA tiles (its epilogue was
 tuned on those) with the table's options (bf16 top-k partials, SiLU*up by its own kernel), which decide how rows

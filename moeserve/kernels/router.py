@@ -44,8 +44,8 @@ import triton.language as tl
 from moeserve.kernels import pdl as pdl_launch
 
 # Decode sizes at or below this run the router GEMM inside the routing kernel (H200 starting point;
-# `python -m moeserve.bench.kernels --parts router` times both sides).
-GEMM_TOPK_MAX_TOKENS = 8  # H200: above 8 rows the cuBLAS GEMM + fused_topk is faster (bench kernels --parts router)
+# `python -m benchmarks.kernels.kernels --parts router` times both sides).
+GEMM_TOPK_MAX_TOKENS = 8  # H200: above 8 rows the cuBLAS GEMM + fused_topk is faster (same benchmark)
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class RouterTile:
 
 def default_tile(num_tokens: int) -> RouterTile:
     """One row per program, E spread thin (2 experts per program) and H in one step, so many loads are in flight
-    at once: the GEMV is latency-bound at these sizes. Measured on the H200 (`python -m moeserve.bench.kernels
+    at once: the GEMV is latency-bound at these sizes. Measured on the H200 (`python -m benchmarks.kernels.kernels
     --parts router`): 7.2 us at T=1 and 8.2 us at T=8 against 8.7-8.9 us for the linear layer + fused_topk; more
     rows per program did not pay up to T=8, and the fused GEMM is used only up to GEMM_TOPK_MAX_TOKENS."""
     if num_tokens <= 16:
@@ -108,7 +108,7 @@ def _softmax_topk_store(logits, rows, row_ok, cols, col_ok, w_ptr, ids_ptr,
     PACKED_TOPK: one max over int64 keys per pick (`_selection_keys`); the pick's weight is computed from its
     logit with the operations that make `probs` below, so it is bitwise probs[pick]. Otherwise the previous
     selection: three reductions per pick (best logit, lowest column holding it, its probability); kept for
-    `bench kernels --parts router`."""
+    `benchmarks.kernels.kernels --parts router`."""
     logits = tl.where(col_ok[None, :], logits, float("-inf"))
     row_max = tl.max(logits, 1)
     p = tl.exp(logits - row_max[:, None])

@@ -8,7 +8,7 @@ from torch import nn
 from moeserve.layers.linear import LoRALinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.layers.batch import AttentionMetadata, ForwardBatch
 
 

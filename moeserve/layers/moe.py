@@ -16,7 +16,7 @@ from torch import nn
 
 from moeserve.layers import cpu_linear
 from moeserve.layers.linear import LoRALinear
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.layers.batch import LoRABatch
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from moeserve.distributed.parallel_state import ParallelState
 from moeserve.layers.linear import LoRALinear
 from moeserve.layers.moe import MoEBlock
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,

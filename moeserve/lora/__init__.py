@@ -1,1 +1,2 @@
-"""LoRA adapters: PEFT-format parsing and validation (adapter.py), host cache and device slot pool."""
+"""LoRA adapters: PEFT-format parsing and validation (adapter.py, pattern_keys.py) and the device slot pool
+(slot_pool.py). The engine core's adapter registry and host cache is engine/lora_manager.py."""

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from moeserve.lora.pattern_keys import MAX_PATTERN_KEY_LEN, MAX_PATTERN_KEYS, PatternKeyError, PatternTable
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -15,7 +15,7 @@ import torch
 from moeserve.layers.moe import ExpertLoRABuffers
 from moeserve.lora.adapter import LoRAAdapter, LoRAAdapterError
 from moeserve.models.moe_decoder import MoEForCausalLM
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 logger = logging.getLogger("moeserve")
 
@@ -208,3 +208,17 @@ class LoRASlotPool:
         if mlp.shared_expert is not None:
             out += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj, mlp.shared_expert_gate]
         return out
+
+
+def lora_slot_state(pool) -> list[tuple[int, bool]]:
+    """(rank, holds any nonzero weight) per slot of a LoRA slot pool."""
+    model = pool.model
+    used = [False] * pool.max_loras
+    for layer in model.layers:
+        bufs = getattr(layer.mlp, "lora_bufs", None)
+        tensors = [t for lin in pool._linears(layer) if lin.lora_a is not None for t in (lin.lora_a, lin.lora_b)]
+        tensors += [] if bufs is None else [bufs.gate_up_a, bufs.gate_up_b, bufs.down_a, bufs.down_b]
+        for t in tensors:
+            for slot in range(pool.max_loras):
+                used[slot] = used[slot] or bool(t[slot].any())
+    return list(zip(pool.slot_ranks.tolist(), used))

@@ -20,7 +20,7 @@ from moeserve.distributed.parallel_state import ParallelState
 from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.quantization import check_tensor_dtype, checkpoint_quantization
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 logger = logging.getLogger("moeserve")
 

@@ -14,7 +14,7 @@ from moeserve.layers.norm import RMSNorm
 from moeserve.layers.parallel import (ExpertParallelMoEBlock, ShardedRMSNorm, vocab_parallel_embedding,
                                       vocab_parallel_logits)
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 from moeserve.layers.batch import ForwardBatch
 
 

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP frontend: routes, error handlers and `moeserve serve`.
 
-The engine core runs in its own process (runtime/core_process.py); this process serves HTTP,
+The engine core runs in its own process (engine/core_process.py); this process serves HTTP,
 tokenizes, detokenizes and formats SSE, and talks to the core only through EngineClient's
 messages. Every request is validated (pydantic, then SamplingParams, then the core's limits)
 before a byte of the response is sent, so each mistake is a 4xx in the OpenAI error shape and a
@@ -26,16 +26,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeserve.engine_args import add_engine_args, engine_config_from_args
+from moeserve.frontend.core_client import (AdapterPathError, EngineClient, EngineDeadError, UnknownAdapterError,
+                                           resolve_adapter_path)
 from moeserve.log_filter import filter_repeats
 from moeserve.lora.adapter import LoRAAdapterError, validate_adapter_name
-from moeserve.runtime.core_client import (AdapterPathError, EngineClient, EngineDeadError, UnknownAdapterError,
-                                          resolve_adapter_path)
 from moeserve.server.completions import ServerState, create_chat_completion, create_completion
 from moeserve.server.connections import (HTTPLimits, guarded_protocol_class, limit_request_body,
                                          raise_open_files_limit, raw_response)
 from moeserve.server.errors import ClientGone, engine_error, lora_error, queue_full, validation_error
 from moeserve.server.lifecycle import Drain, ServerWithoutSignals, StopSignals, listening_socket, stop_resource_tracker
-from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, LoadLoRARequest, OpenAIError, UnloadLoRARequest
+from moeserve.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRARequest, OpenAIError,
+                                      UnloadLoRARequest)
 
 logger = logging.getLogger("moeserve")
 
@@ -263,8 +265,6 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from moeserve.engine_args import add_engine_args
-
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -312,8 +312,6 @@ def check_serve_args(args: argparse.Namespace) -> None:
 def serve_main(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     """`moeserve serve`: serve until SIGTERM or SIGINT, then exit 0. `sock`: the listening socket, bound already
     (else bound here, before the engine starts)."""
-    from moeserve.engine_args import engine_config_from_args
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     check_serve_args(args)
     server = run_server(engine_config_from_args(args), args.host, args.port, args.served_model_name, args.api_key,

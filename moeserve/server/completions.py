@@ -9,8 +9,8 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from moeserve.runtime.core_client import ChatPrompt, EngineClient
-from moeserve.runtime.outputs import RequestOutput, TokenLogprobs
+from moeserve.frontend.core_client import ChatPrompt, EngineClient
+from moeserve.outputs import RequestOutput, TokenLogprobs
 from moeserve.sampling_params import SamplingParams
 from moeserve.server.errors import engine_error
 from moeserve.server.metrics import ServerMetrics

@@ -6,9 +6,9 @@ import re
 
 from fastapi.exceptions import RequestValidationError
 
+from moeserve.frontend.core_client import (AdapterInUseError, EngineDeadError, EngineStepError, QueueFullError,
+                                           UnknownAdapterError)
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.runtime.core_client import (AdapterInUseError, EngineDeadError, EngineStepError, QueueFullError,
-                                          UnknownAdapterError)
 from moeserve.server.protocol import RETRY_AFTER_S, OpenAIError
 
 logger = logging.getLogger("moeserve")

@@ -9,8 +9,8 @@ import time
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from moeserve.runtime.core_client import EngineClient, RequestStream
-from moeserve.runtime.outputs import RequestOutput
+from moeserve.frontend.core_client import EngineClient, RequestStream
+from moeserve.outputs import RequestOutput
 from moeserve.server.errors import ClientGone, engine_error
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import OpenAIError

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -90,3 +91,11 @@ def resolve_pending(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> None:
     """In place, on the device: ids written as -(row + 1) take the previous step's sampled token `row`."""
     rows = (-input_ids - 1).clamp(0, prev_tokens.shape[0] - 1)
     input_ids.copy_(torch.where(input_ids >= 0, input_ids, prev_tokens[rows]))
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work, from the scheduler to the model runner."""
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    is_decode: bool  # one row per sequence, each computing its next token (graph-eligible)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 
 from moeserve.config import EngineConfig
-from moeserve.runtime.core import EngineCore, EngineShutdownError, RequestError
-from moeserve.runtime.output_processor import OutputProcessor, RequestState
-from moeserve.runtime.outputs import RequestOutput
+from moeserve.engine.core import EngineCore, EngineShutdownError, RequestError
+from moeserve.engine.lora_manager import UnknownLoRAError
+from moeserve.frontend.output_processor import OutputProcessor, RequestState
+from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
+from moeserve.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
 
 __all__ = ["Engine", "EngineShutdownError", "RequestError"]
@@ -118,9 +120,6 @@ class Engine:
         cfg, manager = self.config, self.core.lora_manager
         if manager is None or not (cfg.enable_lora_runtime_loading and cfg.lora_dir) or name in manager.names():
             return
-        from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
-        from moeserve.lora.manager import UnknownLoRAError
-
         try:
             validate_adapter_name(name)
             root = os.path.realpath(cfg.lora_dir)

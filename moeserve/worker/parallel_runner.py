@@ -1,7 +1,7 @@
 """Tensor parallelism on the engine side: rank 0's model runner and the plan every rank runs per step.
 
 The engine core (scheduler, LoRA manager, sampling) stays in one process, rank 0. It starts one worker
-process per other rank (torch.multiprocessing, spawn; runtime/worker.py) and talks to each over a pipe.
+process per other rank (torch.multiprocessing, spawn; worker/tp_worker.py) and talks to each over a pipe.
 Each step rank 0 decides everything on the host once — the batch, eager or graph and the GraphKey, which
 rows need logits — and sends that StepPlan to every worker before running it itself; so every rank runs
 the same forward and replays the same GraphKey (docs/architecture.md, invariants 3 and 10). Only activations travel
@@ -14,97 +14,29 @@ every worker is stopped with it.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import pickle
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.distributed.parallel_state import (SYMM_MEM_MAX_BYTES, ParallelState, RankFailure,
-                                                 abort_parallel_state, destroy_parallel_state, init_parallel_state,
-                                                 rendezvous_store)
+from moeserve.distributed.parallel_state import (ParallelState, RankFailure, abort_parallel_state,
+                                                 destroy_parallel_state, init_parallel_state, rendezvous_store)
 from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapter
-from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
+from moeserve.lora.adapter import LoRAAdapterError
+from moeserve.model_spec import ModelSpec
 from moeserve.models.loader import load_model
-from moeserve.models.spec import ModelSpec
-from moeserve.runtime.graph_runner import GraphKey
-from moeserve.runtime.model_runner import InFlightStep, ModelRunner, StepResult
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import resolve_pending
+from moeserve.worker.model_runner import InFlightStep, ModelRunner, StepResult
+from moeserve.worker.sequence import ScheduledBatch
+from moeserve.worker.tp_step import StepPlan, batch_to_wire, release_graphs, run_forward, symm_mem_buffer
+from moeserve.worker.tp_worker import worker_main
 
 logger = logging.getLogger("moeserve")
-
-
-# ---- what every rank runs -------------------------------------------------------------------------------
-
-def symm_mem_buffer(config: EngineConfig, spec: ModelSpec) -> tuple[int, torch.dtype] | None:
-    """The symmetric all-reduce buffer every rank asks for, (elements, dtype), or None under
-    --disable-custom-all-reduce. It holds the largest forward's activations (a prefill chunk or a decode
-    batch, [rows, hidden]) up to SYMM_MEM_MAX_BYTES; larger ones go through NCCL. Computed from the config
-    alone, so every rank asks for the same."""
-    if config.disable_custom_all_reduce or config.tensor_parallel_size < 2:
-        return None
-    dtype = config.torch_dtype
-    row_bytes = spec.hidden_size * dtype.itemsize
-    rows = min(max(config.max_num_batched_tokens, config.max_num_seqs), max(1, SYMM_MEM_MAX_BYTES // row_bytes))
-    return rows * spec.hidden_size, dtype
-
-
-@dataclass
-class StepPlan:
-    """One step as rank 0 decided it; every rank runs exactly this."""
-    batch: dict  # the host ForwardBatch as numpy arrays and plain values (see batch_to_wire)
-    key: GraphKey | None  # the graph every rank replays; None: eager
-    pending: bool  # rows read their input token from the previous step's sampled tokens
-    sample_rows: list[int]  # rows whose logits are computed for sampling
-    prompt_rows: list[tuple[int, int]]  # (first row, count) of prompt-logprob rows, in order
-
-
-def batch_to_wire(b: ForwardBatch) -> dict:
-    """A host ForwardBatch as picklable numpy arrays and plain values, field by field (a field added to the
-    batch travels without changes here). LoRA slot ranks stay behind: each rank has its own buffer."""
-    def wire(obj):
-        return {f.name: (v.numpy() if isinstance(v, torch.Tensor) else v) for f in fields(obj)
-                if f.name not in ("attn", "lora", "slot_ranks") for v in [getattr(obj, f.name)]}
-
-    return {"batch": wire(b), "attn": wire(b.attn), "lora": None if b.lora is None else wire(b.lora)}
-
-
-def batch_from_wire(w: dict, slot_ranks: torch.Tensor | None) -> ForwardBatch:
-    """The host ForwardBatch again (tensors on the CPU), with this rank's LoRA slot ranks."""
-    def unwire(d):
-        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in d.items()}
-
-    lora = None if w["lora"] is None else LoRABatch(slot_ranks=slot_ranks, **unwire(w["lora"]))
-    return ForwardBatch(attn=AttentionMetadata(**unwire(w["attn"])), lora=lora, **unwire(w["batch"]))
-
-
-def _to_device(b: ForwardBatch, device: torch.device) -> ForwardBatch:
-    """Every host tensor of the batch on `device` (the LoRA slot ranks are already there)."""
-    def moved(obj):
-        values = {f.name: getattr(obj, f.name) for f in fields(obj) if f.name != "slot_ranks"}
-        return replace(obj, **{k: v.to(device, non_blocking=True) for k, v in values.items()
-                               if isinstance(v, torch.Tensor)})
-
-    return replace(moved(b), attn=moved(b.attn), lora=None if b.lora is None else moved(b.lora))
-
-
-def run_forward(runner: ModelRunner, host_batch: ForwardBatch, key: GraphKey | None,
-                pending: torch.Tensor | None) -> torch.Tensor:
-    """The step's forward, on any rank: replay `key`'s graph, or run eagerly."""
-    if key is not None:
-        return runner.graph_runner.replay(key, host_batch, pending)
-    batch = _to_device(host_batch, runner.device)
-    if pending is not None:
-        resolve_pending(batch.input_ids, pending)
-    return runner.model(batch)
 
 
 # ---- rank 0 ---------------------------------------------------------------------------------------------
@@ -168,8 +100,6 @@ class ParallelModelRunner(ModelRunner):
                     ", routed experts expert-parallel" if ep else "")
 
     def _start_workers(self, ctx, n: int, store_port: int, config: EngineConfig, spec: ModelSpec, model_dir) -> None:
-        from moeserve.runtime.worker import worker_main
-
         for rank in range(1, n):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"moeserve-tp-rank{rank}", daemon=True,
@@ -202,7 +132,7 @@ class ParallelModelRunner(ModelRunner):
         return result["tp"]
 
     # ---- talking to the workers ------------------------------------------------------------------
-    def _send(self, msg) -> None:
+    def send_to_workers(self, msg) -> None:
         self._check_workers()
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for w in self.workers:
@@ -212,7 +142,7 @@ class ParallelModelRunner(ModelRunner):
                 self._check_workers(wait_s=1.0)
                 self._fail(f"tensor-parallel rank {w.rank} stopped reading its messages")
 
-    def _replies(self, what: str) -> dict[int, object]:
+    def worker_replies(self, what: str) -> dict[int, object]:
         """One reply from every worker, each waited for at most timeout_s while its process lives."""
         out = {}
         for w in self.workers:
@@ -230,7 +160,7 @@ class ParallelModelRunner(ModelRunner):
         return out
 
     def _expect_ok(self, what: str) -> None:
-        for rank, error in sorted(self._replies(what).items()):
+        for rank, error in sorted(self.worker_replies(what).items()):
             if error is not None:
                 raise RuntimeError(f"tensor-parallel rank {rank} failed {what}: {error}")
 
@@ -274,15 +204,15 @@ class ParallelModelRunner(ModelRunner):
     # ---- engine hooks ----------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
         """Every rank sizes its cache; all use the smallest count (the scheduler hands out one block table)."""
-        self._send(("kv_cache", num_blocks))
+        self.send_to_workers(("kv_cache", num_blocks))
         mine = super().allocate_kv_cache(num_blocks)
-        counts = self._replies("allocating its KV cache")
+        counts = self.worker_replies("allocating its KV cache")
         bad = {r: c for r, c in counts.items() if isinstance(c, str)}
         if bad:
             rank, err = min(bad.items())
             raise RuntimeError(f"tensor-parallel rank {rank} failed allocating its KV cache: {err}")
         least = min(mine, *counts.values())
-        self._send(("kv_cache_final", least))
+        self.send_to_workers(("kv_cache_final", least))
         if mine != least:
             self.model.kv_caches = []
             if self.device.type == "cuda":
@@ -293,30 +223,30 @@ class ParallelModelRunner(ModelRunner):
 
     def shard_lora_pool(self, pool):
         """Wrap rank 0's slot pool so that every load and clear also happens on the other ranks."""
-        self._send(("lora_pool", sorted(pool.targets), pool.max_loras, pool.max_rank, pool.separate_gate_up))
+        self.send_to_workers(("lora_pool", sorted(pool.targets), pool.max_loras, pool.max_rank, pool.separate_gate_up))
         self._expect_ok("allocating its LoRA slot pool")
         return ShardedLoRAPool(pool, self)
 
     def capture_graphs(self, progress: bool = False) -> None:
-        self._send(("capture",))  # every rank captures the same keys in the same order (collectives inside)
+        self.send_to_workers(("capture",))  # every rank captures the same keys in the same order (collectives inside)
         with self._collectives("graph capture"):
             super().capture_graphs(progress)
         self._expect_ok("capturing its graphs")
 
     def worker_replay_counts(self) -> dict[int, dict[str, int]]:
         """Each worker's graph replays per GraphKey (tests compare them with rank 0's)."""
-        self._send(("replay_counts",))
-        return self._replies("reporting its replay counts")
+        self.send_to_workers(("replay_counts",))
+        return self.worker_replies("reporting its replay counts")
 
     def worker_all_reduce_backends(self) -> dict[int, str]:
         """Each worker's all-reduce backend (every rank must run the same one)."""
-        self._send(("all_reduce_backend",))
-        return self._replies("reporting its all-reduce backend")
+        self.send_to_workers(("all_reduce_backend",))
+        return self.worker_replies("reporting its all-reduce backend")
 
     def worker_lora_slots(self) -> dict[int, list[tuple[int, bool]]]:
         """Each worker's LoRA slots as (rank, holds any nonzero weight) (tests check loads and rollbacks)."""
-        self._send(("lora_slots",))
-        return self._replies("reporting its LoRA slots")
+        self.send_to_workers(("lora_slots",))
+        return self.worker_replies("reporting its LoRA slots")
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -326,7 +256,7 @@ class ParallelModelRunner(ModelRunner):
         key = self.graph_runner.key_for(batch, [s.lora_slot for s in sb.seqs]) if graphed else None
         rows, _, prompt_rows = self._logit_rows(sb)
         pending = any(s.num_pending for s in sb.seqs)
-        self._send(("step", StepPlan(batch_to_wire(batch), key, pending, rows,
+        self.send_to_workers(("step", StepPlan(batch_to_wire(batch), key, pending, rows,
                                      [(first, count) for _, first, count in prompt_rows])))
         with self._collectives("a forward step"):
             hidden = run_forward(self, batch, key, self.prev_tokens if pending else None)
@@ -361,7 +291,7 @@ class ParallelModelRunner(ModelRunner):
         try:
             if healthy and self.workers:
                 try:
-                    self._send(("shutdown",))
+                    self.send_to_workers(("shutdown",))
                 except RankFailure:
                     healthy = False
             if self.tp is not None:
@@ -396,17 +326,6 @@ class ParallelModelRunner(ModelRunner):
                 return
 
 
-def release_graphs(runner: ModelRunner) -> None:
-    """Destroy the runner's CUDA graphs. Graphs that recorded NCCL collectives hold on to the communicator's
-    resources until they are destroyed, and NCCL's teardown waits for them (both ranks hung in
-    destroy_process_group on two H200s while the graphs were alive)."""
-    runner.graph_runner = None
-    gc.collect()
-    device = getattr(runner, "device", None)  # unset when rank 0 failed while loading its shard
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class ShardedLoRAPool:
     """Rank 0's slot pool as the LoRA manager sees it: a load or clear happens on every rank, each copying its
     slice of the adapter (distributed/sharding.py), or on none — a load that fails anywhere is cleared
@@ -419,15 +338,13 @@ class ShardedLoRAPool:
         return getattr(self.pool, name)
 
     def load(self, slot: int, adapter) -> None:
-        from moeserve.lora.adapter import LoRAAdapterError
-
-        self.runner._send(("lora_load", slot, adapter))
+        self.runner.send_to_workers(("lora_load", slot, adapter))
         errors = {}
         try:
             self.pool.load(slot, shard_adapter(adapter, self.runner.sharding))
         except Exception as e:  # noqa: BLE001 - rolled back below, on every rank
             errors[0] = f"{type(e).__name__}: {e}"
-        errors.update({r: e for r, e in self.runner._replies("loading an adapter").items() if e is not None})
+        errors.update({r: e for r, e in self.runner.worker_replies("loading an adapter").items() if e is not None})
         if errors:
             self.clear(slot)
             rank, err = min(errors.items())
@@ -435,5 +352,5 @@ class ShardedLoRAPool:
                                    f"({err}); slot {slot} was cleared on every rank")
 
     def clear(self, slot: int) -> None:
-        self.runner._send(("lora_clear", slot))
+        self.runner.send_to_workers(("lora_clear", slot))
         self.pool.clear(slot)

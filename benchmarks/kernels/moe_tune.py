@@ -1,6 +1,6 @@
 """Tune the fused MoE's sorted-path tiles for this GPU and one problem shape, and write the tile table.
 
-    python -m moeserve.bench.kernels --tune [--shape E,H,I,K] [--dtype bfloat16]
+    python -m benchmarks.kernels.kernels --tune [--shape E,H,I,K] [--dtype bfloat16]
                                             [--batches 16,32,...,8192] [--out bench_out/]
 
 For each token count T and each candidate block_m: coordinate descent over the gate_up tiles (with a fixed down

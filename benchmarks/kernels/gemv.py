@@ -1,6 +1,6 @@
 """The Triton GEMV (kernels/gemv.py) against cuBLAS for the dense projections at decode sizes.
 
-    python -m moeserve.bench.kernels --parts gemv [--sweep]
+    python -m benchmarks.kernels.kernels --parts gemv [--sweep]
 
 Per shape (q|k|v and o_proj of the Qwen3-30B-A3B, OLMoE-1B-7B and Qwen1.5-MoE-A2.7B presets, Qwen1.5's shared
 expert, the 151936-row lm_head) and T in 1, 2 (the rows it serves): µs per call of cuBLAS (torch.mm / addmm into a

@@ -22,6 +22,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from moeserve import Engine, EngineConfig, SamplingParams
+
 DEMO_ADAPTERS = {  # name -> what it does (printed beside its answers)
     "caps": "answers in capital letters",
     "brief": "answers in one short sentence",
@@ -180,8 +182,6 @@ def build_demo_adapters(model_dir, *, names=tuple(DEMO_ADAPTERS), prompts=TRAIN_
 
 def _base_answers(model_dir: Path, prompts: list[str]) -> list[tuple[str, bool]]:
     """(answer, finished before the token limit) for each prompt: the demo model's own greedy chat answers."""
-    from moeserve import Engine, EngineConfig, SamplingParams
-
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=len(prompts)))
     chats = [engine.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     outs = engine.generate(chats, SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0.0))

@@ -1,6 +1,6 @@
 """Dense multi-LoRA (shrink + expand) at Qwen3-30B-A3B shapes, against the base GEMM it rides on.
 
-    python -m moeserve.bench.kernels --parts dense_lora [--batches 1,8,64,256,512] [--sweep]
+    python -m benchmarks.kernels.kernels --parts dense_lora [--batches 1,8,64,256,512] [--sweep]
 
 For the fused q|k|v projection (2048 -> 4096+512+512) and o_proj (4096 -> 2048), per T and adapter
 case, two CUDA graphs, timed interleaved (A, B, A, B) and reported as medians: the base GEMM alone and

@@ -1,6 +1,6 @@
 """The fused norm and attention-prologue kernels (kernels/norm_rotary.py) against the torch code they replace.
 
-Part `norm_rotary` of `python -m moeserve.bench.kernels --parts norm_rotary`. Per token count: RMSNorm,
+Part `norm_rotary` of `python -m benchmarks.kernels.kernels --parts norm_rotary`. Per token count: RMSNorm,
 residual add + RMSNorm (hidden 2048) and q/k norm + rotary + KV write at three presets' attention shapes,
 each as CUDA-graph replays rotating through 4 input sets, fused and torch interleaved (A, B, A, B; medians),
 and the kernels one call launches (torch profiler, after every timing).
@@ -18,7 +18,7 @@ from moeserve.layers.attention import Attention
 from moeserve.layers.batch import AttentionMetadata
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 TOKENS = (1, 8, 64, 256, 512)
 HIDDEN, EPS, BLOCK_SIZE, MAX_POS = 2048, 1e-6, 16, 4096

@@ -1,6 +1,6 @@
-"""Paged decode attention at Qwen3-30B-A3B shapes (dense multi-LoRA: `bench kernels --parts dense_lora`).
+"""Paged decode attention at Qwen3-30B-A3B shapes (dense multi-LoRA: `benchmarks.kernels.kernels --parts dense_lora`).
 
-    python -m moeserve.bench.attention --out DIR [--quick]
+    python -m benchmarks.kernels.attention --out DIR [--quick]
 
 Every timing is a CUDA-graph replay of many calls (launch overhead as in graph decode), each
 call on a different copy of the data, with the copies together far larger than L2, as when

@@ -33,22 +33,14 @@ empties and the waiting request has it (a bounded wait; each adapter gets its tu
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Protocol
 
-from moeserve.runtime.kv_cache import BlockAllocator, prefix_hashes
-from moeserve.runtime.sequence import Sequence, SeqStatus
-
-
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    is_decode: bool  # one row per sequence, each computing its next token (graph-eligible)
+from moeserve.worker.kv_cache import BlockAllocator, prefix_hashes
+from moeserve.worker.sequence import ScheduledBatch, SeqStatus, Sequence
 
 
 class LoRASlots(Protocol):
-    """What the scheduler needs of the LoRA manager (lora/manager.py)."""
+    """What the scheduler needs of the LoRA manager (engine/lora_manager.py)."""
 
     def slot_of(self, seq: Sequence) -> tuple[int, bool]: ...  # (resident slot or -1, bound to a version)
     def acquire(self, seq: Sequence) -> bool: ...  # False: no slot for it now

@@ -1,6 +1,6 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
-    python -m moeserve.bench.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
+    python -m benchmarks.kernels.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
                                      [--sweep] [--lora-sweep [--lora-variants 'epi_*']] [--profile] [--no-pdl]
                                      [--parts moe,router,dense_lora,norm_rotary,gemv]
 
@@ -29,11 +29,11 @@ kernels_bench.json.
 each over enough router weights (cold L2, as between layers) in one CUDA graph; writes router_bench.json.
 Names ending in `:3red` select top-k with the previous three reductions per pick (`packed_topk=False`) instead
 of one max over packed keys: the same result, the routing tail's cost.
-Part `dense_lora` (moeserve.bench.dense_lora) times the dense multi-LoRA paths first, with its own table.
-Part `norm_rotary` (bench/norm_kernels.py): the fused RMSNorm, residual add + RMSNorm and q/k norm +
+Part `dense_lora` (benchmarks.kernels.dense_lora) times the dense multi-LoRA paths first, with its own table.
+Part `norm_rotary` (norm_kernels.py): the fused RMSNorm, residual add + RMSNorm and q/k norm +
 rotary + KV write kernels against the torch code they replace at T = 1, 8, 64, 256, 512; its own table
 and norm_rotary_bench.json.
-Part `gemv` (bench/gemv.py): the Triton GEMV against cuBLAS for the dense projections of the presets at
+Part `gemv` (gemv.py): the Triton GEMV against cuBLAS for the dense projections of the presets at
 T = 1, 2 (the rows it serves), with and without the fused LoRA expand (`--sweep`: a config sweep, best per shape);
 its own table and gemv_bench.json. Not in the default parts: `--parts gemv [--sweep]`.
 """
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.bench import dense_lora
+from benchmarks.kernels import dense_lora
 from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref
 from moeserve.kernels.moe_plan import GemmTile, MoEPlan, default_plan
@@ -476,7 +476,7 @@ def bench_router(gen) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="moeserve bench kernels", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--out", default="bench_out/")
     ap.add_argument("--sweep", action="store_true", help="also time block-size candidates")
@@ -490,7 +490,7 @@ def main(argv=None):
                     help="moe part: launch with programmatic dependent launch, as the engine does (default: where "
                          "the GPU has it); with it a LoRA shrink runs under the GEMM that expands it")
     ap.add_argument("--tune", action="store_true",
-                    help="tune the sorted-path MoE tiles for this GPU (bench/moe_tune.py) and write the tile table; "
+                    help="tune the sorted-path MoE tiles for this GPU (moe_tune.py) and write the tile table; "
                          "--shape E,H,I,K and --dtype pick the problem, --batches the token counts")
     ap.add_argument("--shape", default=None, help="--tune: experts,hidden,inter,top_k (default: Qwen3-30B-A3B's)")
     ap.add_argument("--dtype", default="bfloat16", help="--tune: the weights' dtype")
@@ -504,13 +504,13 @@ def main(argv=None):
     if not parts <= known:
         ap.error(f"--parts: unknown part(s) {sorted(parts - known)}; choose from {', '.join(sorted(known))}")
     if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA device")
+        print("the kernel benchmarks need a CUDA device")
         return 1
     if args.pdl is None:
         args.pdl = pdl_supported(torch.device(DEVICE))
     batches = [int(b) for b in args.batches.split(",")]
     if args.tune:
-        from moeserve.bench import moe_tune
+        from benchmarks.kernels import moe_tune
 
         shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else (NUM_EXPERTS, HIDDEN, INTER, TOP_K)
         tune_batches = batches if args.batches != ap.get_default("batches") else moe_tune.BATCHES
@@ -625,7 +625,7 @@ def print_lora_table(rows: list[dict]) -> None:
 
 
 def run_gemv(out_dir: Path, sweep: bool, gen, device: str, bw: dict) -> None:
-    from moeserve.bench import gemv
+    from benchmarks.kernels import gemv
 
     rows: list[dict] = []
 
@@ -638,7 +638,7 @@ def run_gemv(out_dir: Path, sweep: bool, gen, device: str, bw: dict) -> None:
 
 
 def run_norm_rotary(out_dir: Path) -> None:
-    from moeserve.bench import norm_kernels
+    from benchmarks.kernels import norm_kernels
 
     rows = norm_kernels.bench_norm_rotary()
     (out_dir / "norm_rotary_bench.json").write_text(

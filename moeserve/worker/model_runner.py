@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.lora.slot_pool import describe_by_target, format_bytes
+from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.layers.sampler import SamplingTensors, compute_logprobs, row_key, sample
+from moeserve.lora.slot_pool import describe_by_target, format_bytes
+from moeserve.model_spec import ModelSpec
 from moeserve.models.loader import load_model
 from moeserve.models.moe_decoder import MoEForCausalLM
-from moeserve.models.spec import ModelSpec
-from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
-from moeserve.runtime.kv_cache import allocate_kv_cache, kv_bytes_per_block
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.outputs import TokenLogprobs
-from moeserve.runtime.sequence import Sequence, resolve_pending
+from moeserve.outputs import TokenLogprobs
+from moeserve.worker.graph_runner import GraphRunner
+from moeserve.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from moeserve.worker.sequence import ScheduledBatch, Sequence, resolve_pending
 
 logger = logging.getLogger("moeserve")
 
@@ -157,8 +157,6 @@ class ModelRunner:
             f"To fit: {'; '.join(fixes)}.")
 
     def capture_graphs(self, progress: bool = False) -> None:
-        from moeserve.runtime.graph_runner import GraphRunner
-
         self.graph_runner = GraphRunner.for_engine(self, self.config, progress=progress)
 
     # ---- batch construction -----------------------------------------------------------------

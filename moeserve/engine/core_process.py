@@ -32,6 +32,7 @@ import msgpack
 import zmq
 
 from moeserve.config import EngineConfig
+from moeserve.engine.core import EngineCore
 from moeserve.log_filter import filter_repeats
 from moeserve.sampling_params import SamplingParams
 
@@ -265,8 +266,6 @@ def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, l
     core = server = None
     try:
         try:
-            from moeserve.runtime.core import EngineCore
-
             core = EngineCore(EngineConfig(**config), progress=False)
         except StartAbandoned:
             return

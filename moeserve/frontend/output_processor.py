@@ -7,8 +7,8 @@ produced a token or two more: those arrive for a request that is gone and are dr
 """
 from __future__ import annotations
 
-from moeserve.runtime.detokenizer import detokenize_step
-from moeserve.runtime.outputs import CoreOutput, RequestOutput, TokenLogprobs
+from moeserve.frontend.detokenizer import detokenize_step
+from moeserve.outputs import CoreOutput, RequestOutput, TokenLogprobs
 from moeserve.sampling_params import SamplingParams
 
 # prompt tokens the detokenizer decodes before the first output token (as vLLM does): a SentencePiece decoder

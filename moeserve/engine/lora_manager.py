@@ -14,18 +14,15 @@ import logging
 from collections import OrderedDict
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from moeserve.config import EngineConfig
 from moeserve.lora.adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter
 from moeserve.lora.slot_pool import ALL_TARGETS, LoRASlotPool
+from moeserve.model_spec import ModelSpec
 from moeserve.models.moe_decoder import MoEForCausalLM
-from moeserve.models.spec import ModelSpec
-
-if TYPE_CHECKING:  # the scheduler hands sequences in; lora/ does not depend on runtime/
-    from moeserve.runtime.sequence import Sequence
+from moeserve.worker.sequence import Sequence
 
 logger = logging.getLogger("moeserve")
 

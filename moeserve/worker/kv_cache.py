@@ -19,7 +19,7 @@ from typing import Hashable, Sequence as Seq
 
 import torch
 
-from moeserve.models.spec import ModelSpec
+from moeserve.model_spec import ModelSpec
 
 BlockHash = bytes
 

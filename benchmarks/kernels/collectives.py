@@ -1,6 +1,6 @@
 """The collectives tensor and expert parallelism run per layer, at decode message sizes, on this host's GPUs.
 
-    python -m moeserve.bench.collectives --world-size 2 --batches 1,8,64,256,512 --hidden 2048 --out bench_out
+    python -m benchmarks.kernels.collectives --world-size 2 --batches 1,8,64,256,512 --hidden 2048 --out bench_out
 
 A TP decode layer all-reduces a [B, H] activation twice (attention and MLP outputs), so at small B the step pays
 2 x layers x the all-reduce latency. Per B this times, in the activation dtype:
@@ -196,7 +196,7 @@ def print_table(rows: list[dict], world: int) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moeserve.bench.collectives", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.collectives", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--batches", default="1,8,64,256,512")

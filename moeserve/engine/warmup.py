@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
-from moeserve.runtime.scheduler import ScheduledBatch
-from moeserve.runtime.sequence import Sequence
 from moeserve.sampling_params import SamplingParams
+from moeserve.worker.sequence import ScheduledBatch, Sequence
 
 logger = logging.getLogger("moeserve")
 

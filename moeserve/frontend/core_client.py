@@ -25,12 +25,12 @@ import zmq
 import zmq.asyncio
 
 from moeserve.config import EngineConfig
+from moeserve.engine.core import RequestError, RequestLimits
+from moeserve.engine.core_process import ABANDON_SIGNAL, USER_ERRORS, config_to_wire, pack, run_core, unpack
+from moeserve.frontend.output_processor import OutputProcessor, RequestState
 from moeserve.lora.adapter import CONFIG_FILE, LoRAAdapterError, validate_adapter_name
-from moeserve.runtime.core import RequestError, RequestLimits
-from moeserve.runtime.core_process import ABANDON_SIGNAL, USER_ERRORS, config_to_wire, pack, run_core, unpack
-from moeserve.runtime.detokenizer import load_tokenizer
-from moeserve.runtime.output_processor import OutputProcessor, RequestState
-from moeserve.runtime.outputs import CoreOutput, RequestOutput
+from moeserve.models.tokenizer import load_tokenizer
+from moeserve.outputs import CoreOutput, RequestOutput
 from moeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("moeserve")

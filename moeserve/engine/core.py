@@ -22,14 +22,19 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.distributed.parallel_state import RankFailure
-from moeserve.models.spec import ModelSpec
-from moeserve.runtime.detokenizer import eos_token_ids, load_tokenizer
-from moeserve.runtime.kv_cache import BlockAllocator
-from moeserve.runtime.model_runner import InFlightStep, ModelRunner
-from moeserve.runtime.outputs import CoreOutput
-from moeserve.runtime.scheduler import Scheduler
-from moeserve.runtime.sequence import PENDING, Sequence
+from moeserve.engine.lora_manager import LoRAManager
+from moeserve.engine.scheduler import Scheduler
+from moeserve.engine.warmup import decode_split_shapes, eager_decode_sizes, warm_up, warmup_token_counts
+from moeserve.model_spec import ModelSpec
+from moeserve.models.tokenizer import eos_token_ids, load_tokenizer
+from moeserve.models.upcycle import demo_model_path
+from moeserve.outputs import CoreOutput
 from moeserve.sampling_params import SamplingParams
+from moeserve.worker.graph_runner import dual_capture_plan
+from moeserve.worker.kv_cache import BlockAllocator
+from moeserve.worker.model_runner import InFlightStep, ModelRunner
+from moeserve.worker.parallel_runner import ParallelModelRunner
+from moeserve.worker.sequence import PENDING, Sequence
 
 logger = logging.getLogger("moeserve")
 
@@ -88,8 +93,6 @@ class EngineCore:
                        else EngineConfig(**config)).resolve()
         cfg = self.config
         if cfg.model is None:
-            from moeserve.models.upcycle import demo_model_path
-
             cfg.model = str(demo_model_path(progress=progress))
         model_dir = Path(cfg.model)
         if not model_dir.is_dir():
@@ -104,15 +107,11 @@ class EngineCore:
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, self.spec.vocab_size)
         self.eos_ids = eos_token_ids(model_dir, self.spec.eos_token_ids, self.tokenizer)
         if cfg.tensor_parallel_size > 1:
-            from moeserve.runtime.parallel import ParallelModelRunner
-
             self.runner = ParallelModelRunner(cfg, self.spec, str(model_dir), progress=progress)
         else:
             self.runner = ModelRunner(cfg, self.spec, str(model_dir), progress=progress)
         self.lora_manager = None
         if cfg.enable_lora:
-            from moeserve.lora.manager import LoRAManager
-
             self.lora_manager = LoRAManager(cfg, self.spec, self.runner.model, self.runner.device)
             if cfg.tensor_parallel_size > 1:  # loads and clears then land on every rank or none
                 self.lora_manager.pool = self.runner.shard_lora_pool(self.lora_manager.pool)
@@ -145,8 +144,6 @@ class EngineCore:
         self.stats_counters = {"requests_total": 0, "requests_rejected": 0, "prompt_tokens_total": 0,
                                "generation_tokens_total": 0, "steps_total": 0, "decode_steps_total": 0,
                                "aborted_total": 0}
-        from moeserve.runtime.graph_runner import dual_capture_plan
-
         _, warning = dual_capture_plan(cfg)
         if warning:  # on CPU graphs never exist, so it is only worth a note
             (logger.warning if cfg.device.startswith("cuda") else logger.info)(warning)
@@ -156,16 +153,15 @@ class EngineCore:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Compile and run every eager shape now (runtime/warmup.py): prefill chunks, and decode steps larger than
+        """Compile and run every eager shape now (engine/warmup.py): prefill chunks, and decode steps larger than
         the largest graph (every decode step without graphs) with each split count of the decode attention."""
-        from moeserve.runtime.warmup import decode_split_shapes, eager_decode_sizes, warm_up, warmup_token_counts
-
         cfg = self.config
         counts = warmup_token_counts(cfg.max_num_batched_tokens, cfg.max_model_len)
         graphs = self.runner.graph_runner
         low = max(graphs.sizes) if graphs is not None else 0
         shapes = [(b, 1) for b in eager_decode_sizes(cfg.max_num_seqs, low or None)]
         if shapes and cfg.attention_backend == "triton":
+            # imported here, not at the top: it imports triton, which `import moeserve` (and the CLI) should not pay
             from moeserve.kernels.paged_attention import DECODE_BLOCK_N, MAX_DECODE_SPLITS, default_num_splits
 
             n_kv = self.runner.model.kv_caches[0][0].shape[-2]  # this rank's KV heads

@@ -21,7 +21,7 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
-from moeserve.runtime.sequence import resolve_pending
+from moeserve.worker.sequence import resolve_pending
 
 logger = logging.getLogger("moeserve")
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker: one process per rank other than 0, started by rank 0 (runtime/parallel.py).
+"""A tensor-parallel worker: one process per rank other than 0, started by rank 0 (worker/parallel_runner.py).
 
 It holds its rank's shard of the model, its KV cache, LoRA slot pool and graphs, and does what rank 0's
 messages say, in order: run a step's plan (the same forward, logits and token broadcast as rank 0),
@@ -7,7 +7,6 @@ when rank 0 says so or when rank 0's end of the pipe closes (rank 0 is gone).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pickle
 import sys
@@ -15,20 +14,22 @@ import traceback
 
 import torch
 
+from moeserve.distributed.parallel_state import destroy_parallel_state, init_parallel_state, rendezvous_store
+from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapter
+from moeserve.lora.slot_pool import LoRASlotPool, lora_slot_state
+from moeserve.models.loader import load_model
+from moeserve.worker.model_runner import ModelRunner
+from moeserve.worker.tp_step import batch_from_wire, release_graphs, run_forward, symm_mem_buffer
+
 logger = logging.getLogger("moeserve")
 
 
 class Worker:
     def __init__(self, rank: int, world_size: int, store_port: int, config, spec, model_dir: str | None):
-        from moeserve.distributed.parallel_state import init_parallel_state, rendezvous_store
-        from moeserve.distributed.sharding import TensorSharding, rank_spec
-        from moeserve.runtime.parallel import symm_mem_buffer
-
         if config.device.startswith("cuda"):
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
-            config = dataclasses.replace(config, device=str(device))
-            config._resolved = True
+            config = config.on_device(str(device))
         else:
             device = torch.device("cpu")
         self.config, self.spec, self.model_dir, self.device = config, spec, model_dir, device
@@ -41,9 +42,6 @@ class Worker:
         self.runner = None
 
     def load(self) -> None:
-        from moeserve.models.loader import load_model
-        from moeserve.runtime.model_runner import ModelRunner
-
         cfg = self.config
         model = load_model(self.model_dir, self.spec, self.device, cfg.torch_dtype, cfg.attention_backend,
                            cfg.moe_backend, cfg.moe_backend, load_format=cfg.load_format, seed=cfg.seed, tp=self.tp,
@@ -53,8 +51,6 @@ class Worker:
     # ---- messages ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, plan) -> None:
-        from moeserve.runtime.parallel import batch_from_wire, run_forward
-
         runner = self.runner
         pool = runner.lora_pool
         batch = batch_from_wire(plan.batch, pool.slot_ranks if pool is not None else None)
@@ -71,14 +67,10 @@ class Worker:
             runner.prev_tokens = self.tp.broadcast(tokens, src=0)
 
     def lora_pool(self, targets, max_loras: int, max_rank: int, separate_gate_up: bool) -> None:
-        from moeserve.lora.slot_pool import LoRASlotPool
-
         self.runner.lora_pool = LoRASlotPool(self.spec, self.runner.model, max_loras, max_rank, set(targets),
                                              self.device, self.config.torch_dtype, separate_gate_up=separate_gate_up)
 
     def lora_load(self, slot: int, adapter) -> None:
-        from moeserve.distributed.sharding import shard_adapter
-
         self.runner.lora_pool.load(slot, shard_adapter(adapter, self.sharding))
 
     def capture(self) -> None:
@@ -90,20 +82,6 @@ class Worker:
     def replay_counts(self) -> dict[str, int]:
         gr = self.runner.graph_runner
         return gr.replay_counts() if gr is not None else {}
-
-
-def lora_slot_state(pool) -> list[tuple[int, bool]]:
-    """(rank, holds any nonzero weight) per slot of a LoRA slot pool."""
-    model = pool.model
-    used = [False] * pool.max_loras
-    for layer in model.layers:
-        bufs = getattr(layer.mlp, "lora_bufs", None)
-        tensors = [t for lin in pool._linears(layer) if lin.lora_a is not None for t in (lin.lora_a, lin.lora_b)]
-        tensors += [] if bufs is None else [bufs.gate_up_a, bufs.gate_up_b, bufs.down_a, bufs.down_b]
-        for t in tensors:
-            for slot in range(pool.max_loras):
-                used[slot] = used[slot] or bool(t[slot].any())
-    return list(zip(pool.slot_ranks.tolist(), used))
 
 
 def worker_main(rank: int, world_size: int, store_port: int, config, spec, model_dir, conn) -> None:
@@ -163,9 +141,6 @@ def worker_main(rank: int, world_size: int, store_port: int, config, spec, model
         elif kind == "all_reduce_backend":
             reply(worker.tp.all_reduce_backend)
         elif kind == "shutdown":
-            from moeserve.distributed.parallel_state import destroy_parallel_state
-            from moeserve.runtime.parallel import release_graphs
-
             release_graphs(worker.runner)  # before the teardown, which waits for graphs holding collectives
             destroy_parallel_state(worker.tp)  # the symmetric buffer, then the process group (as rank 0 does)
             return

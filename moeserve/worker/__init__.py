@@ -1,0 +1,1 @@
+"""What every rank runs: the model runner, its CUDA graphs and KV cache, tensor-parallel workers."""
