@@ -69,7 +69,7 @@ def _count_compiles():
 
     def hook(*args, **kwargs):
         seen.append(kwargs.get("repr") or kwargs.get("key"))
-        return False  # go on and compile
+        return previous(*args, **kwargs) if previous else False  # the engine's own watch too; then compile
     knobs.runtime.jit_cache_hook = hook
     return seen, lambda: setattr(knobs.runtime, "jit_cache_hook", previous)
 
@@ -102,5 +102,6 @@ def test_gpu_no_request_compiles_a_kernel_and_none_fails(tmp_path, family, dtype
         restore()
     assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert engine.stats()["kernel_compiles_after_start_total"] == len(seen)  # the engine's watch (/metrics) agrees
     assert seen == [], f"{len(seen)} kernels compiled after start-up: {[str(k).split('(')[0] for k in seen]}"
     engine.shutdown()

@@ -4,8 +4,8 @@ kernel after it (tests/test_gpu_first_request.py)."""
 import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
-from moeserve.engine.warmup import (decode_batches, decode_split_shapes, eager_decode_sizes, warm_up, warmup_batches,
-                                     warmup_token_counts)
+from moeserve.engine.warmup import (CompileWatch, decode_batches, decode_split_shapes, eager_decode_sizes, warm_up,
+                                     warmup_batches, warmup_token_counts)
 
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
@@ -82,3 +82,27 @@ def test_configured_adapters_are_resident_before_the_first_request(tmp_path):
     assert engine.stats()["lora_loads_total"] == 2  # both were resident
     engine.generate([[5, 9, 30]], GREEDY, lora="c")
     assert engine.stats()["lora_loads_total"] == 3
+
+
+def test_compile_watch_counts_and_names_kernels_compiled_after_start(caplog):
+    """Triton calls its cache hook before each compile (or disk-cache load) of a variant not in memory: the watch
+    counts it, names the kernel in a warning, lets the compile go on, chains a hook installed before it and puts
+    that one back on close. (On the GPU: tests/test_gpu_first_request.py.)"""
+    from triton import knobs
+
+    before = []
+    knobs.runtime.jit_cache_hook = lambda *a, **kw: before.append(kw["key"])
+    try:
+        watch = CompileWatch()
+        hook = knobs.runtime.jit_cache_hook
+        with caplog.at_level("WARNING", logger="moeserve"):
+            skip = hook(key="k1", repr="_moe_gate_up_kernel[num_warps=8, num_stages=4](x_ptr: *bf16)")
+        assert not skip  # the compile goes on
+        assert watch.count == 1 and before == ["k1"]
+        assert "_moe_gate_up_kernel compiled on the request path" in caplog.text
+        watch.close()
+        assert knobs.runtime.jit_cache_hook is not hook
+        knobs.runtime.jit_cache_hook(key="k2")
+        assert before == ["k1", "k2"] and watch.count == 1
+    finally:
+        knobs.runtime.jit_cache_hook = None

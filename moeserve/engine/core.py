@@ -24,7 +24,7 @@ from moeserve.config import EngineConfig
 from moeserve.distributed.parallel_state import RankFailure
 from moeserve.engine.lora_manager import LoRAManager
 from moeserve.engine.scheduler import Scheduler
-from moeserve.engine.warmup import decode_split_shapes, eager_decode_sizes, warm_up, warmup_token_counts
+from moeserve.engine.warmup import CompileWatch, decode_split_shapes, eager_decode_sizes, warm_up, warmup_token_counts
 from moeserve.model_spec import ModelSpec
 from moeserve.models.tokenizer import eos_token_ids, load_tokenizer
 from moeserve.models.upcycle import demo_model_path
@@ -149,8 +149,10 @@ class EngineCore:
             (logger.warning if cfg.device.startswith("cuda") else logger.info)(warning)
         if not cfg.enforce_eager:
             self.runner.capture_graphs(progress=progress)
+        self.compile_watch = None
         if cfg.warmup and cfg.device.startswith("cuda"):
             self._warm_up()
+            self.compile_watch = CompileWatch()
 
     def _warm_up(self) -> None:
         """Compile and run every eager shape now (engine/warmup.py): prefill chunks, and decode steps larger than
@@ -350,6 +352,8 @@ class EngineCore:
         if self.closed:
             return
         self.closed = True
+        if self.compile_watch is not None:
+            self.compile_watch.close()
         runner, self.inflight = self.runner, None
         try:
             if hasattr(runner, "shutdown"):  # tensor parallel: the workers, the process group, the graphs
@@ -369,6 +373,8 @@ class EngineCore:
     def stats(self) -> dict:
         self.check_open()
         s = dict(self.stats_counters)
+        if self.compile_watch is not None:
+            s["kernel_compiles_after_start_total"] = self.compile_watch.count
         s.update(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

@@ -103,3 +103,30 @@ def warm_up(runner, token_counts: list[int], with_lora: bool, block_size: int,
                 len(decode_shapes),
                 " with and without adapters" if with_lora else "", seconds)
     return seconds
+
+
+class CompileWatch:
+    """After start-up: counts, and logs by name, every Triton kernel variant first launched on the request path
+    (compiled, or loaded from Triton's on-disk cache), which the requests of that step waited for: a shape the
+    warm-up did not reach. Installed once per engine core (Triton's hook is process-wide: the one found is chained
+    and put back on close)."""
+
+    def __init__(self):
+        from triton import knobs  # here, not at the top: `import moeserve` does not import triton
+
+        self.count = 0
+        self._runtime = knobs.runtime
+        self._previous = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._hook
+
+    def _hook(self, *args, **kwargs):
+        self.count += 1
+        name = str(kwargs.get("repr") or kwargs.get("key") or "?").split("[")[0].split("(")[0]
+        logger.warning("kernel %s compiled on the request path: the start-up warm-up did not reach this variant "
+                       "(%d so far)", name, self.count)
+        return self._previous(*args, **kwargs) if self._previous else None
+
+    def close(self) -> None:
+        if self._runtime.jit_cache_hook == self._hook:
+            self._runtime.jit_cache_hook = self._previous
+

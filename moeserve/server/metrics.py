@@ -48,7 +48,7 @@ _KNOWN = {
     "lora_slots_used": ("moeserve_lora_slots_used", "gauge", "Device LoRA slots holding an adapter"),
     "lora_slots_total": ("moeserve_lora_slots", "gauge", "Device LoRA slots"),
 }
-_COUNTER_WORDS = ("load", "evict", "hit", "miss", "replay")
+_COUNTER_WORDS = ("load", "evict", "hit", "miss", "replay", "compile")
 
 
 def _metric_name(key: str) -> str:
