@@ -84,11 +84,13 @@ def test_configured_adapters_are_resident_before_the_first_request(tmp_path):
     assert engine.stats()["lora_loads_total"] == 3
 
 
-def test_compile_watch_counts_and_names_kernels_compiled_after_start(caplog):
+def test_compile_watch_counts_and_names_kernels_compiled_after_start(caplog, tmp_path):
     """Triton calls its cache hook before each compile (or disk-cache load) of a variant not in memory: the watch
     counts it, names the kernel in a warning, lets the compile go on, chains a hook installed before it and puts
     that one back on close. (On the GPU: tests/test_gpu_first_request.py.)"""
     from triton import knobs
+
+    from moeserve.bench.protocol import compiled_after_start
 
     before = []
     knobs.runtime.jit_cache_hook = lambda *a, **kw: before.append(kw["key"])
@@ -100,6 +102,9 @@ def test_compile_watch_counts_and_names_kernels_compiled_after_start(caplog):
         assert not skip  # the compile goes on
         assert watch.count == 1 and before == ["k1"]
         assert "_moe_gate_up_kernel compiled on the request path" in caplog.text
+        log = tmp_path / "server.log"  # what `bench protocol` reads back from a server's log
+        log.write_text(caplog.text)
+        assert compiled_after_start(str(log)) == ["_moe_gate_up_kernel"]
         watch.close()
         assert knobs.runtime.jit_cache_hook is not hook
         knobs.runtime.jit_cache_hook(key="k2")

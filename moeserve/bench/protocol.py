@@ -102,7 +102,8 @@ def serve_run(label: str, server, out: Path, args, extra: list[str]) -> dict:
     try:  # the engine's own counters after the run (prefix-cache hit rate, graph replays, ...)
         text = serve._get(server + "/metrics", {})[1].decode()
         m["engine_metrics"] = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                               if line.startswith("moeserve_prefix_cache") or line.startswith("moeserve_graph_replays")}
+                               if line.startswith(("moeserve_prefix_cache", "moeserve_graph_replays",
+                                                   "moeserve_kernel_compiles"))}
     except (OSError, ValueError, IndexError):
         pass
     return m
@@ -175,16 +176,30 @@ def main(argv=None) -> int:
         except RuntimeError as e:
             print(f"server {name} failed: {e}", flush=True)
             continue
-        print(f"server up in {time.monotonic() - t0:.0f} s", flush=True)
+        startup_s = time.monotonic() - t0
+        print(f"server up in {startup_s:.0f} s", flush=True)
         try:
             for label, extra in jobs:
                 runs[label] = serve_run(label, base, out, args, extra)
+                runs[label]["server_startup_s"] = startup_s
         finally:
             serve.stop_server(proc)
+        compiled = compiled_after_start(log)
+        results.setdefault("compiled_after_start", {})[name] = compiled
+        if compiled:
+            print(f"server `{name}`: {len(compiled)} kernel variants compiled on the request path: "
+                  f"{', '.join(sorted(set(compiled)))}", flush=True)
     results["serve"] = runs
     (out / "protocol.json").write_text(json.dumps(results, indent=2))
     print_summary(results)
     return 0
+
+
+def compiled_after_start(log_path: str) -> list[str]:
+    """Kernels the server's engine core logged as compiled on the request path (engine/warmup.py CompileWatch)."""
+    marker = " compiled on the request path"
+    with open(log_path, errors="replace") as f:
+        return [line.split(marker)[0].rsplit("kernel ", 1)[-1] for line in f if marker in line]
 
 
 def print_summary(results: dict) -> None:
