@@ -1,0 +1,301 @@
+"""Fused MoE forward on block-wise FP8 expert weights (sorted path), no LoRA inside.
+
+    out[t] = sum_k w[t,k] * (W2_e @ silu(g) * u),   [g | u] = W13_e @ x_t,   W = W_fp8 * scale_inv per block
+
+The sorted path of fused_moe.py with FP8 B operands: pairs aligned into expert blocks of BLOCK_M rows
+(moe_align), a grouped gate_up GEMM -> gu [pairs, 2I] in x's dtype, a grouped down GEMM with the routing weight
+in its epilogue -> y [pairs, H], then the top-k sum. Two ways to multiply (`act_quant`):
+
+- weight-only (False): activations stay in x's dtype; each K step loads the fp8 weight tile, multiplies it by its
+  block's scale_inv and runs the dot in x's dtype (fp32 accumulate). The down GEMM applies SiLU*up as it loads
+  its A tile (MoEPlan.fused_act), as the bf16 path does.
+- W8A8 (True): x quantized per (token, group of 128 along H) and h = silu(g)*u per (pair, group of 128 along I),
+  dynamically, by their own kernels (kernels/fp8.py); fp8 x fp8 dots with fp32 accumulation, each K step's
+  product scaled by act_scale[row, k-group] x scale_inv[n-block, k-group].
+
+Scale groups: a K step never crosses a 128-column group (BLOCK_K divides 128), and each output column reads its
+own block row of scale_inv, so any BLOCK_N works. w13's scale rows are the gate's then the up's, each blocked
+on its own ([E, 2 * ceil(I/128), ceil(H/128)]), as a checkpoint stores gate_proj and up_proj; with I a multiple of
+128 that is the same as blocking the fused [2I, H] matrix.
+
+LoRA: the expands of this engine can run after plain GEMMs (MoEPlan.lora_epilogue=False: moe_lora.lora_expand_act
+on gu, lora_expand_down on y), which is how FP8 takes LoRA: the shrinks read x and the activated h in bf16, never
+the fp8 copies (W8A8 quantizes h after lora_expand_act added the gate_up deltas).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moeserve.kernels import pdl as pdl_launch
+from moeserve.kernels.fp8 import (
+    FP8_DTYPE,
+    WEIGHT_BLOCK,
+    dequantize_block_fp8,
+    fp8_scaled_dot,
+    quantize_block_fp8,
+    quantize_groups_fp8,
+    silu_mul_quant_fp8,
+    silu_mul_quant_fp8_ref,
+    quantize_groups_fp8_ref,
+)
+from moeserve.kernels.fused_moe import _block_tile, _silu_mul_kernel, _topk_sum
+from moeserve.kernels.moe_align import moe_align
+from moeserve.kernels.moe_lora import silu_mul
+from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan, fit_tile, smem_limit
+
+# ---------------------------------------------------------------------------------------------
+# weight layout
+
+
+def quantize_w13_fp8(w13: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK):
+    """w13 [E, 2I, H] = [gate; up] -> (fp8 [E, 2I, H], scale_inv [E, 2 * ceil(I/bn), ceil(H/bk)]): gate and up
+    blocked each on its own, as a checkpoint's gate_proj and up_proj are."""
+    inter = w13.shape[1] // 2
+    (qg, sg), (qu, su) = quantize_block_fp8(w13[:, :inter], block), quantize_block_fp8(w13[:, inter:], block)
+    return torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+
+
+def dequantize_w13_fp8(w13_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    inter = w13_fp8.shape[1] // 2
+    half = scale_inv.shape[1] // 2
+    return torch.cat([dequantize_block_fp8(w13_fp8[:, :inter], scale_inv[:, :half], block, dtype),
+                      dequantize_block_fp8(w13_fp8[:, inter:], scale_inv[:, half:], block, dtype)], 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
+def _moe_fp8_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_groups_ptr,
+    num_pairs, pairs_per_row, N, K, up_col0, up_scale_row0,
+    stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """out[pair] = (w[pair] *) dequant(W_e) @ a[pair // pairs_per_row] for the BLOCK_M pairs of one aligned block,
+    one N tile. gate_up: a = x (rows are tokens, pairs_per_row = top_k); down: a = gu or h (rows are pairs).
+    FUSED_ACT (weight-only down): the A tile is silu(a[:, k]) * a[:, K + k]. ACT_FP8: a is fp8 with scales
+    a_scale[row, k-group]. Column n reads scale row n // SCALE_N, or for n >= up_col0 up_scale_row0 +
+    (n - up_col0) // SCALE_N (w13's separately blocked up half)."""
+    pdl_launch.enter(USE_PDL)
+    pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(block_groups_ptr + pid_m)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    rows = (pairs // pairs_per_row).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
+    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
+    scale_rows = tl.where(cols < up_col0, cols // SCALE_N, up_scale_row0 + (cols - up_col0) // SCALE_N)
+    b_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + scale_rows * stride_wsn
+    a_scale_ptrs = a_scale_ptr + rows * stride_as
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a_mask = pair_ok[:, None]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            if FUSED_ACT:
+                up = tl.load(a_ptrs + K, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a_mask = pair_ok[:, None] & k_ok[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            if FUSED_ACT:
+                up = tl.load(a_ptrs + K, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if FUSED_ACT:
+            a = silu_mul(a.to(tl.float32), up.to(tl.float32)).to(up.dtype)
+        group = k0 // SCALE_K
+        b_scale = tl.load(b_scale_ptrs + group)
+        if ACT_FP8:
+            a_scale = tl.load(a_scale_ptrs + group, mask=pair_ok, other=0.0)
+        acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if ROUTE_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & (offs_n < N)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# plans
+
+
+def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
+             block: tuple[int, int] = WEIGHT_BLOCK) -> MoEPlan:
+    """The sorted-path plan of the bf16 call of this shape (the tuned table where it has the problem, else the
+    heuristic), with each K step inside one scale group and the tiles refitted to the operands' bytes (fp8 B;
+    A fp8 under W8A8, else x's dtype). A start, not tuned: benchmarks/kernels/fp8_moe.py measures."""
+    bf16 = replace(problem, dtype=torch.bfloat16)
+    plan = default_plan(num_tokens, top_k, decode=False, problem=bf16)
+    limit = smem_limit(problem.device)
+    a_bytes = 1 if act_quant else problem.dtype.itemsize
+    fused_act = plan.fused_act and not act_quant  # W8A8 quantizes h by its own kernel
+
+    def fit(tile, a_loads):
+        tile = replace(tile, block_k=min(tile.block_k, block[1]))
+        # fit_tile counts one element size for A and B: the A side's (the larger) keeps the fit on the safe side
+        return fit_tile(tile, a_bytes, a_loads, limit)
+
+    return replace(plan, gate_up=fit(plan.gate_up, 1), down=fit(plan.down, 2 if fused_act else 1),
+                   fused_act=fused_act, lora_epilogue=False)
+
+
+def _check_plan(plan: MoEPlan, block: tuple[int, int]) -> None:
+    if plan.decode:
+        raise ValueError("fused_moe_fp8 runs the sorted path only (the FP8 GEMV decode path is not written)")
+    if plan.gate_up.block_m != plan.down.block_m:
+        raise ValueError("gate_up and down share one alignment: block_m must match")
+    for name, t in (("gate_up", plan.gate_up), ("down", plan.down)):
+        if block[1] % t.block_k:
+            raise ValueError(f"{name} block_k {t.block_k} must divide the scale block {block[1]}: one K step, "
+                             "one scale group")
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+
+def _check_weights(x, w13, s13, w2, s2, block):
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    if x.shape[1] != hidden or tuple(w2.shape) != (num_experts, hidden, inter) or two_i % 2:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 expert weights must be {FP8_DTYPE}, got w13 {w13.dtype}, w2 {w2.dtype}")
+    bn, bk = block
+    want13 = (num_experts, 2 * triton.cdiv(inter, bn), triton.cdiv(hidden, bk))
+    want2 = (num_experts, triton.cdiv(hidden, bn), triton.cdiv(inter, bk))
+    for name, s, want in (("w13_scale_inv", s13, want13), ("w2_scale_inv", s2, want2)):
+        if tuple(s.shape) != want or s.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 {want} for blocks of {block}, got {s.dtype} {tuple(s.shape)}")
+
+
+def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs_per_row, n, k, up_col0,
+            up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl):
+    num_blocks = aligned.block_groups.numel()
+    _moe_fp8_gemm_kernel[(num_blocks * triton.cdiv(n, tile.block_n),)](
+        a, a_scale, w, w_scale, out, topk_weights, aligned.sorted_ids, aligned.block_groups,
+        num_pairs, pairs_per_row, n, k, up_col0, up_scale_row0,
+        a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
+        SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
+        GROUP_M=tile.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def fused_moe_fp8(
+    x: torch.Tensor,
+    w13_fp8: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2_fp8: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    act_quant: bool,
+    plan: MoEPlan | None = None,
+    pdl: bool = False,
+    block: tuple[int, int] = WEIGHT_BLOCK,
+) -> torch.Tensor:
+    """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32
+    scale_inv [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)],
+    topk_weights / topk_ids [T, K] -> [T, H] in x.dtype. `act_quant`: W8A8 (activations quantized per token-group
+    of 128 at run time), else weight-only. `plan`: the sorted-path tiles (default `fp8_plan`); `pdl`: every launch
+    with programmatic dependent launch (kernels/pdl.py)."""
+    _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
+    num_tokens, hidden = x.shape
+    num_experts, two_i, _ = w13_fp8.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    if plan is None:
+        problem = MoEProblem(num_experts, hidden, inter, top_k, x.dtype, x.device)
+        plan = fp8_plan(num_tokens, top_k, problem, act_quant, block)
+    _check_plan(plan, block)
+    x = x.contiguous()
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+    num_pairs = num_tokens * top_k
+    aligned = moe_align(topk_ids, num_experts, plan.gate_up.block_m, pdl=pdl)
+
+    if act_quant:
+        a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
+    else:
+        a, a_scale = x, topk_weights  # a_scale: an unread placeholder
+    gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
+    _launch(a, a_scale, w13_fp8, w13_scale_inv, gu, topk_weights, aligned, num_pairs, top_k, two_i, hidden,
+            inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, pdl)
+
+    fused_act = plan.fused_act and not act_quant
+    if act_quant:
+        h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
+    elif fused_act:
+        h, h_scale = gu, topk_weights
+    else:
+        h, h_scale = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device), topk_weights
+        width = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(num_pairs, triton.cdiv(inter, width))](
+            gu, h, inter, gu.stride(0), h.stride(0), BLOCK_N=width, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
+    _launch(h, h_scale, w2_fp8, w2_scale_inv, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
+            hidden, 0, plan.down, block, act_quant, fused_act, True, pdl)
+    return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def fused_moe_fp8_ref(
+    x: torch.Tensor,
+    w13_fp8: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2_fp8: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    act_quant: bool,
+    block: tuple[int, int] = WEIGHT_BLOCK,
+) -> torch.Tensor:
+    """Plain fp32 torch on the dequantized weights, one (token, k) pair at a time; `act_quant` quantizes x per
+    token-group and h per pair-group with the kernels' twins first. The test oracle (act_quant False: the
+    unquantized reference of both variants)."""
+    _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
+    w13 = dequantize_w13_fp8(w13_fp8, w13_scale_inv, block)
+    w2 = dequantize_block_fp8(w2_fp8, w2_scale_inv, block)
+    inter = w2.shape[2]
+    xs = x.float()
+    if act_quant:
+        q, s = quantize_groups_fp8_ref(xs, block[1])
+        xs = dequantize_block_fp8(q, s, (1, block[1]))
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    ids = topk_ids.tolist()
+    for t in range(x.shape[0]):
+        for k, e in enumerate(ids[t]):
+            if not 0 <= e < w13.shape[0]:
+                continue
+            gu = (w13[e] @ xs[t])[None]
+            if act_quant:
+                h = dequantize_block_fp8(*silu_mul_quant_fp8_ref(gu, block[1]), (1, block[1]))[0]
+            else:
+                h = F.silu(gu[0, :inter]) * gu[0, inter:]
+            out[t] += topk_weights[t, k].float() * (w2[e] @ h)
+    return out.to(x.dtype)
