@@ -176,12 +176,24 @@ def test_gpu_qwen3_shapes_against_twins(num_tokens):
 
 @gpu
 def test_gpu_graph_replay_is_eager():
-    problem = _problem(64, 128, 2048, 768, 8, seed=6, dtype=torch.bfloat16, device="cuda")
+    x, q13, s13, q2, s2, weights, ids = _problem(64, 128, 2048, 768, 8, seed=6, dtype=torch.bfloat16, device="cuda")
     for act_quant in (False, True):
-        eager = fused_moe_fp8(*problem, act_quant=act_quant)
+        def run():
+            return fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()  # compile and warm up outside capture
+        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused_moe_fp8(*problem, act_quant=act_quant)
+            out = run()
+        # new routing and activations in the captured buffers: the replay computes them, as eager does
+        x2, *_, weights2, ids2 = _problem(64, 128, 2048, 768, 8, seed=7, dtype=torch.bfloat16, device="cuda")
+        x.copy_(x2)
+        weights.copy_(weights2)
+        ids.copy_(ids2)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+        assert torch.equal(out, run())
