@@ -36,6 +36,7 @@ from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     fused_moe_fp8_ref,
     quantize_w13_fp8,
 )
+from moeserve.kernels import moe_plan  # noqa: E402
 from moeserve.kernels.moe_plan import GemmTile, MoEPlan, MoEProblem  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,13 +140,22 @@ def test_bad_inputs_are_named():
         fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=True, plan=replace(_small_plan(), decode=True))
 
 
-def test_default_plan_keeps_k_steps_inside_scale_groups():
-    for tokens in (1, 64, 512, 8192):
-        for act_quant in (False, True):
-            plan = fp8_plan(tokens, 8, MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cpu")), act_quant)
-            assert not plan.decode and plan.gate_up.block_m == plan.down.block_m
-            assert 128 % plan.gate_up.block_k == 0 and 128 % plan.down.block_k == 0
-            assert not (act_quant and plan.fused_act)
+@pytest.mark.parametrize("device_name", [None, "NVIDIA H200"])  # the heuristic; the shipped H200 table
+def test_default_plan_keeps_k_steps_inside_scale_groups(monkeypatch, device_name):
+    monkeypatch.setattr(moe_plan, "_device_name", lambda device: device_name)
+    moe_plan.default_plan.cache_clear()
+    problem = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
+    try:
+        for tokens in (1, 64, 512, 8192):
+            for act_quant in (False, True):
+                plan = fp8_plan(tokens, 8, problem, act_quant)
+                assert not plan.decode and plan.gate_up.block_m == plan.down.block_m
+                assert 128 % plan.gate_up.block_k == 0 and 128 % plan.down.block_k == 0
+                assert not (act_quant and plan.fused_act)
+                if act_quant:
+                    assert all(t.block_m * t.block_n <= 128 * 128 for t in (plan.gate_up, plan.down))
+    finally:
+        moe_plan.default_plan.cache_clear()  # no plan of the fake device left for later tests
 
 
 # ---------------------------------------------------------------------------------------------

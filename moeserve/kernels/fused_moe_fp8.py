@@ -136,6 +136,8 @@ def _moe_fp8_gemm_kernel(
 # ---------------------------------------------------------------------------------------------
 # plans
 
+MAX_W8A8_TILE = 128 * 128  # accumulator elements of a W8A8 program (128 x 256 would hold two 128-register tiles)
+
 
 def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
              block: tuple[int, int] = WEIGHT_BLOCK) -> MoEPlan:
@@ -150,6 +152,8 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
 
     def fit(tile, a_loads):
         tile = replace(tile, block_k=min(tile.block_k, block[1]))
+        if act_quant:  # each K step's fp8 product lives beside the accumulator until scaled: at most 128 x 128 each
+            tile = replace(tile, block_n=min(tile.block_n, max(64, MAX_W8A8_TILE // tile.block_m)))
         # fit_tile counts one element size for A and B: the A side's (the larger) keeps the fit on the safe side
         return fit_tile(tile, a_bytes, a_loads, limit)
 
