@@ -1,7 +1,7 @@
 """FP8 routed-expert GEMMs (moeserve/kernels/fused_moe_fp8.py) against plain-torch references.
 
-CPU: tiny fp32 shapes under the Triton interpreter (which runs fp8 x fp8 tl.dot). GPU (marked `gpu`): bf16 at
-Qwen3-30B-A3B expert shapes.
+CPU: tiny fp32 shapes under the Triton interpreter (which runs fp8 x fp8 tl.dot; its bf16 x bf16 tl.dot returns
+garbage in Triton 3.9, so bf16 runs on the GPU only). GPU (marked `gpu`): bf16 at Qwen3-30B-A3B expert shapes.
 
 Bounds:
 - weight-only, fp32 activations: the kernel multiplies exactly the dequantized weights of the reference
@@ -118,13 +118,27 @@ def test_w8a8_matches_activation_quantized_reference(hidden, inter):
     assert 1e-3 < _rel(out, unquantized) < 0.08  # quantized activations do move the output, by a few percent
 
 
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (192, 192)])
+def test_decode_path_matches_twins_and_the_sorted_path(hidden, inter):
+    problem = _problem(3, 4, hidden, inter, 2, seed=4)
+    gemv = GemmTile(block_n=32, block_k=64, num_warps=4, num_stages=1)
+    plan = MoEPlan(True, gemv, gemv)
+    for act_quant in (False, True):
+        out = fused_moe_fp8(*problem, act_quant=act_quant, plan=plan)
+        assert _rel(out, fused_moe_fp8_ref(*problem, act_quant=act_quant)) < 1e-5
+        assert _rel(out, fused_moe_fp8(*problem, act_quant=act_quant, decode=False)) < 1e-5
+    assert fp8_plan(3, 2, MoEProblem(4, hidden, inter, 2, torch.float32, torch.device(DEV)), False).decode
+
+
 def test_empty_experts_unrouted_pairs_and_zero_tokens():
     x, q13, s13, q2, s2, weights, ids = _problem(6, 4, 256, 128, 2, seed=3)
     ids[:, :] = torch.where(ids == 3, 0, ids)  # expert 3 gets no pair
     ids[2, 1] = -1  # a pair routed nowhere contributes nothing
     for act_quant in (False, True):
-        out = fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant, plan=_small_plan())
-        assert _rel(out, fused_moe_fp8_ref(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant)) < 1e-5
+        ref = fused_moe_fp8_ref(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant)
+        for decode in (False, True):
+            out = fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant, decode=decode)
+            assert _rel(out, ref) < 1e-5
     assert fused_moe_fp8(x[:0], q13, s13, q2, s2, weights[:0], ids[:0], act_quant=True).shape == (0, 256)
 
 
@@ -136,8 +150,12 @@ def test_bad_inputs_are_named():
         fused_moe_fp8(x, q13.float(), s13, q2, s2, weights, ids, act_quant=False)
     with pytest.raises(ValueError, match="block_k"):
         fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=True, plan=_small_plan(block_k=256))
-    with pytest.raises(ValueError, match="sorted path"):
-        fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=True, plan=replace(_small_plan(), decode=True))
+    with pytest.raises(ValueError, match="block_k"):
+        fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=False,
+                      plan=replace(_small_plan(block_k=256), decode=True))
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_moe_fp8(x, q13, s13, q2.transpose(1, 2).contiguous().transpose(1, 2), s2, weights, ids,
+                      act_quant=False)
 
 
 @pytest.mark.parametrize("device_name", [None, "NVIDIA H200"])  # the heuristic; the shipped H200 table
@@ -149,8 +167,11 @@ def test_default_plan_keeps_k_steps_inside_scale_groups(monkeypatch, device_name
         for tokens in (1, 64, 512, 8192):
             for act_quant in (False, True):
                 plan = fp8_plan(tokens, 8, problem, act_quant)
-                assert not plan.decode and plan.gate_up.block_m == plan.down.block_m
+                assert plan.decode == (tokens == 1)  # the bf16 path choice
                 assert 128 % plan.gate_up.block_k == 0 and 128 % plan.down.block_k == 0
+                if plan.decode:
+                    continue
+                assert plan.gate_up.block_m == plan.down.block_m
                 assert not (act_quant and plan.fused_act)
                 if act_quant:
                     assert all(t.block_m * t.block_n <= 128 * 128 for t in (plan.gate_up, plan.down))

@@ -1,17 +1,24 @@
-"""Fused MoE forward on block-wise FP8 expert weights (sorted path), no LoRA inside.
+"""Fused MoE forward on block-wise FP8 expert weights, no LoRA inside.
 
     out[t] = sum_k w[t,k] * (W2_e @ silu(g) * u),   [g | u] = W13_e @ x_t,   W = W_fp8 * scale_inv per block
 
-The sorted path of fused_moe.py with FP8 B operands: pairs aligned into expert blocks of BLOCK_M rows
-(moe_align), a grouped gate_up GEMM -> gu [pairs, 2I] in x's dtype, a grouped down GEMM with the routing weight
-in its epilogue -> y [pairs, H], then the top-k sum. Two ways to multiply (`act_quant`):
+The two paths of fused_moe.py, chosen the same way (by pair count), with FP8 weights:
+
+- sorted (many pairs): pairs aligned into expert blocks of BLOCK_M rows (moe_align), a grouped gate_up GEMM ->
+  gu [pairs, 2I] in x's dtype, a grouped down GEMM with the routing weight in its epilogue -> y [pairs, H], then
+  the top-k sum.
+- decode (few pairs): GEMV programs per (pair, N tile) read the pair's expert rows directly, in fp32 on CUDA
+  cores (decode reads weights: FP8 halves the bytes).
+
+Two ways to multiply (`act_quant`), on both paths:
 
 - weight-only (False): activations stay in x's dtype; each K step loads the fp8 weight tile, multiplies it by its
   block's scale_inv and runs the dot in x's dtype (fp32 accumulate). The down GEMM applies SiLU*up as it loads
   its A tile (MoEPlan.fused_act), as the bf16 path does.
 - W8A8 (True): x quantized per (token, group of 128 along H) and h = silu(g)*u per (pair, group of 128 along I),
   dynamically, by their own kernels (kernels/fp8.py); fp8 x fp8 dots with fp32 accumulation, each K step's
-  product scaled by act_scale[row, k-group] x scale_inv[n-block, k-group].
+  product scaled by act_scale[row, k-group] x scale_inv[n-block, k-group]. The GEMV path multiplies the same
+  quantized activations (dequantized in fp32), so a token's numerics do not depend on the path.
 
 Scale groups: a K step never crosses a 128-column group (BLOCK_K divides 128), and each output column reads its
 own block row of scale_inv, so any BLOCK_N works. w13's scale rows are the gate's then the up's, each blocked
@@ -133,6 +140,58 @@ def _moe_fp8_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit
+def _gemv_fp8_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr,
+    num_experts, pairs_per_row, N, K, up_col0, up_scale_row0,
+    stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Decode: out[pair, tile] = (w[pair] *) dequant(W_e)[tile] @ a[pair // pairs_per_row] in fp32 on CUDA cores,
+    one program per (pair, N tile), no alignment (fused_moe's GEMV path with FP8 rows: half the bytes). Operands
+    as in _moe_fp8_gemm_kernel; under ACT_FP8 the activation is dequantized by its group scale (the W8A8 numerics,
+    for results that do not depend on the path)."""
+    pdl_launch.enter(USE_PDL)
+    pair = tl.program_id(0)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    row = (pair // pairs_per_row).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    a_ptrs = a_ptr + row * stride_a + offs_k
+    scale_rows = tl.where(cols < up_col0, cols // SCALE_N, up_scale_row0 + (cols - up_col0) // SCALE_N)
+    w_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + scale_rows * stride_wsn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            a = tl.load(a_ptrs).to(tl.float32)
+            if FUSED_ACT:
+                a = silu_mul(a, tl.load(a_ptrs + K).to(tl.float32))
+        else:
+            k_ok = offs_k < K - k0
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            if FUSED_ACT:
+                a = silu_mul(a, tl.load(a_ptrs + K, mask=k_ok, other=0.0).to(tl.float32))
+        group = k0 // SCALE_K
+        if ACT_FP8:
+            a = a * tl.load(a_scale_ptr + row * stride_as + group)
+        w_scale = tl.load(w_scale_ptrs + group)
+        acc += (w.to(tl.float32) * w_scale[:, None]) * a[None, :]
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    out = tl.sum(acc, 1)
+    if ROUTE_WEIGHT:
+        out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, out, mask=offs_n < N)
+
+
 # ---------------------------------------------------------------------------------------------
 # plans
 
@@ -140,18 +199,24 @@ MAX_W8A8_TILE = 128 * 128  # accumulator elements of a W8A8 program (128 x 256 w
 
 
 def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
-             block: tuple[int, int] = WEIGHT_BLOCK) -> MoEPlan:
-    """The sorted-path plan of the bf16 call of this shape (the tuned table where it has the problem, else the
-    heuristic), with each K step inside one scale group and the tiles refitted to the operands' bytes (fp8 B;
-    A fp8 under W8A8, else x's dtype). A start, not tuned: benchmarks/kernels/fp8_moe.py measures."""
-    bf16 = replace(problem, dtype=torch.bfloat16)
-    plan = default_plan(num_tokens, top_k, decode=False, problem=bf16)
+             block: tuple[int, int] = WEIGHT_BLOCK, decode: bool | None = None) -> MoEPlan:
+    """The plan of the bf16 call of this shape (its path by pair count, `decode` forcing one; on the sorted path the
+    tuned table where it has the problem, else the heuristic), with each K step inside one scale group and the
+    sorted tiles refitted to the operands' bytes (fp8 B; A fp8 under W8A8, else x's dtype). A start, not tuned:
+    benchmarks/kernels/fp8_moe.py measures."""
+    plan = default_plan(num_tokens, top_k, decode=decode, problem=replace(problem, dtype=torch.bfloat16))
+
+    def in_group(tile):
+        return replace(tile, block_k=min(tile.block_k, block[1]))
+
+    if plan.decode:
+        return replace(plan, gate_up=in_group(plan.gate_up), down=in_group(plan.down))
     limit = smem_limit(problem.device)
     a_bytes = 1 if act_quant else problem.dtype.itemsize
     fused_act = plan.fused_act and not act_quant  # W8A8 quantizes h by its own kernel
 
     def fit(tile, a_loads):
-        tile = replace(tile, block_k=min(tile.block_k, block[1]))
+        tile = in_group(tile)
         if act_quant:  # each K step's fp8 product lives beside the accumulator until scaled: at most 128 x 128 each
             tile = replace(tile, block_n=min(tile.block_n, max(64, MAX_W8A8_TILE // tile.block_m)))
         # fit_tile counts one element size for A and B: the A side's (the larger) keeps the fit on the safe side
@@ -162,9 +227,7 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
 
 
 def _check_plan(plan: MoEPlan, block: tuple[int, int]) -> None:
-    if plan.decode:
-        raise ValueError("fused_moe_fp8 runs the sorted path only (the FP8 GEMV decode path is not written)")
-    if plan.gate_up.block_m != plan.down.block_m:
+    if not plan.decode and plan.gate_up.block_m != plan.down.block_m:
         raise ValueError("gate_up and down share one alignment: block_m must match")
     for name, t in (("gate_up", plan.gate_up), ("down", plan.down)):
         if block[1] % t.block_k:
@@ -183,6 +246,9 @@ def _check_weights(x, w13, s13, w2, s2, block):
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
         raise ValueError(f"FP8 expert weights must be {FP8_DTYPE}, got w13 {w13.dtype}, w2 {w2.dtype}")
+    for name, t in (("w13_fp8", w13), ("w2_fp8", w2), ("w13_scale_inv", s13), ("w2_scale_inv", s2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dim, got strides {t.stride()}")
     bn, bk = block
     want13 = (num_experts, 2 * triton.cdiv(inter, bn), triton.cdiv(hidden, bk))
     want2 = (num_experts, triton.cdiv(hidden, bn), triton.cdiv(inter, bk))
@@ -204,47 +270,53 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
         GROUP_M=tile.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-def fused_moe_fp8(
-    x: torch.Tensor,
-    w13_fp8: torch.Tensor,
-    w13_scale_inv: torch.Tensor,
-    w2_fp8: torch.Tensor,
-    w2_scale_inv: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    act_quant: bool,
-    plan: MoEPlan | None = None,
-    pdl: bool = False,
-    block: tuple[int, int] = WEIGHT_BLOCK,
-) -> torch.Tensor:
-    """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32
-    scale_inv [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)],
-    topk_weights / topk_ids [T, K] -> [T, H] in x.dtype. `act_quant`: W8A8 (activations quantized per token-group
-    of 128 at run time), else weight-only. `plan`: the sorted-path tiles (default `fp8_plan`); `pdl`: every launch
-    with programmatic dependent launch (kernels/pdl.py)."""
-    _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
-    num_tokens, hidden = x.shape
-    num_experts, two_i, _ = w13_fp8.shape
-    inter = two_i // 2
-    top_k = topk_ids.shape[1]
-    if num_tokens == 0:
-        return torch.empty_like(x)
-    if plan is None:
-        problem = MoEProblem(num_experts, hidden, inter, top_k, x.dtype, x.device)
-        plan = fp8_plan(num_tokens, top_k, problem, act_quant, block)
-    _check_plan(plan, block)
-    x = x.contiguous()
-    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    num_pairs = num_tokens * top_k
-    aligned = moe_align(topk_ids, num_experts, plan.gate_up.block_m, pdl=pdl)
+def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
+                 up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl):
+    _gemv_fp8_kernel[(topk_ids.numel(), triton.cdiv(n, tile.block_n))](
+        a, a_scale, w, w_scale, out, topk_weights, topk_ids,
+        w.shape[0], pairs_per_row, n, k, up_col0, up_scale_row0,
+        a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0),
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0, SCALE_N=block[0],
+        SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
+
+def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl):
+    num_tokens, hidden = x.shape
+    inter = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
     if act_quant:
         a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
     else:
         a, a_scale = x, topk_weights  # a_scale: an unread placeholder
-    gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
-    _launch(a, a_scale, w13_fp8, w13_scale_inv, gu, topk_weights, aligned, num_pairs, top_k, two_i, hidden,
+    gu = torch.empty(num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    _launch_gemv(a, a_scale, w13, s13, gu, topk_weights, topk_ids, top_k, 2 * inter, hidden, inter,
+                 triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, pdl)
+    if act_quant:
+        h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
+    else:
+        h, h_scale = gu, topk_weights  # SiLU*up applied as the down GEMV loads gu
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    _launch_gemv(h, h_scale, w2, s2, y, topk_weights, topk_ids, 1, hidden, inter, hidden, 0, plan.down, block,
+                 act_quant, not act_quant, True, pdl)
+    return _topk_sum(y, topk_ids, w13.shape[0], x.dtype, pdl)
+
+
+def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl):
+    num_tokens, hidden = x.shape
+    num_experts = w13.shape[0]
+    inter = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    aligned = moe_align(topk_ids, num_experts, plan.gate_up.block_m, pdl=pdl)
+    if act_quant:
+        a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
+    else:
+        a, a_scale = x, topk_weights  # a_scale: an unread placeholder
+    gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
+    _launch(a, a_scale, w13, s13, gu, topk_weights, aligned, num_pairs, top_k, 2 * inter, hidden,
             inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, pdl)
 
     fused_act = plan.fused_act and not act_quant
@@ -258,9 +330,43 @@ def fused_moe_fp8(
         _silu_mul_kernel[(num_pairs, triton.cdiv(inter, width))](
             gu, h, inter, gu.stride(0), h.stride(0), BLOCK_N=width, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
-    _launch(h, h_scale, w2_fp8, w2_scale_inv, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
+    _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
             hidden, 0, plan.down, block, act_quant, fused_act, True, pdl)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
+
+
+def fused_moe_fp8(
+    x: torch.Tensor,
+    w13_fp8: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2_fp8: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    act_quant: bool,
+    decode: bool | None = None,
+    plan: MoEPlan | None = None,
+    pdl: bool = False,
+    block: tuple[int, int] = WEIGHT_BLOCK,
+) -> torch.Tensor:
+    """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32
+    scale_inv [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)],
+    topk_weights / topk_ids [T, K] -> [T, H] in x.dtype. `act_quant`: W8A8 (activations quantized per token-group
+    of 128 at run time), else weight-only. `decode` forces the GEMV (True) or sorted (False) path (default: by
+    pair count, as fused_moe); `plan`: the tiles (default `fp8_plan`); `pdl`: every launch with programmatic
+    dependent launch (kernels/pdl.py)."""
+    _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
+    num_tokens, hidden = x.shape
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    if plan is None:
+        problem = MoEProblem(w13_fp8.shape[0], hidden, w2_fp8.shape[2], topk_ids.shape[1], x.dtype, x.device)
+        plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode)
+    _check_plan(plan, block)
+    forward = _decode_forward if plan.decode else _sorted_forward
+    return forward(x.contiguous(), w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights.contiguous(),
+                   topk_ids.contiguous(), act_quant, plan, block, pdl)
 
 
 # ---------------------------------------------------------------------------------------------
