@@ -4,9 +4,9 @@
     python -m benchmarks.kernels.fp8_moe --out DIR [--tokens 1,8,...] [--sweep] [--parts moe,dense]
     python benchmarks/kernels/fp8_moe.py --out DIR         (the same, from the repository root)
 
-moe, per token count T: µs per call of bf16 fused_moe at its default plan (the GEMV path at T <= 8), of bf16
-forced onto the sorted path (what FP8 runs at every T: its GEMV path is not written), of FP8 weight-only and of
-FP8 W8A8 at fused_moe_fp8's default plans; each as a CUDA-graph replay that rotates through NUM_SETS copies of
+moe, per token count T: µs per call of bf16 fused_moe, FP8 weight-only and FP8 W8A8 (fused_moe_fp8) at their
+default plans (the GEMV path at T <= 8, as bf16 chooses it), and at T <= 8 also of the three forced onto the
+sorted path (`*_sorted`); each as a CUDA-graph replay that rotates through NUM_SETS copies of
 weights and inputs (each far larger than L2, as when 48 layers run between two calls of one layer), timed
 interleaved (A, B, A, B) and reported as medians. Before timing, each FP8 variant is checked against the bf16
 kernel on the bf16-rounded dequantized weights (relative error printed; W8A8 sits a few percent off by design).
@@ -41,7 +41,7 @@ from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     fused_moe_fp8,
     quantize_w13_fp8,
 )
-from moeserve.kernels.moe_plan import GemmTile, MoEPlan, MoEProblem, fit_tile, smem_limit  # noqa: E402
+from moeserve.kernels.moe_plan import DECODE_MAX_PAIRS, GemmTile, MoEPlan, MoEProblem, fit_tile, smem_limit  # noqa: E402
 from moeserve.kernels.pdl import supported as pdl_supported  # noqa: E402
 
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -55,6 +55,10 @@ SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages); group_m 1
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3),
     (64, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3),
     (128, 256, 64, 8, 4),
+]
+GEMV_SWEEP_TILES = [  # (block_n, block_k, num_warps, num_stages) of the GEMV path, T <= 8; block_k <= 128 (one group)
+    (16, 128, 4, 1), (32, 128, 4, 1), (64, 128, 4, 1), (32, 64, 4, 1), (16, 128, 2, 1), (32, 128, 4, 2),
+    (64, 128, 8, 1),
 ]
 
 
@@ -92,12 +96,16 @@ def moe_variants(batch: int, pdl: bool) -> dict:
     def bf16(w, i, decode=None):
         return fused_moe(i[0], w[0], w[1], i[1], i[2], decode=decode, pdl=pdl)
 
-    variants = {"bf16": bf16}
-    if batch * TOP_K <= 64:  # the default is the GEMV path: also the sorted one, which FP8 runs
-        variants["bf16_sorted"] = lambda w, i: bf16(w, i, decode=False)
-    for name, act_quant in (("fp8_w", False), ("fp8_w8a8", True)):
-        variants[name] = (lambda w, i, act_quant=act_quant:
-                          fused_moe_fp8(i[0], *w[2:], i[1], i[2], act_quant=act_quant, pdl=pdl))
+    def fp8(w, i, act_quant, decode=None):
+        return fused_moe_fp8(i[0], *w[2:], i[1], i[2], act_quant=act_quant, decode=decode, pdl=pdl)
+
+    variants = {"bf16": bf16,
+                "fp8_w": lambda w, i: fp8(w, i, False),
+                "fp8_w8a8": lambda w, i: fp8(w, i, True)}
+    if batch * TOP_K <= DECODE_MAX_PAIRS:  # the defaults are the GEMV paths: the sorted ones beside them
+        variants.update(bf16_sorted=lambda w, i: bf16(w, i, decode=False),
+                        fp8_w_sorted=lambda w, i: fp8(w, i, False, decode=False),
+                        fp8_w8a8_sorted=lambda w, i: fp8(w, i, True, decode=False))
     return variants
 
 
@@ -137,6 +145,10 @@ def sweep_plans(batch: int, act_quant: bool) -> dict[str, MoEPlan]:
         for fused_act in ((False,) if act_quant else (True, False)):
             plan = MoEPlan(False, gate_up, down, y_fp32=False, fused_act=fused_act, lora_epilogue=False)
             plans[f"{bm}x{bn}x{bk}w{warps}s{stages}{'' if fused_act else '_act'}"] = plan
+    if batch * TOP_K <= DECODE_MAX_PAIRS:
+        for bn, bk, warps, stages in GEMV_SWEEP_TILES:
+            tile = GemmTile(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            plans[f"gemv_{bn}x{bk}w{warps}s{stages}"] = MoEPlan(True, tile, tile)
     return plans
 
 
@@ -148,13 +160,13 @@ def bench_moe_batch(batch: int, gen, weights, pdl: bool, sweep: bool) -> dict:
                for name, fn in variants.items()}
     row["us"] = time_interleaved(fn_sets)
     problem = MoEProblem(NUM_EXPERTS, HIDDEN, INTER, TOP_K, torch.bfloat16, torch.device(DEVICE))
-    row["plans"] = {name: {"gate_up": plan.gate_up.as_list(), "down": plan.down.as_list(),
+    row["plans"] = {name: {"decode": plan.decode, "gate_up": plan.gate_up.as_list(), "down": plan.down.as_list(),
                            "fused_act": plan.fused_act, "y_fp32": plan.y_fp32}
                     for name, plan in (("fp8_w", fp8_plan(batch, TOP_K, problem, False)),
                                        ("fp8_w8a8", fp8_plan(batch, TOP_K, problem, True)))}
     row["gbps"] = {name: touched_bytes(batch, 1 if name.startswith("fp8") else 2) / us / 1e3
                    for name, us in row["us"].items() if isinstance(us, float)}
-    if sweep:
+    if sweep:  # sorted-path tiles, and GEMV tiles at T <= 8
         row["sweep"] = {}
         for name, act_quant in (("fp8_w", False), ("fp8_w8a8", True)):
             sets = {}
@@ -167,7 +179,7 @@ def bench_moe_batch(batch: int, gen, weights, pdl: bool, sweep: bool) -> dict:
 
 
 def print_moe_table(rows: list[dict]) -> None:
-    names = ["bf16", "bf16_sorted", "fp8_w", "fp8_w8a8"]
+    names = ["bf16", "fp8_w", "fp8_w8a8", "bf16_sorted", "fp8_w_sorted", "fp8_w8a8_sorted"]
     print(f"\n{'T':>6} " + " ".join(f"{n + ' us':>14}" for n in names)
           + f" {'bf16/w':>7} {'bf16/w8a8':>9} {'err w':>8} {'err w8a8':>8}")
     for row in rows:
