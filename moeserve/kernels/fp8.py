@@ -109,9 +109,9 @@ def rne_e4m3(v):
 def quantize_tile_fp8(v, FP8_MAX: tl.constexpr):
     """v [ROWS, COLS] fp32, each row one whole scale group -> (e4m3 tile, scale [ROWS] = amax / FP8_MAX)."""
     amax = tl.max(tl.abs(v), 1)
-    scale = amax / FP8_MAX
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))  # correctly rounded, as torch divides
     safe = tl.where(scale > 0, scale, 1.0)
-    scaled = tl.math.div_rn(v, safe[:, None])  # correctly rounded, as torch's division
+    scaled = tl.math.div_rn(v, safe[:, None])  # (Triton's `/` on the GPU may be the approximate division)
     scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
     scaled = tl.where(scale[:, None] > 0, scaled, 0.0)
     return rne_e4m3(scaled).to(tl.float8e4nv), scale
