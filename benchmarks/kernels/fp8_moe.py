@@ -41,7 +41,14 @@ from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     fused_moe_fp8,
     quantize_w13_fp8,
 )
-from moeserve.kernels.moe_plan import DECODE_MAX_PAIRS, GemmTile, MoEPlan, MoEProblem, fit_tile, smem_limit  # noqa: E402
+from moeserve.kernels.moe_plan import (  # noqa: E402
+    DECODE_MAX_PAIRS,
+    GemmTile,
+    MoEPlan,
+    MoEProblem,
+    fit_tile,
+    smem_limit,
+)
 from moeserve.kernels.pdl import supported as pdl_supported  # noqa: E402
 
 HIDDEN, INTER, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -244,7 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="moe,dense", help="comma list: moe, dense")
     ap.add_argument("--sweep", action="store_true", help="moe: also time FP8 tile candidates")
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
-                    help="launch with programmatic dependent launch, as the engine does (default: where the GPU has it)")
+                    help="launch with programmatic dependent launch, as the engine does (default: where the GPU "
+                         "has it)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if not parts <= {"moe", "dense"}:
