@@ -50,6 +50,7 @@ def test_weight_only_and_w8a8_against_twins(m, n, k):
     assert out.shape == (m, n) and out.dtype == x.dtype
     assert _rel(out, ref) < 1e-5
     assert _rel(out, x @ dequantize_block_fp8(q, s).T + b) < 1e-5
+    assert _rel(fp8_linear(x, q, s, b, act_quant=False, weight_scale="product"), ref) < 1e-5
     out = fp8_linear(x, q, s, b, act_quant=True, tile=GemmTile(block_m=16, block_n=32, block_k=64))
     assert _rel(out, fp8_linear_ref(x, q, s, b, act_quant=True)) < 1e-5
     assert ((out.double() - ref.double()).abs() <= _bound(x, q, s) * (1 + 1e-5) + 1e-5).all()
@@ -86,6 +87,7 @@ def test_gpu_projection_shapes_against_twins(m):
         x, q, s, b = _problem(m, n, k, seed=2, dtype=torch.bfloat16, device="cuda", bias=False)
         ref = fp8_linear_ref(x, q, s, act_quant=False)
         assert _rel(fp8_linear(x, q, s, act_quant=False), ref) < 1e-2
+        assert _rel(fp8_linear(x, q, s, act_quant=False, weight_scale="product"), ref) < 1e-2
         qref = fp8_linear_ref(x, q, s, act_quant=True)
         assert _rel(fp8_linear(x, q, s, act_quant=True), qref) < 1e-2
         assert _rel(fp8_linear(x, q, s, act_quant=True, backend="scaled_mm"), qref) < 1e-2

@@ -104,7 +104,9 @@ def test_weight_only_options_and_a_k_step_of_64():
     problem = _problem(7, 4, 192, 192, 2, seed=1)
     ref = fused_moe_fp8_ref(*problem, act_quant=False)
     for plan in (_small_plan(fused_act=False, y_fp32=False), _small_plan(block_m=32, block_n=32, block_k=64)):
-        assert _rel(fused_moe_fp8(*problem, act_quant=False, plan=plan), ref) < 1e-5
+        for weight_scale in ("tile", "product"):
+            out = fused_moe_fp8(*problem, act_quant=False, plan=plan, weight_scale=weight_scale)
+            assert _rel(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("hidden,inter", [(256, 128), (192, 192)])
@@ -153,6 +155,8 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="block_k"):
         fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=False,
                       plan=replace(_small_plan(block_k=256), decode=True))
+    with pytest.raises(ValueError, match="weight_scale"):
+        fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=False, weight_scale="row")
     with pytest.raises(ValueError, match="contiguous"):
         fused_moe_fp8(x, q13, s13, q2.transpose(1, 2).contiguous().transpose(1, 2), s2, weights, ids,
                       act_quant=False)
@@ -198,6 +202,7 @@ def test_gpu_qwen3_shapes_against_twins(num_tokens):
     bf16 = fused_moe(x, dequantize_w13_fp8(q13, s13, dtype=torch.bfloat16),
                      dequantize_block_fp8(q2, s2, dtype=torch.bfloat16), weights, ids)
     assert _rel(out, bf16) < 1e-2
+    assert _rel(fused_moe_fp8(*problem, act_quant=False, weight_scale="product")[:n], unquantized) < 1e-2
     out = fused_moe_fp8(*problem, act_quant=True)
     # the sorted path rounds gu to bf16 before h is quantized, the twin does not: about 2 % of the h elements land
     # one e4m3 step apart (a torch simulation at these shapes: 1.3 % relative); the GEMV path keeps gu in fp32

@@ -10,9 +10,11 @@ sorted path (`*_sorted`); each as a CUDA-graph replay that rotates through NUM_S
 weights and inputs (each far larger than L2, as when 48 layers run between two calls of one layer), timed
 interleaved (A, B, A, B) and reported as medians. Before timing, each FP8 variant is checked against the bf16
 kernel on the bf16-rounded dequantized weights (relative error printed; W8A8 sits a few percent off by design).
-`--sweep`: FP8 tile candidates per T (gate_up and down alike), the best printed next to the default.
+`fp8_wp`: weight-only with each K step's product scaled instead of the weight tile (weight_scale="product"), on
+the sorted path. `--sweep`: FP8 tile candidates per T (gate_up and down alike; sorted tiles, and GEMV tiles at
+T <= 8; weight-only in both scalings, `_p` the product one), the best printed next to the default.
 dense: µs of the q|k|v (2048 -> 5120) and o (4096 -> 2048) projections: bf16 F.linear, FP8 Triton weight-only
-and W8A8, and torch._scaled_mm with block scales (W8A8).
+(both scalings) and W8A8, and torch._scaled_mm with block scales (W8A8).
 Prints tables; writes DIR/fp8_moe_bench.json (after every T, so a run cut short keeps what it measured).
 """
 from __future__ import annotations
@@ -103,12 +105,15 @@ def moe_variants(batch: int, pdl: bool) -> dict:
     def bf16(w, i, decode=None):
         return fused_moe(i[0], w[0], w[1], i[1], i[2], decode=decode, pdl=pdl)
 
-    def fp8(w, i, act_quant, decode=None):
-        return fused_moe_fp8(i[0], *w[2:], i[1], i[2], act_quant=act_quant, decode=decode, pdl=pdl)
+    def fp8(w, i, act_quant, decode=None, weight_scale="tile"):
+        return fused_moe_fp8(i[0], *w[2:], i[1], i[2], act_quant=act_quant, decode=decode, pdl=pdl,
+                             weight_scale=weight_scale)
 
     variants = {"bf16": bf16,
                 "fp8_w": lambda w, i: fp8(w, i, False),
-                "fp8_w8a8": lambda w, i: fp8(w, i, True)}
+                "fp8_w8a8": lambda w, i: fp8(w, i, True),
+                # weight-only with each K step's product scaled instead of the weight tile (sorted path only)
+                "fp8_wp": lambda w, i: fp8(w, i, False, decode=False, weight_scale="product")}
     if batch * TOP_K <= DECODE_MAX_PAIRS:  # the defaults are the GEMV paths: the sorted ones beside them
         variants.update(bf16_sorted=lambda w, i: bf16(w, i, decode=False),
                         fp8_w_sorted=lambda w, i: fp8(w, i, False, decode=False),
@@ -178,15 +183,17 @@ def bench_moe_batch(batch: int, gen, weights, pdl: bool, sweep: bool) -> dict:
         for name, act_quant in (("fp8_w", False), ("fp8_w8a8", True)):
             sets = {}
             for label, plan in sweep_plans(batch, act_quant).items():
-                sets[label] = [lambda w=w, i=i, plan=plan, aq=act_quant:
-                               fused_moe_fp8(i[0], *w[2:], i[1], i[2], act_quant=aq, plan=plan, pdl=pdl)
-                               for w, i in zip(weights, inputs)]
+                for weight_scale in ("tile",) if act_quant or plan.decode else ("tile", "product"):
+                    sets[label + ("_p" if weight_scale == "product" else "")] = [
+                        lambda w=w, i=i, plan=plan, aq=act_quant, ws=weight_scale:
+                        fused_moe_fp8(i[0], *w[2:], i[1], i[2], act_quant=aq, plan=plan, pdl=pdl, weight_scale=ws)
+                        for w, i in zip(weights, inputs)]
             row["sweep"][name] = time_interleaved(sets, rounds=1)
     return row
 
 
 def print_moe_table(rows: list[dict]) -> None:
-    names = ["bf16", "fp8_w", "fp8_w8a8", "bf16_sorted", "fp8_w_sorted", "fp8_w8a8_sorted"]
+    names = ["bf16", "fp8_w", "fp8_w8a8", "fp8_wp", "bf16_sorted", "fp8_w_sorted", "fp8_w8a8_sorted"]
     print(f"\n{'T':>6} " + " ".join(f"{n + ' us':>14}" for n in names)
           + f" {'bf16/w':>7} {'bf16/w8a8':>9} {'err w':>8} {'err w8a8':>8}")
     for row in rows:
@@ -222,6 +229,7 @@ def bench_dense(tokens: list[int], gen, pdl: bool) -> list[dict]:
             variants = {
                 "bf16": lambda x, w: F.linear(x, w[0]),
                 "fp8_w": lambda x, w: fp8_linear(x, w[1], w[2], act_quant=False, pdl=pdl),
+                "fp8_wp": lambda x, w: fp8_linear(x, w[1], w[2], act_quant=False, weight_scale="product", pdl=pdl),
                 "fp8_w8a8": lambda x, w: fp8_linear(x, w[1], w[2], act_quant=True, pdl=pdl),
                 "fp8_scaled_mm": lambda x, w: fp8_linear(x, w[1], w[2], act_quant=True, backend="scaled_mm"),
             }

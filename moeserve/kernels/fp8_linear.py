@@ -42,7 +42,7 @@ def _fp8_linear_kernel(
     stride_a, stride_as, stride_w, stride_ws, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
 ):
     """out[rows, cols] = a[rows] @ dequant(w)[cols].T (+ bias) for one (BLOCK_M, BLOCK_N) tile."""
     pdl_launch.enter(USE_PDL)
@@ -71,7 +71,7 @@ def _fp8_linear_kernel(
         b_scale = tl.load(b_scale_ptrs + group)
         if ACT_FP8:
             a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
-        acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8)
+        acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -106,7 +106,7 @@ def _check(x, w_fp8, scale_inv, bias, block):
         raise ValueError(f"fp8_linear: bias must be ({n},), got {tuple(bias.shape)}")
 
 
-def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, pdl):
+def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_product, pdl):
     m, k = x2.shape
     n = w_fp8.shape[0]
     tile = tile or linear_tile(m)
@@ -127,7 +127,8 @@ def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, pdl):
         a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_quant, HAS_BIAS=bias is not None,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SCALE_PRODUCT=scale_product, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
     return out
 
 
@@ -154,13 +155,17 @@ def fp8_linear(
     block: tuple[int, int] = WEIGHT_BLOCK,
     backend: str | None = None,
     tile: GemmTile | None = None,
+    weight_scale: str = "tile",
     pdl: bool = False,
 ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), w_fp8 [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
     float32, bias [N] -> [..., N] in x.dtype. `act_quant`: W8A8 (x quantized per token-group of 128 at run time),
     else weight-only. `backend`: "triton", "scaled_mm" (W8A8 only) or "torch"; default: triton on CUDA and under
-    the interpreter, else torch. `tile` overrides the Triton tile (linear_tile)."""
+    the interpreter, else torch. `tile` overrides the Triton tile (linear_tile); `weight_scale` (weight-only Triton):
+    "tile" or "product", as fused_moe_fp8's."""
     _check(x, w_fp8, scale_inv, bias, block)
+    if weight_scale not in ("tile", "product"):
+        raise ValueError(f"fp8_linear: weight_scale {weight_scale!r}: choose 'tile' or 'product'")
     if backend is None:
         backend = "triton" if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
     if backend not in BACKENDS:
@@ -176,7 +181,7 @@ def fp8_linear(
             raise ValueError("fp8_linear: the scaled_mm backend multiplies fp8 by fp8: it needs act_quant=True")
         out = _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl)
     else:
-        out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, pdl)
+        out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, weight_scale == "product", pdl)
     return out.reshape(*lead, w_fp8.shape[0])
 
 

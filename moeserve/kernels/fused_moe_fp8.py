@@ -86,13 +86,13 @@ def _moe_fp8_gemm_kernel(
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
-    ROUTE_WEIGHT: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
 ):
     """out[pair] = (w[pair] *) dequant(W_e) @ a[pair // pairs_per_row] for the BLOCK_M pairs of one aligned block,
     one N tile. gate_up: a = x (rows are tokens, pairs_per_row = top_k); down: a = gu or h (rows are pairs).
     FUSED_ACT (weight-only down): the A tile is silu(a[:, k]) * a[:, K + k]. ACT_FP8: a is fp8 with scales
     a_scale[row, k-group]. Column n reads scale row n // SCALE_N, or for n >= up_col0 up_scale_row0 +
-    (n - up_col0) // SCALE_N (w13's separately blocked up half)."""
+    (n - up_col0) // SCALE_N (w13's separately blocked up half). SCALE_PRODUCT: see fp8_scaled_dot."""
     pdl_launch.enter(USE_PDL)
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
@@ -131,7 +131,7 @@ def _moe_fp8_gemm_kernel(
         b_scale = tl.load(b_scale_ptrs + group)
         if ACT_FP8:
             a_scale = tl.load(a_scale_ptrs + group, mask=pair_ok, other=0.0)
-        acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8)
+        acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if ROUTE_WEIGHT:
@@ -258,7 +258,7 @@ def _check_weights(x, w13, s13, w2, s2, block):
 
 
 def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs_per_row, n, k, up_col0,
-            up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl):
+            up_scale_row0, tile, block, act_fp8, fused_act, route_weight, scale_product, pdl):
     num_blocks = aligned.block_groups.numel()
     _moe_fp8_gemm_kernel[(num_blocks * triton.cdiv(n, tile.block_n),)](
         a, a_scale, w, w_scale, out, topk_weights, aligned.sorted_ids, aligned.block_groups,
@@ -267,7 +267,8 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
         out.stride(0),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
-        GROUP_M=tile.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SCALE_PRODUCT=scale_product, GROUP_M=tile.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
 
 
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
@@ -282,7 +283,8 @@ def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_
         USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl):
+def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product):
+    del scale_product  # the GEMV multiplies dequantized weights in fp32: nothing is rounded either way
     num_tokens, hidden = x.shape
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -304,7 +306,7 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     return _topk_sum(y, topk_ids, w13.shape[0], x.dtype, pdl)
 
 
-def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl):
+def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product):
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
     inter = w2.shape[2]
@@ -317,7 +319,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
         a, a_scale = x, topk_weights  # a_scale: an unread placeholder
     gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _launch(a, a_scale, w13, s13, gu, topk_weights, aligned, num_pairs, top_k, 2 * inter, hidden,
-            inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, pdl)
+            inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, scale_product, pdl)
 
     fused_act = plan.fused_act and not act_quant
     if act_quant:
@@ -331,7 +333,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
             gu, h, inter, gu.stride(0), h.stride(0), BLOCK_N=width, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
-            hidden, 0, plan.down, block, act_quant, fused_act, True, pdl)
+            hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
@@ -349,13 +351,17 @@ def fused_moe_fp8(
     plan: MoEPlan | None = None,
     pdl: bool = False,
     block: tuple[int, int] = WEIGHT_BLOCK,
+    weight_scale: str = "tile",
 ) -> torch.Tensor:
     """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32
     scale_inv [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)],
     topk_weights / topk_ids [T, K] -> [T, H] in x.dtype. `act_quant`: W8A8 (activations quantized per token-group
     of 128 at run time), else weight-only. `decode` forces the GEMV (True) or sorted (False) path (default: by
     pair count, as fused_moe); `plan`: the tiles (default `fp8_plan`); `pdl`: every launch with programmatic
-    dependent launch (kernels/pdl.py)."""
+    dependent launch (kernels/pdl.py). `weight_scale` (weight-only sorted path): "tile" dequantizes each fp8 weight
+    tile before its dot, "product" scales each K step's product instead (fp8_scaled_dot's SCALE_PRODUCT)."""
+    if weight_scale not in ("tile", "product"):
+        raise ValueError(f"weight_scale {weight_scale!r}: choose 'tile' or 'product'")
     _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
     num_tokens, hidden = x.shape
     if num_tokens == 0:
@@ -366,7 +372,7 @@ def fused_moe_fp8(
     _check_plan(plan, block)
     forward = _decode_forward if plan.decode else _sorted_forward
     return forward(x.contiguous(), w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights.contiguous(),
-                   topk_ids.contiguous(), act_quant, plan, block, pdl)
+                   topk_ids.contiguous(), act_quant, plan, block, pdl, weight_scale == "product")
 
 
 # ---------------------------------------------------------------------------------------------
