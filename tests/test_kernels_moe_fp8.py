@@ -120,15 +120,19 @@ def test_w8a8_matches_activation_quantized_reference(hidden, inter):
     assert 1e-3 < _rel(out, unquantized) < 0.08  # quantized activations do move the output, by a few percent
 
 
-@pytest.mark.parametrize("hidden,inter", [(256, 128), (192, 192)])
-def test_decode_path_matches_twins_and_the_sorted_path(hidden, inter):
+# GEMV K steps inside one scale group, and spanning two or four (the last one partial where H or I is 192)
+@pytest.mark.parametrize("hidden,inter,block_ks", [(256, 128, (256,)), (192, 192, (64, 512))])
+def test_decode_path_matches_twins_and_the_sorted_path(hidden, inter, block_ks):
     problem = _problem(3, 4, hidden, inter, 2, seed=4)
-    gemv = GemmTile(block_n=32, block_k=64, num_warps=4, num_stages=1)
-    plan = MoEPlan(True, gemv, gemv)
     for act_quant in (False, True):
-        out = fused_moe_fp8(*problem, act_quant=act_quant, plan=plan)
-        assert _rel(out, fused_moe_fp8_ref(*problem, act_quant=act_quant)) < 1e-5
-        assert _rel(out, fused_moe_fp8(*problem, act_quant=act_quant, decode=False)) < 1e-5
+        ref = fused_moe_fp8_ref(*problem, act_quant=act_quant)
+        sorted_out = fused_moe_fp8(*problem, act_quant=act_quant, decode=False)
+        assert _rel(sorted_out, ref) < 1e-5
+        for block_k in block_ks:
+            gemv = GemmTile(block_n=32, block_k=block_k, num_warps=4, num_stages=1)
+            out = fused_moe_fp8(*problem, act_quant=act_quant, plan=MoEPlan(True, gemv, gemv))
+            assert _rel(out, ref) < 1e-5
+            assert _rel(out, sorted_out) < 1e-5
     assert fp8_plan(3, 2, MoEProblem(4, hidden, inter, 2, torch.float32, torch.device(DEV)), False).decode
 
 
@@ -138,8 +142,9 @@ def test_empty_experts_unrouted_pairs_and_zero_tokens():
     ids[2, 1] = -1  # a pair routed nowhere contributes nothing
     for act_quant in (False, True):
         ref = fused_moe_fp8_ref(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant)
-        for decode in (False, True):
-            out = fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant, decode=decode)
+        gemv = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=1)
+        for plan in (_small_plan(), MoEPlan(True, gemv, gemv)):
+            out = fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant, plan=plan)
             assert _rel(out, ref) < 1e-5
     assert fused_moe_fp8(x[:0], q13, s13, q2, s2, weights[:0], ids[:0], act_quant=True).shape == (0, 256)
 
@@ -154,7 +159,7 @@ def test_bad_inputs_are_named():
         fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=True, plan=_small_plan(block_k=256))
     with pytest.raises(ValueError, match="block_k"):
         fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=False,
-                      plan=replace(_small_plan(block_k=256), decode=True))
+                      plan=replace(_small_plan(block_k=96), decode=True))
     with pytest.raises(ValueError, match="weight_scale"):
         fused_moe_fp8(x, q13, s13, q2, s2, weights, ids, act_quant=False, weight_scale="row")
     with pytest.raises(ValueError, match="contiguous"):
@@ -172,9 +177,10 @@ def test_default_plan_keeps_k_steps_inside_scale_groups(monkeypatch, device_name
             for act_quant in (False, True):
                 plan = fp8_plan(tokens, 8, problem, act_quant)
                 assert plan.decode == (tokens == 1)  # the bf16 path choice
-                assert 128 % plan.gate_up.block_k == 0 and 128 % plan.down.block_k == 0
-                if plan.decode:
+                if plan.decode:  # GEMV: twice the bf16 K step (same bytes), whole scale groups
+                    assert plan.gate_up.block_k % 128 == 0 and plan.down.block_k % 128 == 0
                     continue
+                assert 128 % plan.gate_up.block_k == 0 and 128 % plan.down.block_k == 0
                 assert plan.gate_up.block_m == plan.down.block_m
                 assert not (act_quant and plan.fused_act)
                 if act_quant:

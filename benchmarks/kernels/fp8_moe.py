@@ -65,9 +65,9 @@ SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages); group_m 1
     (64, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3),
     (128, 256, 64, 8, 4),
 ]
-GEMV_SWEEP_TILES = [  # (block_n, block_k, num_warps, num_stages) of the GEMV path, T <= 8; block_k <= 128 (one group)
-    (16, 128, 4, 1), (32, 128, 4, 1), (64, 128, 4, 1), (32, 64, 4, 1), (16, 128, 2, 1), (32, 128, 4, 2),
-    (64, 128, 8, 1),
+GEMV_SWEEP_TILES = [  # (block_n, block_k, num_warps, num_stages) of the GEMV path, T <= 8 (default: 16 x 512 / 32 x 256)
+    (16, 128, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (32, 512, 4, 1), (64, 256, 4, 1),
+    (16, 1024, 4, 1), (16, 512, 8, 1), (32, 512, 8, 1),
 ]
 
 

@@ -145,14 +145,16 @@ def _gemv_fp8_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr,
     num_experts, pairs_per_row, N, K, up_col0, up_scale_row0,
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
     ROUTE_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Decode: out[pair, tile] = (w[pair] *) dequant(W_e)[tile] @ a[pair // pairs_per_row] in fp32 on CUDA cores,
-    one program per (pair, N tile), no alignment (fused_moe's GEMV path with FP8 rows: half the bytes). Operands
-    as in _moe_fp8_gemm_kernel; under ACT_FP8 the activation is dequantized by its group scale (the W8A8 numerics,
-    for results that do not depend on the path)."""
+    one program per (pair, N tile), no alignment (fused_moe's GEMV path with FP8 rows: half the bytes). Each K
+    step covers GROUPS x SUB_K columns as a [BLOCK_N, GROUPS, SUB_K] tile, SUB_K inside one scale group, so a
+    step may span several groups (an fp8 step needs twice the columns of a bf16 one for the same bytes in
+    flight). Operands as in _moe_fp8_gemm_kernel; under ACT_FP8 the activation is dequantized by its group scale
+    (the W8A8 numerics, for results that do not depend on the path)."""
     pdl_launch.enter(USE_PDL)
     pair = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
@@ -161,32 +163,38 @@ def _gemv_fp8_kernel(
     row = (pair // pairs_per_row).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = offs_n % N
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    sub = tl.arange(0, GROUPS) * SUB_K  # first column of each sub-step
+    offs_k = sub[:, None] + tl.arange(0, SUB_K)[None, :]  # [GROUPS, SUB_K]
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None, None] * stride_wn
+              + offs_k[None, :, :])
     a_ptrs = a_ptr + row * stride_a + offs_k
     scale_rows = tl.where(cols < up_col0, cols // SCALE_N, up_scale_row0 + (cols - up_col0) // SCALE_N)
     w_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + scale_rows * stride_wsn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_N, GROUPS, SUB_K), dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * SUB_K):
+        groups = (k0 + sub) // SCALE_K  # [GROUPS]
         if EVEN_K:
             w = tl.load(w_ptrs)
             a = tl.load(a_ptrs).to(tl.float32)
             if FUSED_ACT:
                 a = silu_mul(a, tl.load(a_ptrs + K).to(tl.float32))
+            w_scale = tl.load(w_scale_ptrs[:, None] + groups[None, :])
+            if ACT_FP8:
+                a = a * tl.load(a_scale_ptr + row * stride_as + groups)[:, None]
         else:
             k_ok = offs_k < K - k0
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            g_ok = sub < K - k0
+            w = tl.load(w_ptrs, mask=k_ok[None, :, :], other=0.0)
             a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             if FUSED_ACT:
                 a = silu_mul(a, tl.load(a_ptrs + K, mask=k_ok, other=0.0).to(tl.float32))
-        group = k0 // SCALE_K
-        if ACT_FP8:
-            a = a * tl.load(a_scale_ptr + row * stride_as + group)
-        w_scale = tl.load(w_scale_ptrs + group)
-        acc += (w.to(tl.float32) * w_scale[:, None]) * a[None, :]
-        w_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-    out = tl.sum(acc, 1)
+            w_scale = tl.load(w_scale_ptrs[:, None] + groups[None, :], mask=g_ok[None, :], other=0.0)
+            if ACT_FP8:
+                a = a * tl.load(a_scale_ptr + row * stride_as + groups, mask=g_ok, other=0.0)[:, None]
+        acc += (w.to(tl.float32) * w_scale[:, :, None]) * a[None, :, :]
+        w_ptrs += GROUPS * SUB_K
+        a_ptrs += GROUPS * SUB_K
+    out = tl.sum(tl.sum(acc, 2), 1)
     if ROUTE_WEIGHT:
         out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, out, mask=offs_n < N)
@@ -209,8 +217,9 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
     def in_group(tile):
         return replace(tile, block_k=min(tile.block_k, block[1]))
 
-    if plan.decode:
-        return replace(plan, gate_up=in_group(plan.gate_up), down=in_group(plan.down))
+    if plan.decode:  # the bf16 GEMV's bytes per K step: twice its columns (a step may span scale groups)
+        return replace(plan, gate_up=replace(plan.gate_up, block_k=2 * plan.gate_up.block_k),
+                       down=replace(plan.down, block_k=2 * plan.down.block_k))
     limit = smem_limit(problem.device)
     a_bytes = 1 if act_quant else problem.dtype.itemsize
     fused_act = plan.fused_act and not act_quant  # W8A8 quantizes h by its own kernel
@@ -230,9 +239,9 @@ def _check_plan(plan: MoEPlan, block: tuple[int, int]) -> None:
     if not plan.decode and plan.gate_up.block_m != plan.down.block_m:
         raise ValueError("gate_up and down share one alignment: block_m must match")
     for name, t in (("gate_up", plan.gate_up), ("down", plan.down)):
-        if block[1] % t.block_k:
-            raise ValueError(f"{name} block_k {t.block_k} must divide the scale block {block[1]}: one K step, "
-                             "one scale group")
+        if block[1] % t.block_k and not (plan.decode and t.block_k % block[1] == 0):
+            raise ValueError(f"{name} block_k {t.block_k} must divide the scale block {block[1]} (GEMV path: or be a "
+                             "multiple of it): each K step, or GEMV sub-step, inside one scale group")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,13 +282,14 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
 
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
                  up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl):
+    sub_k = min(tile.block_k, block[1])
     _gemv_fp8_kernel[(topk_ids.numel(), triton.cdiv(n, tile.block_n))](
         a, a_scale, w, w_scale, out, topk_weights, topk_ids,
         w.shape[0], pairs_per_row, n, k, up_col0, up_scale_row0,
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
         out.stride(0),
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0, SCALE_N=block[0],
-        SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
+        BLOCK_N=tile.block_n, GROUPS=tile.block_k // sub_k, SUB_K=sub_k, EVEN_K=k % tile.block_k == 0,
+        SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
