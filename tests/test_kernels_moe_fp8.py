@@ -171,6 +171,7 @@ def test_bad_inputs_are_named():
 def test_default_plan_keeps_k_steps_inside_scale_groups(monkeypatch, device_name):
     monkeypatch.setattr(moe_plan, "_device_name", lambda device: device_name)
     moe_plan.default_plan.cache_clear()
+    fp8_plan.cache_clear()
     problem = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
     try:
         for tokens in (1, 64, 512, 8192):
@@ -187,6 +188,7 @@ def test_default_plan_keeps_k_steps_inside_scale_groups(monkeypatch, device_name
                     assert all(t.block_m * t.block_n <= 128 * 128 for t in (plan.gate_up, plan.down))
     finally:
         moe_plan.default_plan.cache_clear()  # no plan of the fake device left for later tests
+        fp8_plan.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ the fp8 copies (W8A8 quantizes h after lora_expand_act added the gate_up deltas)
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -46,9 +47,9 @@ from moeserve.kernels.fp8 import (
     fp8_scaled_dot,
     quantize_block_fp8,
     quantize_groups_fp8,
+    quantize_groups_fp8_ref,
     silu_mul_quant_fp8,
     silu_mul_quant_fp8_ref,
-    quantize_groups_fp8_ref,
 )
 from moeserve.kernels.fused_moe import _block_tile, _silu_mul_kernel, _topk_sum
 from moeserve.kernels.moe_align import moe_align
@@ -206,6 +207,7 @@ def _gemv_fp8_kernel(
 MAX_W8A8_TILE = 128 * 128  # accumulator elements of a W8A8 program (128 x 256 would hold two 128-register tiles)
 
 
+@functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step, as default_plan
 def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
              block: tuple[int, int] = WEIGHT_BLOCK, decode: bool | None = None) -> MoEPlan:
     """The plan of the bf16 call of this shape (its path by pair count, `decode` forcing one; on the sorted path the
