@@ -243,3 +243,16 @@ def test_gpu_graph_replay_is_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run())
+
+
+@gpu
+def test_gpu_pdl_launches_are_bitwise_the_plain_ones():
+    from moeserve.kernels.pdl import supported
+
+    if not supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    for num_tokens in (4, 512):  # the GEMV and the sorted path
+        problem = _problem(num_tokens, 128, 2048, 768, 8, seed=8, dtype=torch.bfloat16, device="cuda")
+        for act_quant in (False, True):
+            plain = fused_moe_fp8(*problem, act_quant=act_quant)
+            assert torch.equal(fused_moe_fp8(*problem, act_quant=act_quant, pdl=True), plain)
