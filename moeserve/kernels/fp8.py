@@ -81,11 +81,11 @@ def quantize_groups_fp8_ref(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[to
 
 
 def silu_mul_quant_fp8_ref(gu: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = silu(gate) * up in fp32 from gu [M, 2I] = [gate | up], quantized per (row, group). Twin of
-    `silu_mul_quant_fp8`."""
+    """h = silu(gate) * up in fp32 from gu [M, 2I] = [gate | up], rounded to gu's dtype, quantized per (row,
+    group). Twin of `silu_mul_quant_fp8`."""
     inter = gu.shape[1] // 2
     g, u = gu[:, :inter].float(), gu[:, inter:].float()
-    return quantize_groups_fp8_ref(F.silu(g) * u, group)
+    return quantize_groups_fp8_ref((F.silu(g) * u).to(gu.dtype), group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ def _quantize_groups_kernel(
     GROUP: tl.constexpr, ROWS: tl.constexpr, SILU_MUL: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (ROWS rows, one group of GROUP columns). SILU_MUL: the quantized value is silu(x[:, c]) *
-    x[:, K + c] (x = [gate | up]), computed in fp32."""
+    x[:, K + c] (x = [gate | up]), computed in fp32 and rounded to x's dtype."""
     pdl_launch.enter(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
@@ -149,9 +149,9 @@ def _quantize_groups_kernel(
     ok = row_ok[:, None] & (cols < K)[None, :]
     ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
     v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-    if SILU_MUL:
+    if SILU_MUL:  # h rounded to gu's dtype first, as lora_expand_act stores it (see silu_mul_quant_fp8)
         up = tl.load(ptrs + K, mask=ok, other=0.0).to(tl.float32)
-        v = silu_mul(v, up)
+        v = silu_mul(v, up).to(x_ptr.dtype.element_ty).to(tl.float32)
     q, scale = quantize_tile_fp8(v, FP8_MAX)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], q, mask=ok)
     tl.store(scale_ptr + rows.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=row_ok)
@@ -181,9 +181,11 @@ def quantize_groups_fp8(x: torch.Tensor, group: int = ACT_GROUP, pdl: bool = Fal
 
 
 def silu_mul_quant_fp8(gu: torch.Tensor, group: int = ACT_GROUP, pdl: bool = False):
-    """gu [M, 2I] = [gate | up] -> h = silu(gate) * up quantized per (row, group): (q [M, I] fp8, scale [M,
-    ceil(I/group)]). The down GEMM's A operand of the W8A8 MoE. Bitwise `silu_mul_quant_fp8_ref` up to the
-    exp of silu (Triton's and torch's may differ in the last fp32 bit; that can move a value across an e4m3
+    """gu [M, 2I] = [gate | up] -> h = silu(gate) * up (in fp32, rounded to gu's dtype) quantized per (row, group):
+    (q [M, I] fp8, scale [M, ceil(I/group)]). The down GEMM's A operand of the W8A8 MoE. h is rounded as
+    moe_lora.lora_expand_act stores it, so that with LoRA, where h is lora_expand_act's output quantized by
+    quantize_groups_fp8, the rows without an adapter are bitwise this. Bitwise `silu_mul_quant_fp8_ref` up to
+    the exp of silu (Triton's and torch's may differ in the last fp32 bit; that can move a value across a
     rounding boundary, rarely)."""
     if gu.shape[-1] % 2:
         raise ValueError(f"gate_up activation has an odd width {gu.shape[-1]}")
