@@ -136,6 +136,9 @@ def test_decode_path_matches_twins_and_the_sorted_path(hidden, inter, block_ks):
     assert fp8_plan(3, 2, MoEProblem(4, hidden, inter, 2, torch.float32, torch.device(DEV)), False).decode
 
 
+# gu rows of an unrouted pair are never written (torch.empty) but W8A8 quantizes whole rows: the interpreter's numpy
+# may overflow in exp on that garbage, rows no output reads
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_empty_experts_unrouted_pairs_and_zero_tokens():
     x, q13, s13, q2, s2, weights, ids = _problem(6, 4, 256, 128, 2, seed=3)
     ids[:, :] = torch.where(ids == 3, 0, ids)  # expert 3 gets no pair
