@@ -14,7 +14,7 @@ kernel on the bf16-rounded dequantized weights (relative error printed; W8A8 sit
 the sorted path. `--sweep`: FP8 tile candidates per T (gate_up and down alike; sorted tiles, and GEMV tiles at
 T <= 8; weight-only in both scalings, `_p` the product one), the best printed next to the default.
 dense: µs of the q|k|v (2048 -> 5120) and o (4096 -> 2048) projections: bf16 F.linear, FP8 Triton weight-only
-(both scalings) and W8A8, and torch._scaled_mm with block scales (W8A8).
+(both scalings) and W8A8, and torch._scaled_mm with block scales (W8A8); `--sweep`: Triton tiles.
 Prints tables; writes DIR/fp8_moe_bench.json (after every T, so a run cut short keeps what it measured).
 """
 from __future__ import annotations
@@ -60,12 +60,16 @@ TOKENS = "1,8,64,256,512,2048,8192"
 ROUNDS = 2  # interleaved rounds per variant; the median is reported
 DENSE_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096)}  # name -> (out, in)
 DENSE_SETS = 16  # dense weights are 10-20 MB: more copies to keep them out of L2
+DENSE_SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages) of fp8_linear's Triton GEMM
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4), (64, 128, 128, 4, 3),
+    (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+]
 SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages); group_m 1
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3),
     (64, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3),
     (128, 256, 64, 8, 4),
 ]
-GEMV_SWEEP_TILES = [  # (block_n, block_k, num_warps, num_stages) of the GEMV path, T <= 8 (default: 16 x 512 / 32 x 256)
+GEMV_SWEEP_TILES = [  # (block_n, block_k, num_warps, num_stages), GEMV path at T <= 8 (default 16 x 512 / 32 x 256)
     (16, 128, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (32, 512, 4, 1), (64, 256, 4, 1),
     (16, 1024, 4, 1), (16, 512, 8, 1), (32, 512, 8, 1),
 ]
@@ -217,7 +221,7 @@ def print_moe_table(rows: list[dict]) -> None:
                 print(f"{'':>6}   sweep {name}: best {best} {ok[best]:.1f} us (default {us.get(name)})")
 
 
-def bench_dense(tokens: list[int], gen, pdl: bool) -> list[dict]:
+def bench_dense(tokens: list[int], gen, pdl: bool, sweep: bool = False) -> list[dict]:
     rows = []
     for shape_name, (n, k) in DENSE_SHAPES.items():
         sets = []
@@ -244,6 +248,21 @@ def bench_dense(tokens: list[int], gen, pdl: bool) -> list[dict]:
             fn_sets = {name: [lambda x=x, w=w, fn=fn: fn(x, w) for x, w in zip(xs, sets)]
                        for name, fn in variants.items() if not isinstance(row["check_rel_err"].get(name), str)}
             row["us"] = time_interleaved(fn_sets)
+            if sweep:
+                sets_by_tile = {}
+                for bm, bn, bk, warps, stages in DENSE_SWEEP_TILES:
+                    tile = GemmTile(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                    for name, act_quant in (("fp8_w", False), ("fp8_w8a8", True)):
+                        sets_by_tile[f"{name}_{bm}x{bn}x{bk}w{warps}s{stages}"] = [
+                            lambda x=x, w=w, t=tile, aq=act_quant: fp8_linear(x, w[1], w[2], act_quant=aq, tile=t,
+                                                                              pdl=pdl)
+                            for x, w in zip(xs, sets)]
+                row["sweep"] = time_interleaved(sets_by_tile, rounds=1)
+                for name in ("fp8_w", "fp8_w8a8"):
+                    ok = {k: v for k, v in row["sweep"].items() if k.startswith(name + "_") and isinstance(v, float)}
+                    if ok:
+                        best = min(ok, key=ok.get)
+                        print(f"      sweep {name}: best {best} {ok[best]:.1f} us", flush=True)
             rows.append(row)
             print(f"dense {shape_name:>4} T={batch:>5}: " + "  ".join(
                 f"{name} {v:.1f} us" if isinstance(v, float) else f"{name} error" for name, v in row["us"].items())
@@ -257,7 +276,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench_out/")
     ap.add_argument("--tokens", default=TOKENS, help="comma list of token counts T")
     ap.add_argument("--parts", default="moe,dense", help="comma list: moe, dense")
-    ap.add_argument("--sweep", action="store_true", help="moe: also time FP8 tile candidates")
+    ap.add_argument("--sweep", action="store_true", help="also time FP8 tile candidates (moe and dense)")
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                     help="launch with programmatic dependent launch, as the engine does (default: where the GPU "
                          "has it)")
@@ -301,7 +320,7 @@ def main(argv=None) -> int:
         del weights
         torch.cuda.empty_cache()
     if "dense" in parts:
-        report["dense"] = bench_dense(tokens, gen, pdl)
+        report["dense"] = bench_dense(tokens, gen, pdl, args.sweep)
         save()
     print(f"\nwrote {out_dir / 'fp8_moe_bench.json'} ({time.time() - t0:.0f} s)")
     return 0
