@@ -135,7 +135,7 @@ def fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8: tl.constexpr, SCALE_PRO
         return tl.dot(a, (b.to(tl.float32) * b_scale[None, :]).to(a.dtype), acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # sizes that vary by step: one compile
 def _quantize_groups_kernel(
     x_ptr, q_ptr, scale_ptr, K, num_rows, stride_x, stride_q, stride_s,
     GROUP: tl.constexpr, ROWS: tl.constexpr, SILU_MUL: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr,

@@ -35,7 +35,7 @@ from moeserve.kernels.moe_plan import GemmTile
 BACKENDS = ("triton", "scaled_mm", "torch")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # sizes that vary by step: one compile
 def _fp8_linear_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     M, N, K,
