@@ -1,13 +1,17 @@
 """FP8 routed-expert GEMMs (moeserve/kernels/fused_moe_fp8.py) against plain-torch references.
 
-CPU: tiny fp32 shapes under the Triton interpreter (which runs fp8 x fp8 tl.dot; its bf16 x bf16 tl.dot returns
-garbage in Triton 3.9, so bf16 runs on the GPU only). GPU (marked `gpu`): bf16 at Qwen3-30B-A3B expert shapes.
+CPU: tiny fp32 and fp16 shapes under the Triton interpreter (which runs fp8 x fp8 tl.dot; its bf16 x bf16 tl.dot
+returns garbage in Triton 3.9, so fp16 stands in for a 16-bit activation dtype there). GPU (marked `gpu`): bf16 at
+Qwen3-30B-A3B expert shapes.
 
 Bounds:
 - weight-only, fp32 activations: the kernel multiplies exactly the dequantized weights of the reference
   (fp8 * scale_inv rounded once to fp32 in both), so only fp32 summation order differs: <= 1e-5 relative.
 - W8A8 against the reference that quantizes the activations the same way (twins, bitwise for x; h may differ in
   the last fp32 bit before its quantization): <= 1e-5 relative.
+- fp16 activations (gu, h and the output rounded to fp16, unit roundoff 2^-11; weight-only "tile" rounds the
+  dequantized weight once more): weight-only <= 2e-3; W8A8 against its twin (which keeps gu and h in fp32, so a
+  few h elements land one e4m3 step apart) <= 1e-2.
 - W8A8 against the unquantized reference, element-wise (`w8a8_bound`): each quantized activation a' of a has
   |a' - a| <= 2^-4 |a| + 2^-10 s (s = its group's scale: half an ulp of its binade, or of the subnormal step);
   through gate_up: |dgu| <= |W13| (2^-4 |x| + 2^-10 s_x) =: D; through h = silu(g) u with |silu'| <= 1.1:
@@ -98,6 +102,19 @@ def test_weight_only_matches_dequantized_fp32(hidden, inter):
     assert out.dtype == x.dtype and out.shape == x.shape
     assert _rel(out, ref) < 1e-5
     assert _rel(out, fused_moe_fp8_ref(*problem, act_quant=False)) < 1e-5
+
+
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (192, 192)])
+def test_fp16_activations(hidden, inter):
+    problem = _problem(9, 4, hidden, inter, 2, seed=2, dtype=torch.float16)
+    unquantized = fused_moe_fp8_ref(*problem, act_quant=False).float()
+    quantized = fused_moe_fp8_ref(*problem, act_quant=True).float()
+    for weight_scale in ("tile", "product"):
+        out = fused_moe_fp8(*problem, act_quant=False, plan=_small_plan(), weight_scale=weight_scale)
+        assert out.dtype == torch.float16 and _rel(out, unquantized) < 2e-3
+    assert _rel(fused_moe_fp8(*problem, act_quant=False, decode=True), unquantized) < 2e-3
+    assert _rel(fused_moe_fp8(*problem, act_quant=True, plan=_small_plan()), quantized) < 1e-2
+    assert _rel(fused_moe_fp8(*problem, act_quant=True, decode=True), quantized) < 1e-2
 
 
 def test_weight_only_options_and_a_k_step_of_64():
@@ -342,6 +359,11 @@ def _check_lora_recipe(num_tokens, num_experts, hidden, inter, top_k, dtype, dev
 
 def test_lora_apart_on_fp8_gemms_matches_the_dequantized_reference():
     _check_lora_recipe(9, 4, 256, 128, 2, torch.float32, DEV, _small_plan())
+
+
+def test_lora_apart_on_fp8_gemms_fp16_rows_without_adapter_bitwise():
+    # 16-bit activations: h is rounded to fp16 by lora_expand_act and by silu_mul_quant_fp8 alike
+    _check_lora_recipe(9, 4, 256, 128, 2, torch.float16, DEV, _small_plan(fused_act=False, y_fp32=False))
 
 
 @gpu
