@@ -1,0 +1,197 @@
+"""Dense linear on a block-wise FP8 weight (attention and dense / shared-expert MLP projections).
+
+    y = x @ (w_fp8 * scale_inv per 128 x 128 block).T (+ bias)
+
+Backends:
+- "triton" (default on CUDA and under the interpreter): one GEMM kernel with the block scales applied per K step,
+  weight-only (fp8 tile dequantized to x's dtype in the K loop) or W8A8 (x quantized per token-group of 128,
+  fp8 x fp8 dots scaled by x_scale[row, k-group] x scale_inv[n-block, k-group]).
+- "scaled_mm" (W8A8 on CUDA): torch._scaled_mm with (BlockWise1x128, BlockWise128x128) scales, which torch 2.13
+  accepts on sm_90 (cuBLAS); its layout needs: the weight column-major (w_fp8.t() of the [N, K] weight), the
+  activation scales M-major, rows padded to a multiple of 4, the K blocks of both scales padded to a multiple
+  of 4. Not yet run on a GPU here: the GPU test checks it against the twin before anyone picks it.
+- "torch": dequantize the weight and F.linear (CPU without the interpreter, and the twin).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moeserve.kernels import pdl as pdl_launch
+from moeserve.kernels.fp8 import (
+    FP8_DTYPE,
+    WEIGHT_BLOCK,
+    dequantize_block_fp8,
+    fp8_scaled_dot,
+    quantize_groups_fp8,
+    quantize_groups_fp8_ref,
+)
+from moeserve.kernels.moe_plan import GemmTile
+
+BACKENDS = ("triton", "scaled_mm", "torch")
+
+
+@triton.jit(do_not_specialize=["M"])  # sizes that vary by step: one compile
+def _fp8_linear_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_a, stride_as, stride_w, stride_ws, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
+):
+    """out[rows, cols] = a[rows] @ dequant(w)[cols].T (+ bias) for one (BLOCK_M, BLOCK_N) tile."""
+    pdl_launch.enter(USE_PDL)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+    b_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+    b_scale_ptrs = w_scale_ptr + (cols // SCALE_N) * stride_ws
+    a_scale_ptrs = a_scale_ptr + rows.to(tl.int64) * stride_as
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        group = k0 // SCALE_K
+        b_scale = tl.load(b_scale_ptrs + group)
+        if ACT_FP8:
+            a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
+        acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+def linear_tile(num_rows: int) -> GemmTile:
+    """A start, not tuned (benchmarks/kernels/fp8_moe.py --dense times it): short row tiles and narrow column
+    tiles at decode sizes, so a projection of a few thousand columns still fills the GPU."""
+    if num_rows <= 16:
+        return GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if num_rows <= 64:
+        return GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if num_rows <= 256:
+        return GemmTile(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+    return GemmTile(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+
+def _check(x, w_fp8, scale_inv, bias, block):
+    n, k = w_fp8.shape
+    want = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, the weight {tuple(w_fp8.shape)} takes {k}")
+    if w_fp8.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_linear: weight must be {FP8_DTYPE}, got {w_fp8.dtype}")
+    if tuple(scale_inv.shape) != want or scale_inv.dtype != torch.float32:
+        raise ValueError(f"fp8_linear: scale_inv must be float32 {want} for blocks of {block}, got "
+                         f"{scale_inv.dtype} {tuple(scale_inv.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"fp8_linear: bias must be ({n},), got {tuple(bias.shape)}")
+
+
+def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_product, pdl):
+    m, k = x2.shape
+    n = w_fp8.shape[0]
+    tile = tile or linear_tile(m)
+    if block[1] % tile.block_k:
+        raise ValueError(f"fp8_linear: block_k {tile.block_k} must divide the scale block {block[1]}")
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if m == 0:
+        return out
+    if act_quant:
+        a, a_scale = quantize_groups_fp8(x2, block[1], pdl=pdl)
+    else:
+        a, a_scale = x2, scale_inv  # a_scale: an unread placeholder
+    w = w_fp8.contiguous()
+    s = scale_inv.contiguous()
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    _fp8_linear_kernel[grid](
+        a, a_scale, w, s, bias if bias is not None else s, out, m, n, k,
+        a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
+        SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_quant, HAS_BIAS=bias is not None,
+        SCALE_PRODUCT=scale_product, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    return out
+
+
+def _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl):
+    if block != (128, 128):
+        raise ValueError(f"fp8_linear: the scaled_mm backend takes 128 x 128 blocks only, got {block}")
+    m = x2.shape[0]
+    pad_m, pad_kb = -m % 4, -scale_inv.shape[1] % 4
+    a, a_scale = quantize_groups_fp8(F.pad(x2, (0, 0, 0, pad_m)) if pad_m else x2, pdl=pdl)
+    a_scale = F.pad(a_scale, (0, pad_kb)).t().contiguous().t()  # M-major
+    w_scale = F.pad(scale_inv, (0, pad_kb)).t()  # [K blocks, N blocks], column-major view of the [N, K] layout
+    out = F.scaled_mm(a, w_fp8.t(), a_scale, F.ScalingType.BlockWise1x128, w_scale,
+                      F.ScalingType.BlockWise128x128, output_dtype=x2.dtype)[:m]
+    return out + bias if bias is not None else out
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    act_quant: bool,
+    block: tuple[int, int] = WEIGHT_BLOCK,
+    backend: str | None = None,
+    tile: GemmTile | None = None,
+    weight_scale: str = "tile",
+    pdl: bool = False,
+) -> torch.Tensor:
+    """x [..., K] (bf16 / fp16 / fp32), w_fp8 [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
+    float32, bias [N] -> [..., N] in x.dtype. `act_quant`: W8A8 (x quantized per token-group of 128 at run time),
+    else weight-only. `backend`: "triton", "scaled_mm" (W8A8 only) or "torch"; default: triton on CUDA and under
+    the interpreter, else torch. `tile` overrides the Triton tile (linear_tile); `weight_scale` (weight-only Triton):
+    "tile" or "product", as fused_moe_fp8's."""
+    _check(x, w_fp8, scale_inv, bias, block)
+    if weight_scale not in ("tile", "product"):
+        raise ValueError(f"fp8_linear: weight_scale {weight_scale!r}: choose 'tile' or 'product'")
+    if backend is None:
+        backend = "triton" if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"fp8_linear: unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if backend == "torch":
+        out = fp8_linear_ref(x2, w_fp8, scale_inv, bias, act_quant=act_quant, block=block).to(x.dtype)
+    elif backend == "scaled_mm":
+        if not act_quant:
+            raise ValueError("fp8_linear: the scaled_mm backend multiplies fp8 by fp8: it needs act_quant=True")
+        out = _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl)
+    else:
+        out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, weight_scale == "product", pdl)
+    return out.reshape(*lead, w_fp8.shape[0])
+
+
+def fp8_linear_ref(x, w_fp8, scale_inv, bias=None, *, act_quant: bool, block=WEIGHT_BLOCK) -> torch.Tensor:
+    """fp32 torch on the dequantized weight; `act_quant` quantizes x per token-group with the kernel's twin first.
+    Returns fp32."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    if act_quant:
+        x2 = dequantize_block_fp8(*quantize_groups_fp8_ref(x2, block[1]), (1, block[1]))
+    out = x2 @ dequantize_block_fp8(w_fp8, scale_inv, block).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.reshape(*x.shape[:-1], w_fp8.shape[0])

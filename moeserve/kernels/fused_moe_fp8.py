@@ -1,0 +1,429 @@
+"""Fused MoE forward on block-wise FP8 expert weights, no LoRA inside.
+
+    out[t] = sum_k w[t,k] * (W2_e @ silu(g) * u),   [g | u] = W13_e @ x_t,   W = W_fp8 * scale_inv per block
+
+The two paths of fused_moe.py, chosen the same way (by pair count), with FP8 weights:
+
+- sorted (many pairs): pairs aligned into expert blocks of BLOCK_M rows (moe_align), a grouped gate_up GEMM ->
+  gu [pairs, 2I] in x's dtype, a grouped down GEMM with the routing weight in its epilogue -> y [pairs, H], then
+  the top-k sum.
+- decode (few pairs): GEMV programs per (pair, N tile) read the pair's expert rows directly, in fp32 on CUDA
+  cores (decode reads weights: FP8 halves the bytes).
+
+Two ways to multiply (`act_quant`), on both paths:
+
+- weight-only (False): activations stay in x's dtype; each K step loads the fp8 weight tile, multiplies it by its
+  block's scale_inv and runs the dot in x's dtype (fp32 accumulate). The down GEMM applies SiLU*up as it loads
+  its A tile (MoEPlan.fused_act), as the bf16 path does.
+- W8A8 (True): x quantized per (token, group of 128 along H) and h = silu(g)*u per (pair, group of 128 along I),
+  dynamically, by their own kernels (kernels/fp8.py); fp8 x fp8 dots with fp32 accumulation, each K step's
+  product scaled by act_scale[row, k-group] x scale_inv[n-block, k-group]. The GEMV path multiplies the same
+  quantized activations (dequantized in fp32), so a token's numerics do not depend on the path.
+
+Scale groups: a K step never crosses a 128-column group (BLOCK_K divides 128), and each output column reads its
+own block row of scale_inv, so any BLOCK_N works. w13's scale rows are the gate's then the up's, each blocked
+on its own ([E, 2 * ceil(I/128), ceil(H/128)]), as a checkpoint stores gate_proj and up_proj; with I a multiple of
+128 that is the same as blocking the fused [2I, H] matrix.
+
+LoRA: the expands of this engine can run after plain GEMMs (MoEPlan.lora_epilogue=False: moe_lora.lora_expand_act
+on gu, lora_expand_down on y), which is how FP8 takes LoRA: the shrinks read x and the activated h in bf16, never
+the fp8 copies (W8A8 quantizes h after lora_expand_act added the gate_up deltas).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moeserve.kernels import pdl as pdl_launch
+from moeserve.kernels.fp8 import (
+    FP8_DTYPE,
+    WEIGHT_BLOCK,
+    dequantize_block_fp8,
+    fp8_scaled_dot,
+    quantize_block_fp8,
+    quantize_groups_fp8,
+    quantize_groups_fp8_ref,
+    silu_mul_quant_fp8,
+    silu_mul_quant_fp8_ref,
+)
+from moeserve.kernels.fused_moe import _block_tile, _silu_mul_kernel, _topk_sum
+from moeserve.kernels.moe_align import moe_align
+from moeserve.kernels.moe_lora import silu_mul
+from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan, fit_tile, smem_limit
+
+# ---------------------------------------------------------------------------------------------
+# weight layout
+
+
+def quantize_w13_fp8(w13: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK):
+    """w13 [E, 2I, H] = [gate; up] -> (fp8 [E, 2I, H], scale_inv [E, 2 * ceil(I/bn), ceil(H/bk)]): gate and up
+    blocked each on its own, as a checkpoint's gate_proj and up_proj are."""
+    inter = w13.shape[1] // 2
+    (qg, sg), (qu, su) = quantize_block_fp8(w13[:, :inter], block), quantize_block_fp8(w13[:, inter:], block)
+    return torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+
+
+def dequantize_w13_fp8(w13_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    inter = w13_fp8.shape[1] // 2
+    half = scale_inv.shape[1] // 2
+    return torch.cat([dequantize_block_fp8(w13_fp8[:, :inter], scale_inv[:, :half], block, dtype),
+                      dequantize_block_fp8(w13_fp8[:, inter:], scale_inv[:, half:], block, dtype)], 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
+def _moe_fp8_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_groups_ptr,
+    num_pairs, pairs_per_row, N, K, up_col0, up_scale_row0,
+    stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
+):
+    """out[pair] = (w[pair] *) dequant(W_e) @ a[pair // pairs_per_row] for the BLOCK_M pairs of one aligned block,
+    one N tile. gate_up: a = x (rows are tokens, pairs_per_row = top_k); down: a = gu or h (rows are pairs).
+    FUSED_ACT (weight-only down): the A tile is silu(a[:, k]) * a[:, K + k]. ACT_FP8: a is fp8 with scales
+    a_scale[row, k-group]. Column n reads scale row n // SCALE_N, or for n >= up_col0 up_scale_row0 +
+    (n - up_col0) // SCALE_N (w13's separately blocked up half). SCALE_PRODUCT: see fp8_scaled_dot."""
+    pdl_launch.enter(USE_PDL)
+    pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(block_groups_ptr + pid_m)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    rows = (pairs // pairs_per_row).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
+    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
+    scale_rows = tl.where(cols < up_col0, cols // SCALE_N, up_scale_row0 + (cols - up_col0) // SCALE_N)
+    b_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + scale_rows * stride_wsn
+    a_scale_ptrs = a_scale_ptr + rows * stride_as
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a_mask = pair_ok[:, None]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            if FUSED_ACT:
+                up = tl.load(a_ptrs + K, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a_mask = pair_ok[:, None] & k_ok[None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            if FUSED_ACT:
+                up = tl.load(a_ptrs + K, mask=a_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if FUSED_ACT:
+            a = silu_mul(a.to(tl.float32), up.to(tl.float32)).to(up.dtype)
+        group = k0 // SCALE_K
+        b_scale = tl.load(b_scale_ptrs + group)
+        if ACT_FP8:
+            a_scale = tl.load(a_scale_ptrs + group, mask=pair_ok, other=0.0)
+        acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if ROUTE_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _gemv_fp8_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr,
+    num_experts, pairs_per_row, N, K, up_col0, up_scale_row0,
+    stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Decode: out[pair, tile] = (w[pair] *) dequant(W_e)[tile] @ a[pair // pairs_per_row] in fp32 on CUDA cores,
+    one program per (pair, N tile), no alignment (fused_moe's GEMV path with FP8 rows: half the bytes). Each K
+    step covers GROUPS x SUB_K columns as a [BLOCK_N, GROUPS, SUB_K] tile, SUB_K inside one scale group, so a
+    step may span several groups (an fp8 step needs twice the columns of a bf16 one for the same bytes in
+    flight). Operands as in _moe_fp8_gemm_kernel; under ACT_FP8 the activation is dequantized by its group scale
+    (the W8A8 numerics, for results that do not depend on the path)."""
+    pdl_launch.enter(USE_PDL)
+    pair = tl.program_id(0)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
+    if (expert < 0) | (expert >= num_experts):
+        return
+    row = (pair // pairs_per_row).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
+    sub = tl.arange(0, GROUPS) * SUB_K  # first column of each sub-step
+    offs_k = sub[:, None] + tl.arange(0, SUB_K)[None, :]  # [GROUPS, SUB_K]
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None, None] * stride_wn
+              + offs_k[None, :, :])
+    a_ptrs = a_ptr + row * stride_a + offs_k
+    scale_rows = tl.where(cols < up_col0, cols // SCALE_N, up_scale_row0 + (cols - up_col0) // SCALE_N)
+    w_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + scale_rows * stride_wsn
+    acc = tl.zeros((BLOCK_N, GROUPS, SUB_K), dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * SUB_K):
+        groups = (k0 + sub) // SCALE_K  # [GROUPS]
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            a = tl.load(a_ptrs).to(tl.float32)
+            if FUSED_ACT:
+                a = silu_mul(a, tl.load(a_ptrs + K).to(tl.float32))
+            w_scale = tl.load(w_scale_ptrs[:, None] + groups[None, :])
+            if ACT_FP8:
+                a = a * tl.load(a_scale_ptr + row * stride_as + groups)[:, None]
+        else:
+            k_ok = offs_k < K - k0
+            g_ok = sub < K - k0
+            w = tl.load(w_ptrs, mask=k_ok[None, :, :], other=0.0)
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            if FUSED_ACT:
+                a = silu_mul(a, tl.load(a_ptrs + K, mask=k_ok, other=0.0).to(tl.float32))
+            w_scale = tl.load(w_scale_ptrs[:, None] + groups[None, :], mask=g_ok[None, :], other=0.0)
+            if ACT_FP8:
+                a = a * tl.load(a_scale_ptr + row * stride_as + groups, mask=g_ok, other=0.0)[:, None]
+        acc += (w.to(tl.float32) * w_scale[:, :, None]) * a[None, :, :]
+        w_ptrs += GROUPS * SUB_K
+        a_ptrs += GROUPS * SUB_K
+    out = tl.sum(tl.sum(acc, 2), 1)
+    if ROUTE_WEIGHT:
+        out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, out, mask=offs_n < N)
+
+
+# ---------------------------------------------------------------------------------------------
+# plans
+
+MAX_W8A8_TILE = 128 * 128  # accumulator elements of a W8A8 program (128 x 256 would hold two 128-register tiles)
+
+
+@functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step, as default_plan
+def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
+             block: tuple[int, int] = WEIGHT_BLOCK, decode: bool | None = None) -> MoEPlan:
+    """The plan of the bf16 call of this shape (its path by pair count, `decode` forcing one; on the sorted path the
+    tuned table where it has the problem, else the heuristic), with each K step inside one scale group and the
+    sorted tiles refitted to the operands' bytes (fp8 B; A fp8 under W8A8, else x's dtype). A start, not tuned:
+    benchmarks/kernels/fp8_moe.py measures."""
+    plan = default_plan(num_tokens, top_k, decode=decode, problem=replace(problem, dtype=torch.bfloat16))
+
+    def in_group(tile):
+        return replace(tile, block_k=min(tile.block_k, block[1]))
+
+    if plan.decode:  # the bf16 GEMV's bytes per K step: twice its columns (a step may span scale groups)
+        return replace(plan, gate_up=replace(plan.gate_up, block_k=2 * plan.gate_up.block_k),
+                       down=replace(plan.down, block_k=2 * plan.down.block_k))
+    limit = smem_limit(problem.device)
+    a_bytes = 1 if act_quant else problem.dtype.itemsize
+    fused_act = plan.fused_act and not act_quant  # W8A8 quantizes h by its own kernel
+
+    def fit(tile, a_loads):
+        tile = in_group(tile)
+        if act_quant:  # each K step's fp8 product lives beside the accumulator until scaled: at most 128 x 128 each
+            tile = replace(tile, block_n=min(tile.block_n, max(64, MAX_W8A8_TILE // tile.block_m)))
+        # fit_tile counts one element size for A and B: the A side's (the larger) keeps the fit on the safe side
+        return fit_tile(tile, a_bytes, a_loads, limit)
+
+    return replace(plan, gate_up=fit(plan.gate_up, 1), down=fit(plan.down, 2 if fused_act else 1),
+                   fused_act=fused_act, lora_epilogue=False)
+
+
+def _check_plan(plan: MoEPlan, block: tuple[int, int]) -> None:
+    if not plan.decode and plan.gate_up.block_m != plan.down.block_m:
+        raise ValueError("gate_up and down share one alignment: block_m must match")
+    for name, t in (("gate_up", plan.gate_up), ("down", plan.down)):
+        if block[1] % t.block_k and not (plan.decode and t.block_k % block[1] == 0):
+            raise ValueError(f"{name} block_k {t.block_k} must divide the scale block {block[1]} (GEMV path: or be a "
+                             "multiple of it): each K step, or GEMV sub-step, inside one scale group")
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher
+
+
+def _check_weights(x, w13, s13, w2, s2, block):
+    num_experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    if x.shape[1] != hidden or tuple(w2.shape) != (num_experts, hidden, inter) or two_i % 2:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 expert weights must be {FP8_DTYPE}, got w13 {w13.dtype}, w2 {w2.dtype}")
+    for name, t in (("w13_fp8", w13), ("w2_fp8", w2), ("w13_scale_inv", s13), ("w2_scale_inv", s2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dim, got strides {t.stride()}")
+    bn, bk = block
+    want13 = (num_experts, 2 * triton.cdiv(inter, bn), triton.cdiv(hidden, bk))
+    want2 = (num_experts, triton.cdiv(hidden, bn), triton.cdiv(inter, bk))
+    for name, s, want in (("w13_scale_inv", s13, want13), ("w2_scale_inv", s2, want2)):
+        if tuple(s.shape) != want or s.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 {want} for blocks of {block}, got {s.dtype} {tuple(s.shape)}")
+
+
+def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs_per_row, n, k, up_col0,
+            up_scale_row0, tile, block, act_fp8, fused_act, route_weight, scale_product, pdl):
+    num_blocks = aligned.block_groups.numel()
+    _moe_fp8_gemm_kernel[(num_blocks * triton.cdiv(n, tile.block_n),)](
+        a, a_scale, w, w_scale, out, topk_weights, aligned.sorted_ids, aligned.block_groups,
+        num_pairs, pairs_per_row, n, k, up_col0, up_scale_row0,
+        a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
+        SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
+        SCALE_PRODUCT=scale_product, GROUP_M=tile.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+
+
+def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
+                 up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl):
+    sub_k = min(tile.block_k, block[1])
+    _gemv_fp8_kernel[(topk_ids.numel(), triton.cdiv(n, tile.block_n))](
+        a, a_scale, w, w_scale, out, topk_weights, topk_ids,
+        w.shape[0], pairs_per_row, n, k, up_col0, up_scale_row0,
+        a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
+        out.stride(0),
+        BLOCK_N=tile.block_n, GROUPS=tile.block_k // sub_k, SUB_K=sub_k, EVEN_K=k % tile.block_k == 0,
+        SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product):
+    del scale_product  # the GEMV multiplies dequantized weights in fp32: nothing is rounded either way
+    num_tokens, hidden = x.shape
+    inter = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if act_quant:
+        a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
+    else:
+        a, a_scale = x, topk_weights  # a_scale: an unread placeholder
+    gu = torch.empty(num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    _launch_gemv(a, a_scale, w13, s13, gu, topk_weights, topk_ids, top_k, 2 * inter, hidden, inter,
+                 triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, pdl)
+    if act_quant:
+        h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
+    else:
+        h, h_scale = gu, topk_weights  # SiLU*up applied as the down GEMV loads gu
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    _launch_gemv(h, h_scale, w2, s2, y, topk_weights, topk_ids, 1, hidden, inter, hidden, 0, plan.down, block,
+                 act_quant, not act_quant, True, pdl)
+    return _topk_sum(y, topk_ids, w13.shape[0], x.dtype, pdl)
+
+
+def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product):
+    num_tokens, hidden = x.shape
+    num_experts = w13.shape[0]
+    inter = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    aligned = moe_align(topk_ids, num_experts, plan.gate_up.block_m, pdl=pdl)
+    if act_quant:
+        a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
+    else:
+        a, a_scale = x, topk_weights  # a_scale: an unread placeholder
+    gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
+    _launch(a, a_scale, w13, s13, gu, topk_weights, aligned, num_pairs, top_k, 2 * inter, hidden,
+            inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, scale_product, pdl)
+
+    fused_act = plan.fused_act and not act_quant
+    if act_quant:
+        h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
+    elif fused_act:
+        h, h_scale = gu, topk_weights
+    else:
+        h, h_scale = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device), topk_weights
+        width = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(num_pairs, triton.cdiv(inter, width))](
+            gu, h, inter, gu.stride(0), h.stride(0), BLOCK_N=width, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
+    _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
+            hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl)
+    return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
+
+
+def fused_moe_fp8(
+    x: torch.Tensor,
+    w13_fp8: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2_fp8: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    act_quant: bool,
+    decode: bool | None = None,
+    plan: MoEPlan | None = None,
+    pdl: bool = False,
+    block: tuple[int, int] = WEIGHT_BLOCK,
+    weight_scale: str = "tile",
+) -> torch.Tensor:
+    """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32
+    scale_inv [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)],
+    topk_weights / topk_ids [T, K] -> [T, H] in x.dtype. `act_quant`: W8A8 (activations quantized per token-group
+    of 128 at run time), else weight-only. `decode` forces the GEMV (True) or sorted (False) path (default: by
+    pair count, as fused_moe); `plan`: the tiles (default `fp8_plan`); `pdl`: every launch with programmatic
+    dependent launch (kernels/pdl.py). `weight_scale` (weight-only sorted path): "tile" dequantizes each fp8 weight
+    tile before its dot, "product" scales each K step's product instead (fp8_scaled_dot's SCALE_PRODUCT)."""
+    if weight_scale not in ("tile", "product"):
+        raise ValueError(f"weight_scale {weight_scale!r}: choose 'tile' or 'product'")
+    _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
+    num_tokens, hidden = x.shape
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    if plan is None:
+        problem = MoEProblem(w13_fp8.shape[0], hidden, w2_fp8.shape[2], topk_ids.shape[1], x.dtype, x.device)
+        plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode)
+    _check_plan(plan, block)
+    forward = _decode_forward if plan.decode else _sorted_forward
+    return forward(x.contiguous(), w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights.contiguous(),
+                   topk_ids.contiguous(), act_quant, plan, block, pdl, weight_scale == "product")
+
+
+# ---------------------------------------------------------------------------------------------
+# reference
+
+
+def fused_moe_fp8_ref(
+    x: torch.Tensor,
+    w13_fp8: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2_fp8: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    act_quant: bool,
+    block: tuple[int, int] = WEIGHT_BLOCK,
+) -> torch.Tensor:
+    """Plain fp32 torch on the dequantized weights, one (token, k) pair at a time; `act_quant` quantizes x per
+    token-group and h per pair-group with the kernels' twins first. The test oracle (act_quant False: the
+    unquantized reference of both variants)."""
+    _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
+    w13 = dequantize_w13_fp8(w13_fp8, w13_scale_inv, block)
+    w2 = dequantize_block_fp8(w2_fp8, w2_scale_inv, block)
+    inter = w2.shape[2]
+    xs = x.float()
+    if act_quant:
+        q, s = quantize_groups_fp8_ref(xs, block[1])
+        xs = dequantize_block_fp8(q, s, (1, block[1]))
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    ids = topk_ids.tolist()
+    for t in range(x.shape[0]):
+        for k, e in enumerate(ids[t]):
+            if not 0 <= e < w13.shape[0]:
+                continue
+            gu = (w13[e] @ xs[t])[None]
+            if act_quant:
+                h = dequantize_block_fp8(*silu_mul_quant_fp8_ref(gu, block[1]), (1, block[1]))[0]
+            else:
+                h = F.silu(gu[0, :inter]) * gu[0, inter:]
+            out[t] += topk_weights[t, k].float() * (w2[e] @ h)
+    return out.to(x.dtype)
