@@ -159,12 +159,13 @@ def _carried_errors() -> dict[str, type[BaseException]]:
 CARRIED_ERRORS = _carried_errors()
 
 
-def error_tag(e: BaseException) -> str:
-    """The tag of the nearest carried class of `e` (its own, or the first base class that is carried)."""
+def error_to_wire(e: BaseException) -> tuple[str, str]:
+    """(tag, message) of `e`. An error of a class that is not carried (defined below the floor, or a library's)
+    travels as its nearest carried base class, its own class's name leading the message."""
     for cls in type(e).__mro__:
         if CARRIED_ERRORS.get(cls.__name__) is cls:
-            return cls.__name__
-    return "Exception"
+            return cls.__name__, str(e) if cls is type(e) else f"{type(e).__name__}: {e}"
+    return "Exception", f"{type(e).__name__}: {e}"
 
 
 def error_from_wire(tag: str, message: str) -> Exception:
@@ -215,7 +216,7 @@ class MsgpackCodec:
         if get is not None:
             return get(obj)
         if isinstance(obj, BaseException):
-            return [error_tag(obj), str(obj)]
+            return error_to_wire(obj)
         raise TypeError(f"{type(obj).__name__} cannot travel in a message (moeserve/messages.py)")
 
     def _build(self, cls, values: list):

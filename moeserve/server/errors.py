@@ -6,9 +6,8 @@ import re
 
 from fastapi.exceptions import RequestValidationError
 
-from moeserve.frontend.core_client import (AdapterInUseError, EngineDeadError, EngineStepError, QueueFullError,
-                                           UnknownAdapterError)
-from moeserve.lora.adapter import LoRAAdapterError
+from moeserve.errors import (AdapterInUseError, EngineDeadError, EngineStepError, LoRAAdapterError, QueueFullError,
+                             UnknownAdapterError)
 from moeserve.server.protocol import RETRY_AFTER_S, OpenAIError
 
 logger = logging.getLogger("moeserve")
@@ -70,7 +69,7 @@ def lora_error(e: BaseException, paths: tuple[str, ...] = ()) -> OpenAIError:
     if isinstance(e, (ValueError, OSError, RuntimeError)) and not isinstance(e, (EngineDeadError,
                                                                                   AdapterInUseError)):
         logger.warning("LoRA adapter request failed: %s", e)
-    if isinstance(e, FileNotFoundError):  # one answer for "missing", "not a folder", "unreadable"
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):  # one answer for "missing", "not a folder"
         return OpenAIError(404, ADAPTER_NOT_FOUND, param="lora_path", code="adapter_not_found")
     if isinstance(e, UnknownAdapterError):
         return OpenAIError(404, redact_paths(str(e), paths), param="lora_name", code="adapter_not_found")
