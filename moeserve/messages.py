@@ -162,10 +162,11 @@ CARRIED_ERRORS = _carried_errors()
 def error_to_wire(e: BaseException) -> tuple[str, str]:
     """(tag, message) of `e`. An error of a class that is not carried (defined below the floor, or a library's)
     travels as its nearest carried base class, its own class's name leading the message."""
+    message = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)  # KeyError's str quotes
     for cls in type(e).__mro__:
         if CARRIED_ERRORS.get(cls.__name__) is cls:
-            return cls.__name__, str(e) if cls is type(e) else f"{type(e).__name__}: {e}"
-    return "Exception", f"{type(e).__name__}: {e}"
+            return cls.__name__, message if cls is type(e) else f"{type(e).__name__}: {message}"
+    return "Exception", f"{type(e).__name__}: {message}"
 
 
 def error_from_wire(tag: str, message: str) -> Exception:
@@ -177,6 +178,13 @@ def error_from_wire(tag: str, message: str) -> Exception:
 
 # ---- codec ------------------------------------------------------------------------------------------------
 
+def _fields_getter(names: tuple[str, ...]):
+    """record -> the tuple of its fields (attrgetter: one C call)."""
+    if len(names) > 1:
+        return attrgetter(*names)
+    return lambda obj: tuple(getattr(obj, name) for name in names)
+
+
 class MsgpackCodec:
     """One codec for every record of a boundary. A message travels as [its type code, its fields...]; a record or
     exception inside it as its fields alone (its type is its field's annotation, so the step loop's many
@@ -186,8 +194,7 @@ class MsgpackCodec:
         self.code_of = {cls: code for code, cls in enumerate(records)}
         self.cls_of = dict(enumerate(records))
         self.names = {cls: tuple(f.name for f in fields(cls)) for cls in records}
-        self.fields_of = {cls: attrgetter(*names) if len(names) > 1 else (lambda obj, n=names: tuple(getattr(obj, a)
-                          for a in n)) for cls, names in self.names.items()}  # a record -> the tuple of its fields
+        self.fields_of = {cls: _fields_getter(names) for cls, names in self.names.items()}
         self.keyword_only = {cls for cls in records if any(f.kw_only for f in fields(cls))}
         # per record: (field position, how to rebuild its value) for the fields that hold records or exceptions
         self.nested = {}
@@ -204,12 +211,13 @@ class MsgpackCodec:
         return msgpack.packb((code, *self.fields_of[cls](msg)), default=self._default, use_bin_type=True)
 
     def decode(self, data: bytes):
-        code, *values = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        cls = self.cls_of.get(code)
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        cls = self.cls_of.get(msg[0]) if isinstance(msg, list) and msg else None
         if cls is None:
-            raise MessageDecodeError(f"unknown message type code {code!r} from the other process (the frontend and "
+            code = msg[0] if isinstance(msg, list) and msg else msg
+            raise MessageDecodeError(f"not a message of this boundary (type code {code!r}) from the other process (the frontend and "
                                      "the engine core run different versions of moeserve?)")
-        return self._build(cls, values)
+        return self._build(cls, msg[1:])
 
     def _default(self, obj):
         get = self.fields_of.get(type(obj))
@@ -238,6 +246,8 @@ class MsgpackCodec:
         if get_origin(hint) is dict:
             inner = self._rebuilder(args[1])
             return None if inner is None else lambda v: {k: None if x is None else inner(x) for k, x in v.items()}
+        if get_origin(hint) is tuple:  # msgpack has one array type: lists come back
+            return tuple
         if isinstance(hint, type) and issubclass(hint, BaseException):
             return lambda v: error_from_wire(*v)
         if hint in self.names:
