@@ -8,7 +8,12 @@ from __future__ import annotations
 
 
 class RequestError(ValueError):
-    """A request the engine refuses (bad prompt, limits, sampling values); the message says why. HTTP 400."""
+    """A request the engine refuses (bad prompt, limits, sampling values); the message says why. HTTP 400.
+    `param`: the request field at fault, where one is (reported in the HTTP error; it does not cross processes)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFullError(RequestError):

@@ -215,8 +215,8 @@ class MsgpackCodec:
         cls = self.cls_of.get(msg[0]) if isinstance(msg, list) and msg else None
         if cls is None:
             code = msg[0] if isinstance(msg, list) and msg else msg
-            raise MessageDecodeError(f"not a message of this boundary (type code {code!r}) from the other process (the frontend and "
-                                     "the engine core run different versions of moeserve?)")
+            raise MessageDecodeError(f"not a message of this boundary (type code {code!r}) from the other process "
+                                     "(the frontend and the engine core run different versions of moeserve?)")
         return self._build(cls, msg[1:])
 
     def _default(self, obj):

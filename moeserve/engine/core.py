@@ -61,7 +61,8 @@ class RequestLimits:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
-            raise RequestError(f"stop_token_ids {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError(f"stop_token_ids {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
+                               param="stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                                "(the prompt plus at least one generated token must fit)")
@@ -71,7 +72,7 @@ class RequestLimits:
         elif params.max_tokens > room:
             raise RequestError(f"max_tokens {params.max_tokens} does not fit: this model's maximum context length "
                                f"is {self.max_model_len} tokens and the prompt has {len(ids)}, which leaves "
-                               f"{room}; lower max_tokens or shorten the prompt")
+                               f"{room}; lower max_tokens or shorten the prompt", param="max_tokens")
         need_blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
         if need_blocks > self.num_kv_blocks:
             raise RequestError(f"request needs {need_blocks} KV blocks but the cache has only "

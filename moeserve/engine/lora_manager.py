@@ -189,8 +189,8 @@ class LoRAManager:
             needy = [q.request_id for q in queued
                      if q.lora_name and q.lora_name not in others and q.lora_name != name and not q.is_finished]
             if len(others) + 1 >= len(self.slot_ver) and needy:
-                raise AdapterInUseError(f"cannot pin {name!r}: it would take the last LoRA slot that {len(needy)} queued or "
-                                     "running request(s) for unpinned adapters need")
+                raise AdapterInUseError(f"cannot pin {name!r}: it would take the last LoRA slot that {len(needy)} "
+                                        "queued or running request(s) for unpinned adapters need")
             # the old version's slot counts as free when nothing uses it: it is dropped below
             slot = self._free_slot(also=old)
             if slot is None:

@@ -48,10 +48,9 @@ def engine_error(e: BaseException, prompt_param: str) -> OpenAIError:
     if isinstance(e, LookupError) and not type(e) is KeyError:
         return OpenAIError(404, redact_paths(str(e)), param="model", code="model_not_found")
     if isinstance(e, ValueError):
-        msg = redact_paths(str(e))
-        first = msg.split(" ", 1)[0]
-        param = "model" if isinstance(e, LoRAAdapterError) else first if first in _SAMPLING_FIELDS else prompt_param
-        return OpenAIError(400, msg, param=param, code="invalid_value")
+        param = getattr(e, "param", None)  # RequestError: the field at fault
+        param = "model" if isinstance(e, LoRAAdapterError) else param if param in _SAMPLING_FIELDS else prompt_param
+        return OpenAIError(400, redact_paths(str(e)), param=param, code="invalid_value")
     if not isinstance(e, EngineStepError):  # already logged by the engine core
         logger.error("internal error", exc_info=e)
     return OpenAIError(500, redact_paths(f"internal error: {type(e).__name__}: {e}"), type="server_error",

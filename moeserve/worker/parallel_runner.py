@@ -231,7 +231,7 @@ class ParallelModelRunner(ModelRunner):
         return ShardedLoRAPool(pool, self)
 
     def capture_graphs(self, progress: bool = False) -> None:
-        self.send_to_workers(CaptureGraphs())  # every rank captures the same keys in the same order (collectives inside)
+        self.send_to_workers(CaptureGraphs())  # every rank captures the same keys in the same order (collectives)
         with self._collectives("graph capture"):
             super().capture_graphs(progress)
         self._expect_ok("capturing its graphs")
