@@ -45,7 +45,7 @@ def engine_error(e: BaseException, prompt_param: str) -> OpenAIError:
         return queue_full(str(e))
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), type="server_error", code="engine_unavailable")
-    if isinstance(e, LookupError) and not type(e) is KeyError:
+    if isinstance(e, UnknownAdapterError):  # a KeyError or IndexError is a bug: 500 below
         return OpenAIError(404, redact_paths(str(e)), param="model", code="model_not_found")
     if isinstance(e, ValueError):
         param = getattr(e, "param", None)  # RequestError: the field at fault
@@ -74,7 +74,7 @@ def lora_error(e: BaseException, paths: tuple[str, ...] = ()) -> OpenAIError:
         return OpenAIError(404, redact_paths(str(e), paths), param="lora_name", code="adapter_not_found")
     if isinstance(e, AdapterInUseError):
         return OpenAIError(409, redact_paths(str(e), paths), param="lora_name", code="adapter_in_use")
-    if isinstance(e, (ValueError, OSError)):
+    if isinstance(e, (ValueError, PermissionError, IsADirectoryError)):  # other OSErrors are the server's: 500
         return OpenAIError(400, redact_paths(str(e), paths), param="lora_path", code="invalid_adapter")
     return engine_error(e, "lora_path")
 
