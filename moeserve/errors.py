@@ -7,6 +7,10 @@ by type (server/errors.py). Nothing anywhere tells errors apart by their message
 from __future__ import annotations
 
 
+class UnsupportedModelError(ValueError):
+    """The checkpoint asks for something moeserve does not implement (refused at start, by name)."""
+
+
 class RequestError(ValueError):
     """A request the engine refuses (bad prompt, limits, sampling values); the message says why. HTTP 400.
     `param`: the request field at fault, where one is (reported in the HTTP error; it does not cross processes)."""
