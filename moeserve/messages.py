@@ -253,3 +253,6 @@ class MsgpackCodec:
         if hint in self.names:
             return lambda v: self._build(hint, v)
         return None
+
+
+CODEC = MsgpackCodec()  # the frontend <-> engine-core transport's codec (both ends build it from the same RECORDS)

@@ -23,7 +23,7 @@ from moeserve.sampling_params import SamplingParams
 from moeserve.worker import tp_messages
 from moeserve.worker.graph_runner import GraphKey
 
-CODEC = MsgpackCodec()
+CODEC = MsgpackCodec()  # a codec of its own: the test checks the schema, not a shared instance
 
 LOGPROBS = TokenLogprobs(7, -0.25, [(7, -0.25), (3, -1.5)])
 EXAMPLES = [

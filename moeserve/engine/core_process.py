@@ -27,13 +27,11 @@ from moeserve.config import EngineConfig
 from moeserve.engine.core import EngineCore
 from moeserve.errors import USER_ERRORS
 from moeserve.log_filter import filter_repeats
-from moeserve.messages import (AbortRequests, AddRequest, Call, CallReply, CoreReady, FailNextSteps, Hold,
-                               HoldLoRAReads, ListLoRAs, LoadLoRA, LoRAVersions, MsgpackCodec, Shutdown, StartupFailed,
-                               Stats, StepOutputs, UnloadLoRA)
+from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, CoreReady, FailNextSteps, Hold,
+                               HoldLoRAReads, ListLoRAs, LoadLoRA, LoRAVersions, Shutdown, StartupFailed, Stats,
+                               StepOutputs, UnloadLoRA)
 
 logger = logging.getLogger("moeserve")
-
-CODEC = MsgpackCodec()
 
 
 def config_to_wire(config: EngineConfig) -> dict:

@@ -26,12 +26,12 @@ import zmq.asyncio
 
 from moeserve.config import EngineConfig
 from moeserve.engine.core import RequestLimits
-from moeserve.engine.core_process import ABANDON_SIGNAL, CODEC, config_to_wire, run_core
+from moeserve.engine.core_process import ABANDON_SIGNAL, config_to_wire, run_core
 from moeserve.errors import (USER_ERRORS, AdapterPathError, EngineDeadError, EngineStartError, EngineStepError,
                              InvalidAdapterNameError, QueueFullError, RequestError, UnknownAdapterError)
 from moeserve.frontend.output_processor import OutputProcessor, RequestState
 from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
-from moeserve.messages import (AbortRequests, AddRequest, Call, CallReply, LoadLoRA, LoRAVersions, Shutdown,
+from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, LoadLoRA, LoRAVersions, Shutdown,
                                StartupFailed, Stats, StepOutputs, UnloadLoRA)
 from moeserve.models.tokenizer import load_tokenizer
 from moeserve.outputs import RequestOutput
