@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+from moeserve.errors import USER_ERRORS, EngineStartError
+
 DEMO_QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -201,15 +203,10 @@ def main(argv=None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-            PermissionError) as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        from moeserve.frontend.core_client import EngineStartError
-
-        if not isinstance(e, EngineStartError):
-            raise
+    except EngineStartError as e:
         print(f"error: the engine failed to start: {e} (its log above has the details)", file=sys.stderr)
         return 1
 

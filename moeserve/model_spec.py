@@ -10,11 +10,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from moeserve.errors import UnsupportedModelError
+
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint asks for something moeserve does not implement."""
 
 
 @dataclass(frozen=True)

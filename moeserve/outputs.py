@@ -1,5 +1,5 @@
-"""What the engine core reports per step (CoreOutput, token level, crosses the process boundary)
-and what callers receive (RequestOutput, with text)."""
+"""What the engine core reports per step (CoreOutput, token level, crosses the process boundary in a StepOutputs
+message, moeserve/messages.py) and what callers receive (RequestOutput, with text)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,13 +10,6 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # top-N (id, logprob), best first
-
-    def to_wire(self) -> list:
-        return [self.token_id, self.logprob, [list(t) for t in self.top]]
-
-    @classmethod
-    def from_wire(cls, w: list | None) -> "TokenLogprobs | None":
-        return None if w is None else cls(w[0], w[1], [tuple(t) for t in w[2]])
 
 
 @dataclass
@@ -29,19 +22,6 @@ class CoreOutput:
     finish_reason: str | None = None  # "stop" (eos / stop id) | "length" | "abort" | "error"
     error: str | None = None
     num_cached_tokens: int | None = None  # on a request's first output: prompt tokens found in the prefix cache
-
-    def to_wire(self) -> list:
-        return [self.request_id, self.new_token_ids,
-                None if self.new_logprobs is None else [lp.to_wire() for lp in self.new_logprobs],
-                None if self.new_prompt_logprobs is None else [
-                    None if lp is None else lp.to_wire() for lp in self.new_prompt_logprobs],
-                self.finish_reason, self.error, self.num_cached_tokens]
-
-    @classmethod
-    def from_wire(cls, w: list) -> "CoreOutput":
-        rid, ids, lps, plps, finish, error, cached = w
-        return cls(rid, ids, None if lps is None else [TokenLogprobs.from_wire(x) for x in lps],
-                   None if plps is None else [TokenLogprobs.from_wire(x) for x in plps], finish, error, cached)
 
 
 @dataclass

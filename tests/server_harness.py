@@ -15,6 +15,7 @@ import httpx
 import openai
 
 from moeserve import EngineConfig
+from moeserve.messages import FailNextSteps, Hold
 from moeserve.server.app import run_on_server_loop, run_server
 
 os.environ["MOESERVE_TEST_HOOKS"] = "1"  # inherited by the engine-core processes started from here
@@ -73,7 +74,7 @@ class RunningServer:
         """Hold the engine core between steps: requests pile up, nothing runs until the block ends."""
         flag = tempfile.mktemp(prefix="moeserve-hold-")
         open(flag, "w").close()
-        done = asyncio.run_coroutine_threadsafe(self.engine.call("hold", flag), self.loop)
+        done = asyncio.run_coroutine_threadsafe(self.engine.call(Hold(flag)), self.loop)
         wait_until(lambda: os.path.exists(flag + ".held"))
         try:
             yield
@@ -83,7 +84,7 @@ class RunningServer:
             os.remove(flag + ".held")
 
     def fail_next_steps(self, n: int, message: str) -> None:
-        self.run(self.engine.call("fail_next_steps", n, message))
+        self.run(self.engine.call(FailNextSteps(n, message)))
 
     def close(self):
         self.http.close()

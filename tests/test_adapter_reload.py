@@ -17,6 +17,7 @@ pytest.importorskip("uvicorn")
 from moeserve import Engine, EngineConfig, SamplingParams  # noqa: E402
 from moeserve.models.tiny import make_tiny  # noqa: E402
 from moeserve.frontend.core_client import EngineClient  # noqa: E402
+from moeserve.messages import HoldLoRAReads  # noqa: E402
 from server_harness import RunningServer, wait_until  # noqa: E402
 
 MODEL = "tiny-moe"
@@ -214,7 +215,7 @@ def test_generation_continues_while_an_adapter_file_is_read(server, ref):
     s = server
     flag = tempfile.mktemp(prefix="moeserve-reads-")
     open(flag, "w").close()
-    s.run(s.engine.call("hold_lora_reads", flag))
+    s.run(s.engine.call(HoldLoRAReads(flag)))
     answer = {}
 
     def load():

@@ -8,7 +8,7 @@ import transformers as tf
 
 from moeserve import Engine, EngineConfig, RequestError, SamplingParams
 from moeserve.models.loader import CheckpointError
-from moeserve.model_spec import UnsupportedModelError
+from moeserve.errors import UnsupportedModelError
 from moeserve.models.tiny import TINY_FAMILIES, make_tiny
 from moeserve.frontend.detokenizer import detokenize_step
 from moeserve.frontend.output_processor import RequestState

@@ -4,6 +4,7 @@ refusals, aborts, faults, a dying core and shutdown cross it cleanly."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import threading
@@ -11,10 +12,10 @@ import threading
 import pytest
 
 from moeserve import Engine, EngineConfig, RequestError, SamplingParams
-from moeserve.lora.adapter import LoRAAdapterError
+from moeserve.errors import EngineDeadError, EngineStepError, LoRAAdapterError, QueueFullError, UnknownAdapterError
+from moeserve.frontend.core_client import EngineClient, RequestStream
+from moeserve.messages import AddRequest, Call, FailNextSteps, Hold
 from moeserve.models.tiny import make_tiny
-from moeserve.frontend.core_client import (EngineClient, EngineDeadError, EngineStepError, QueueFullError,
-                                          RequestStream, UnknownAdapterError)
 from moeserve.outputs import RequestOutput
 
 os.environ["MOESERVE_TEST_HOOKS"] = "1"  # the core's fault hook, inherited by the processes started here
@@ -124,7 +125,7 @@ def test_refusals_are_raised_before_any_output(client):
         # the core is held so the first "dup" is surely still running when the second arrives
         flag = os.path.join(client._dir, "hold-dup")
         open(flag, "w").close()
-        hold = asyncio.ensure_future(client.call("hold", flag))
+        hold = asyncio.ensure_future(client.call(Hold(flag)))
         while not os.path.exists(flag + ".held"):
             await asyncio.sleep(0.01)
         # the first add waits for the held core's answer; its id is taken from the moment it is sent
@@ -178,7 +179,7 @@ def test_consumer_that_stops_and_abort_by_id_free_kv(client):
 
 def test_a_failed_step_fails_running_requests_and_the_core_keeps_serving(client, ref):
     async def main():
-        await client.call("fail_next_steps", 1, "simulated device fault")
+        await client.call(FailNextSteps(1, "simulated device fault"))
         with pytest.raises(EngineStepError, match="simulated device fault"):
             await _collect(client, "hello world", SamplingParams(max_tokens=20, ignore_eos=True))
         return await _collect(client, "hello world", SamplingParams(max_tokens=8, temperature=0))
@@ -240,7 +241,7 @@ def test_a_request_that_cannot_be_sent_leaves_nothing_behind(client, monkeypatch
     real_send = client._send
 
     def send(msg):
-        if msg[0] == "add":
+        if isinstance(msg, AddRequest):
             raise OverflowError("Integer value out of range")
         return real_send(msg)
 
@@ -265,7 +266,7 @@ def test_queue_full_is_refused_by_the_frontend_at_once(client):
         try:
             flag = os.path.join(client._dir, "hold")
             open(flag, "w").close()
-            hold = asyncio.ensure_future(client.call("hold", flag))
+            hold = asyncio.ensure_future(client.call(Hold(flag)))
             while not os.path.exists(flag + ".held"):
                 await asyncio.sleep(0.01)
             first = asyncio.ensure_future(client.submit("hi", SamplingParams(max_tokens=2)))
@@ -282,9 +283,14 @@ def test_queue_full_is_refused_by_the_frontend_at_once(client):
 
 
 def test_unknown_calls_and_lora_errors_cross_the_boundary(client, adapters):
+    @dataclasses.dataclass
+    class NoSuchCall(Call):
+        pass
+
     async def main():
-        with pytest.raises(ValueError, match="unknown engine call"):
-            await client.call("no_such_method")
+        with pytest.raises(TypeError, match="NoSuchCall is not a message type of this boundary"):
+            await client.call(NoSuchCall())
+        assert not client.calls
         with pytest.raises(LoRAAdapterError, match="not a directory"):
             await client.load_lora("x", "/does/not/exist")
         await client.load_lora("c", adapters["a"])

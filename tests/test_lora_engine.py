@@ -6,7 +6,7 @@ import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.engine.lora_manager import LoRAInUseError, UnknownLoRAError
+from moeserve.errors import AdapterInUseError, UnknownAdapterError
 from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models.tiny import TINY_FAMILIES
 
@@ -161,7 +161,7 @@ def test_hot_load_unload_while_requests_run(tmp_path):
     engine.load_lora("B", str(b))  # loaded while A's request runs
     rb = engine.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), lora="B")
     engine.unload_lora("A")  # drains: A's running request finishes on A, new ones are refused
-    with pytest.raises(UnknownLoRAError, match="'A' is not loaded"):
+    with pytest.raises(UnknownAdapterError, match="'A' is not loaded"):
         engine.add_request(prompt, SamplingParams(max_tokens=2), lora="A")
     assert "A" not in engine.list_loras() and "A" in engine.lora_manager.slot_name
     outs = {}
@@ -171,9 +171,9 @@ def test_hot_load_unload_while_requests_run(tmp_path):
     assert outs[rb].token_ids == peft_greedy(pm_b, prompt, 12)
     assert outs[ra].token_ids == peft_greedy(pm_a, prompt, 12)
     assert "A" not in engine.lora_manager.slot_name  # drained: its slot is free
-    with pytest.raises(UnknownLoRAError, match="'A'"):
+    with pytest.raises(UnknownAdapterError, match="'A'"):
         engine.unload_lora("A")
-    with pytest.raises(UnknownLoRAError, match="'A'"):
+    with pytest.raises(UnknownAdapterError, match="'A'"):
         engine.add_request(prompt, SamplingParams(max_tokens=2), lora="A")
     assert "A" not in engine.list_loras() and "B" in engine.list_loras()
     with pytest.raises(LoRAAdapterError, match="already loaded"):
@@ -312,14 +312,14 @@ def test_default_max_lora_rank_is_16_and_the_pool_logs_its_bytes_per_target(tmp_
 
 
 def test_pinning_the_last_slot_that_queued_requests_need_is_refused(tmp_path):
-    """LoRAInUseError is kept for pin conflicts: pinning may not take the last slot queued requests need."""
+    """AdapterInUseError is kept for pin conflicts: pinning may not take the last slot queued requests need."""
     family = "qwen3_moe"
     base = save_base_checkpoint(family, tmp_path / "base")
     paths = {n: str(make_peft_adapter(family, tmp_path / n, rank=2, seed=80 + i)[0]) for i, n in enumerate("XY")}
     engine = make_engine(base, enable_lora=True, max_loras=1)
     engine.load_lora("X", paths["X"])
     rid = engine.add_request(prompts_for([5], seed=81)[0], SamplingParams(max_tokens=2, **GREEDY), lora="X")
-    with pytest.raises(LoRAInUseError, match="cannot pin 'Y'"):
+    with pytest.raises(AdapterInUseError, match="cannot pin 'Y'"):
         engine.load_lora("Y", paths["Y"], pinned=True)
     assert engine.list_loras() == ["X"]
     assert engine.abort(rid)

@@ -7,7 +7,7 @@ import pytest
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.engine.lora_manager import UnknownLoRAError
+from moeserve.errors import UnknownAdapterError
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
 FAMILY = "qwen3_moe"
@@ -46,9 +46,9 @@ def test_adapter_in_lora_dir_loads_at_first_use_like_an_explicit_load(setup):
         assert a.token_ids == b.token_ids
         assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-5)
 
-    with pytest.raises(UnknownLoRAError, match="lora_dir .--lora-dir. has no adapter folder 'missing'"):
+    with pytest.raises(UnknownAdapterError, match="lora_dir .--lora-dir. has no adapter folder 'missing'"):
         engine.add_request(PROMPTS[0], GREEDY, lora="missing")
-    with pytest.raises(UnknownLoRAError, match="'escape'"):  # a symlink out of lora_dir is not followed
+    with pytest.raises(UnknownAdapterError, match="'escape'"):  # a symlink out of lora_dir is not followed
         engine.add_request(PROMPTS[0], GREEDY, lora="escape")
     with pytest.raises(LoRAAdapterError, match="invalid adapter name"):
         engine.add_request(PROMPTS[0], GREEDY, lora="../base")
@@ -58,5 +58,5 @@ def test_adapter_in_lora_dir_loads_at_first_use_like_an_explicit_load(setup):
 def test_without_runtime_loading_a_name_is_not_loaded(setup):
     base, lora_dir = setup
     engine = Engine(config(base, lora_dir=str(lora_dir)))
-    with pytest.raises(UnknownLoRAError, match="'ad' is not loaded"):
+    with pytest.raises(UnknownAdapterError, match="'ad' is not loaded"):
         engine.add_request(PROMPTS[0], GREEDY, lora="ad")

@@ -7,7 +7,7 @@ import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
-from moeserve.engine.lora_manager import UnknownLoRAError
+from moeserve.errors import UnknownAdapterError
 from moeserve.engine.scheduler import LORA_MAX_WAIT_STEPS
 
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
@@ -165,9 +165,9 @@ def test_unload_drains_running_and_queued_requests_then_frees_the_name(setup):
     r_queued = engine.add_request(p[1], sp, lora="a")  # max_num_seqs=1: queued behind r_run
     engine.unload_lora("a")
     assert engine.list_loras() == ["b"] and "a" not in engine.stats()["lora_versions"]
-    with pytest.raises(UnknownLoRAError, match="'a' is not loaded"):
+    with pytest.raises(UnknownAdapterError, match="'a' is not loaded"):
         engine.add_request(p[2], sp, lora="a")
-    with pytest.raises(UnknownLoRAError):
+    with pytest.raises(UnknownAdapterError):
         engine.unload_lora("a")  # already draining
     slot = engine.lora_manager.slot_name.index("a")  # still serving its requests
     run(engine, outs)

@@ -30,7 +30,7 @@ from moeserve import EngineConfig  # noqa: E402
 from moeserve.models.tiny import make_tiny  # noqa: E402
 from moeserve.server.app import (Admission, add_serve_args, http_limits_from_args, resolve_adapter_path,  # noqa: E402
                                  run_on_server_loop, run_server)
-from moeserve.frontend.core_client import AdapterPathError  # noqa: E402
+from moeserve.errors import AdapterPathError  # noqa: E402
 from moeserve.server.metrics import ServerMetrics  # noqa: E402
 from moeserve.log_filter import RepeatFilter  # noqa: E402
 from moeserve.server.connections import HTTPLimits, guarded_protocol_class  # noqa: E402
@@ -576,7 +576,7 @@ def test_queue_full_from_the_app_has_retry_after(server):
 
 def test_shedding_respects_the_api_key():
     """A full queue is refused before parsing, but never to a client with a wrong key (that is a 401)."""
-    from moeserve.frontend.core_client import QueueFullError
+    from moeserve.errors import QueueFullError
 
     class Engine:
         is_running, room = True, 0

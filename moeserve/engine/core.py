@@ -25,6 +25,7 @@ from moeserve.distributed.parallel_state import RankFailure
 from moeserve.engine.lora_manager import LoRAManager
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.warmup import CompileWatch, decode_split_shapes, eager_decode_sizes, warm_up, warmup_token_counts
+from moeserve.errors import EngineShutdownError, QueueFullError, RequestError
 from moeserve.model_spec import ModelSpec
 from moeserve.models.tokenizer import eos_token_ids, load_tokenizer
 from moeserve.models.upcycle import demo_model_path
@@ -37,14 +38,6 @@ from moeserve.worker.parallel_runner import ParallelModelRunner
 from moeserve.worker.sequence import PENDING, Sequence
 
 logger = logging.getLogger("moeserve")
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message says why."""
-
-
-class EngineShutdownError(RuntimeError):
-    """The engine was shut down: it takes no more requests or calls."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +61,8 @@ class RequestLimits:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
-            raise RequestError(f"stop_token_ids {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError(f"stop_token_ids {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
+                               param="stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                                "(the prompt plus at least one generated token must fit)")
@@ -78,7 +72,7 @@ class RequestLimits:
         elif params.max_tokens > room:
             raise RequestError(f"max_tokens {params.max_tokens} does not fit: this model's maximum context length "
                                f"is {self.max_model_len} tokens and the prompt has {len(ids)}, which leaves "
-                               f"{room}; lower max_tokens or shorten the prompt")
+                               f"{room}; lower max_tokens or shorten the prompt", param="max_tokens")
         need_blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
         if need_blocks > self.num_kv_blocks:
             raise RequestError(f"request needs {need_blocks} KV blocks but the cache has only "
@@ -195,7 +189,7 @@ class EngineCore:
                     raise RequestError(f"adapter {lora!r} requested but LoRA is not enabled (--enable-lora)")
                 self.lora_manager.check_known(lora)
             if len(self.scheduler.waiting) >= self.config.max_queue_len:
-                raise RequestError(f"queue is full ({self.config.max_queue_len} waiting requests); retry later")
+                raise QueueFullError(f"queue is full ({self.config.max_queue_len} waiting requests); retry later")
             if request_id is None:  # auto ids skip any a caller chose
                 request_id = f"req-{next(self._ids)}"
                 while request_id in self.seqs:

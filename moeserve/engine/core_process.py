@@ -7,15 +7,8 @@ detokenizing, SSE) never shares an interpreter lock with it. Adapter files are r
 worker thread (one at a time, in the order the loads arrived); the loop only registers a parsed adapter, so a
 large or hostile file never stops generation. LoRA calls are answered in the order they arrived.
 
-Wire format: msgpack lists over two ZeroMQ PUSH/PULL sockets (ipc://). Frontend -> core:
-    ["add", request_id, prompt_token_ids, sampling_params_dict, lora_name]
-    ["abort", [request_id, ...], counted]
-    ["call", call_id, method, args]          (utility calls, answered by a "reply")
-    ["shutdown"]
-Core -> frontend:
-    ["ready", info] | ["startup_failed", error_type, message]
-    ["step", [CoreOutput wire, ...], [accepted ids], [[rejected id, error_type, message], ...], counts]
-    ["reply", call_id, ok, result | [error_type, message]]
+Messages: the typed records of moeserve/messages.py, msgpack-encoded by its MsgpackCodec, over two ZeroMQ
+PUSH/PULL sockets (ipc://); each is handled by the handler registered for its type.
 """
 from __future__ import annotations
 
@@ -28,49 +21,28 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import msgpack
 import zmq
 
 from moeserve.config import EngineConfig
 from moeserve.engine.core import EngineCore
+from moeserve.errors import USER_ERRORS
 from moeserve.log_filter import filter_repeats
-from moeserve.sampling_params import SamplingParams
+from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, CoreReady, FailNextSteps, Hold,
+                               HoldLoRAReads, ListLoRAs, LoadLoRA, LoRAVersions, Shutdown, StartupFailed, Stats,
+                               StepOutputs, UnloadLoRA)
 
 logger = logging.getLogger("moeserve")
-
-# utility calls a frontend may make; the test hooks only when MOESERVE_TEST_HOOKS=1 in the core's environment
-CALLS = ("list_loras", "lora_versions", "stats")
-LORA_CALLS = ("load_lora", "unload_lora")  # answered in arrival order (a load waits for its file to be read)
-TEST_CALLS = ("hold", "fail_next_steps", "hold_lora_reads")
-
-
-def pack(msg) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def unpack(data: bytes):
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 def config_to_wire(config: EngineConfig) -> dict:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-def error_wire(e: BaseException) -> list:
-    return [type(e).__name__, str(e)]
-
-
 @dataclass
 class LoRACall:
     """A load or unload waiting its turn; a load's file is read by `parsed` (None: nothing to wait for)."""
-    call_id: int
-    method: str
-    args: list  # load_lora: name, path[, pinned[, replace]]; unload_lora: name
+    call: LoadLoRA | UnloadLoRA
     parsed: Future | None = None
-
-    def load_args(self) -> tuple[str, str, bool, bool]:
-        name, path, *flags = self.args
-        return name, path, bool(flags[0]) if flags else False, bool(flags[1]) if len(flags) > 1 else False
 
 
 class CoreServer:
@@ -81,15 +53,31 @@ class CoreServer:
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.accepted: list[str] = []
-        self.rejected: list[list] = []
-        self.hooks = os.environ.get("MOESERVE_TEST_HOOKS") == "1"
+        self.rejected: dict[str, Exception] = {}
         self.lora_calls: deque[LoRACall] = deque()
+        # what each message does; the calls answer a CallReply (LoRA calls in arrival order)
+        self.handlers = {AddRequest: self.add, AbortRequests: self.abort, Shutdown: self.shutdown,
+                         LoadLoRA: self.queue_lora_call, UnloadLoRA: self.queue_lora_call}
+        self.calls = {ListLoRAs: lambda call: self.core.list_loras(), Stats: lambda call: self.core.stats(),
+                      LoRAVersions: lambda call: (self.core.lora_manager.versions()
+                                                  if self.core.lora_manager is not None else {})}
+        if os.environ.get("MOESERVE_TEST_HOOKS") == "1":
+            self.calls.update({Hold: self._hold, FailNextSteps: self._fail_launches, HoldLoRAReads: self._hold_reads})
         # adapter files are read here, never on the loop: one at a time (bounded memory), in arrival order
         self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeserve-lora-read")
         if core.lora_manager is not None:
             core.lora_manager.reader = self.reader  # re-reads of adapters evicted from the host cache too
 
-    def _fail_launches(self, n: int, message: str) -> None:
+    def _hold(self, call: Hold) -> None:
+        """Stop stepping while the flag file exists: requests pile up (tests)."""
+        open(call.flag + ".held", "w").close()
+        deadline = time.monotonic() + 60
+        while os.path.exists(call.flag) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def _fail_launches(self, call: FailNextSteps) -> None:
+        """The next n launches raise, as a device fault would (tests)."""
+        n, message = call.n, call.message
         runner = self.core.runner
         launch = type(runner).launch.__get__(runner)
         left = [n]
@@ -102,8 +90,10 @@ class CoreServer:
 
         runner.launch = failing
 
-    def _hold_reads(self, flag: str) -> None:
-        """The next adapter read waits while `flag` exists (it creates flag + '.reading' when it starts)."""
+    def _hold_reads(self, call: HoldLoRAReads) -> None:
+        """The next adapter read waits while the flag file exists (it creates flag + '.reading' when it starts)."""
+        flag = call.flag
+
         def held(manager, name, path):
             del self._parse  # one read only
             open(flag + ".reading", "w").close()
@@ -125,7 +115,7 @@ class CoreServer:
             if self.lora_calls:
                 timeout = min(timeout, 5)  # a file being read: look for its end now and then
             while poller.poll(timeout):
-                if not self.handle(unpack(self.inbox.recv())):
+                if not self.handle(CODEC.decode(self.inbox.recv())):
                     return
                 timeout = 0
             self.finish_lora_calls()
@@ -136,51 +126,63 @@ class CoreServer:
             stalled = not outputs and self.core.inflight is None and not self.core.scheduler.running
             if outputs or self.accepted or self.rejected:
                 sched = self.core.scheduler
-                counts = {"num_running": len(sched.running), "num_waiting": len(sched.waiting)}
-                self.outbox.send(pack(["step", [o.to_wire() for o in outputs], self.accepted, self.rejected, counts]))
-                self.accepted, self.rejected = [], []
+                self.send(StepOutputs(outputs, self.accepted, self.rejected, len(sched.running), len(sched.waiting)))
+                self.accepted, self.rejected = [], {}
 
-    def handle(self, msg: list) -> bool:
-        kind = msg[0]
-        if kind == "add":
-            _, request_id, ids, params, lora = msg
-            try:
-                self.core.add_request(ids, SamplingParams(**params), lora, request_id)
-                self.accepted.append(request_id)
-            except Exception as e:  # noqa: BLE001 - the frontend maps the error type to an HTTP status
-                self.rejected.append([request_id, *error_wire(e)])
-        elif kind == "abort":
-            for request_id in msg[1]:
-                self.core.abort(request_id, counted=msg[2])
-        elif kind == "call":
-            _, call_id, method, args = msg
-            if method in LORA_CALLS:
-                self.queue_lora_call(LoRACall(call_id, method, args))
-                return True
-            try:
-                self.reply(call_id, True, self.call(method, args))
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                self.reply(call_id, False, error_wire(e))
-        elif kind == "shutdown":
-            return False
+    def send(self, msg) -> None:
+        self.outbox.send(CODEC.encode(msg))
+
+    def handle(self, msg) -> bool:
+        """Do what `msg` says; False: stop the loop."""
+        handler = self.handlers.get(type(msg))
+        if handler is not None:
+            return handler(msg) is not False
+        if isinstance(msg, Call):
+            self.answer(msg)
+            return True
+        logger.error("the engine core has no handler for %s messages; ignored", type(msg).__name__)
         return True
 
-    def reply(self, call_id: int, ok: bool, result) -> None:
-        self.outbox.send(pack(["reply", call_id, ok, result]))
+    def add(self, msg: AddRequest) -> None:
+        try:
+            self.core.add_request(msg.prompt_token_ids, msg.params, msg.lora, msg.request_id)
+            self.accepted.append(msg.request_id)
+        except Exception as e:  # noqa: BLE001 - travels by type; the frontend maps it to an HTTP status
+            self.rejected[msg.request_id] = e
+
+    def abort(self, msg: AbortRequests) -> None:
+        for request_id in msg.request_ids:
+            self.core.abort(request_id, counted=msg.counted)
+
+    def shutdown(self, msg: Shutdown) -> bool:
+        return False
+
+    def answer(self, call: Call) -> None:
+        """Run a call now and reply (an unknown or disabled one: ValueError)."""
+        try:
+            run = self.calls.get(type(call))
+            if run is None:
+                raise ValueError(f"unknown engine call {type(call).__name__}")
+            self.reply(call, run(call))
+        except Exception as e:  # noqa: BLE001 - handed to the caller, by type
+            self.reply(call, error=e)
+
+    def reply(self, call: Call, result=None, error: Exception | None = None) -> None:
+        self.send(CallReply(call.call_id, result, error))
 
     # ---- adapter loads: read on the reader thread, registered here in arrival order --------------------
-    def queue_lora_call(self, call: LoRACall) -> None:
+    def queue_lora_call(self, call: LoadLoRA | UnloadLoRA) -> None:
         manager = self.core.lora_manager
-        if call.method == "load_lora" and manager is not None:
-            name, path, _, replace = call.load_args()
+        waiting = LoRACall(call)
+        if isinstance(call, LoadLoRA) and manager is not None:
             try:  # a refusal that needs no file is answered at once, unless a call ahead (an unload) may change it
                 if not self.lora_calls:
-                    manager.check_name(name, replace)
+                    manager.check_name(call.name, call.replace)
             except Exception as e:  # noqa: BLE001
-                self.reply(call.call_id, False, error_wire(e))
+                self.reply(call, error=e)
                 return
-            call.parsed = self.reader.submit(self._parse, manager, name, path)
-        self.lora_calls.append(call)
+            waiting.parsed = self.reader.submit(self._parse, manager, call.name, call.path)
+        self.lora_calls.append(waiting)
         self.finish_lora_calls()
 
     def _parse(self, manager, name: str, path: str):
@@ -189,50 +191,27 @@ class CoreServer:
     def finish_lora_calls(self) -> None:
         """Answer the LoRA calls at the head of the line whose files have been read."""
         while self.lora_calls and (self.lora_calls[0].parsed is None or self.lora_calls[0].parsed.done()):
-            call = self.lora_calls.popleft()
+            waiting = self.lora_calls.popleft()
             try:
-                if call.method == "load_lora":
-                    self._register(call)
+                if isinstance(waiting.call, LoadLoRA):
+                    self._register(waiting)
                 else:
-                    self.core.unload_lora(*call.args)
-                self.reply(call.call_id, True, None)
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                self.reply(call.call_id, False, error_wire(e))
-            call.parsed = None  # the parsed tensors (or the error) go now; the registered copy lives on
+                    self.core.unload_lora(waiting.call.name)
+                self.reply(waiting.call)
+            except Exception as e:  # noqa: BLE001 - handed to the caller, by type
+                self.reply(waiting.call, error=e)
+            waiting.parsed = None  # the parsed tensors (or the error) go now; the registered copy lives on
 
-    def _register(self, call: LoRACall) -> None:
-        manager = self.core.lora_manager
+    def _register(self, waiting: LoRACall) -> None:
+        manager, call = self.core.lora_manager, waiting.call
         if manager is None:
-            return self.core.load_lora(*call.load_args())  # raises: LoRA is not enabled
-        name, path, pinned, replace = call.load_args()
-        adapter = call.parsed.result()  # raises the reading error
-        manager.register(name, path, pinned=pinned, queued=list(self.core.seqs.values()), replace=replace,
-                         adapter=adapter)
-
-    def call(self, method: str, args: list):
-        if method == "lora_versions":
-            return self.core.lora_manager.versions() if self.core.lora_manager is not None else {}
-        if method in CALLS:
-            return getattr(self.core, method)(*args)
-        if self.hooks and method == "hold":  # stop stepping while a flag file exists: requests pile up (tests)
-            flag = args[0]
-            open(flag + ".held", "w").close()
-            deadline = time.monotonic() + 60
-            while os.path.exists(flag) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            return None
-        if self.hooks and method == "fail_next_steps":  # the next n launches raise, as a device fault would (tests)
-            self._fail_launches(*args)
-            return None
-        if self.hooks and method == "hold_lora_reads":  # adapter reads wait while a flag file exists (tests)
-            self._hold_reads(args[0])
-            return None
-        raise ValueError(f"unknown engine call {method!r}")
+            return self.core.load_lora(call.name, call.path, call.pinned, call.replace)  # raises: LoRA is not enabled
+        adapter = waiting.parsed.result()  # raises the reading error
+        manager.register(call.name, call.path, pinned=call.pinned, queued=list(self.core.seqs.values()),
+                         replace=call.replace, adapter=adapter)
 
 
 CORE_LOGGERS = ("moeserve",)
-# what a user can get wrong (a path, a flag's value): the frontend prints one line for these, without a traceback
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 ABANDON_SIGNAL = signal.SIGUSR1  # the frontend's "stop starting": SIGTERM and SIGINT are the service manager's
@@ -271,14 +250,14 @@ def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, l
             return
         except Exception as e:  # noqa: BLE001 - the frontend reports it and exits
             signal.signal(ABANDON_SIGNAL, signal.SIG_IGN)  # ending anyway: the signal must not raise in the exit
-            if isinstance(e, USER_ERRORS):  # the message says it all; the traceback is for --log-level debug
+            if isinstance(e, USER_ERRORS):  # the frontend prints one line; the traceback is for --log-level debug
                 logger.debug("engine core failed to start", exc_info=True)
             else:
                 logger.exception("engine core failed to start")
-            outbox.send(pack(["startup_failed", *error_wire(e)]))
+            outbox.send(CODEC.encode(StartupFailed(e)))
             return
         signal.signal(ABANDON_SIGNAL, signal.SIG_IGN)  # started: the frontend stops it with a message
-        outbox.send(pack(["ready", core.info()]))
+        outbox.send(CODEC.encode(CoreReady(core.info())))
         server = CoreServer(core, inbox, outbox, parent_pid)
         with filter_repeats(loggers=CORE_LOGGERS):  # a failing step or request repeated: one line per interval
             server.run()

@@ -18,21 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.lora.adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter
+from moeserve.errors import AdapterInUseError, InvalidAdapterNameError, LoRAAdapterError, UnknownAdapterError
+from moeserve.lora.adapter import LoRAAdapter, load_lora_adapter
 from moeserve.lora.slot_pool import ALL_TARGETS, LoRASlotPool
 from moeserve.model_spec import ModelSpec
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.worker.sequence import Sequence
 
 logger = logging.getLogger("moeserve")
-
-
-class UnknownLoRAError(LookupError):
-    """A request or call names an adapter the engine does not know."""
-
-
-class LoRAInUseError(RuntimeError):
-    """Pinning would take the last slot that queued or running requests for other adapters need."""
 
 
 @dataclass(eq=False)
@@ -128,7 +121,7 @@ class LoRAManager:
     def _require_known(self, name: str) -> None:
         v = self.live.get(name)
         if v is None or v.state != "live":
-            raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded; "
+            raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded; "
                                    f"loaded adapters: {sorted(self.names()) or 'none'}")
 
     def check_known(self, name: str) -> None:
@@ -175,7 +168,7 @@ class LoRAManager:
     def check_name(self, name: str, replace: bool = False) -> None:
         """Raise unless `name` may be registered now (valid; not loaded, or `replace`)."""
         if not isinstance(name, str) or not name or ":" in name:
-            raise LoRAAdapterError(f"invalid adapter name {name!r} (non-empty, no ':')")
+            raise InvalidAdapterNameError(f"invalid adapter name {name!r} (non-empty, no ':')")
         old = self.live.get(name)
         if old is not None and old.state == "live" and not replace:
             raise LoRAAdapterError(f"an adapter named {name!r} is already loaded (from {old.path}); "
@@ -196,8 +189,8 @@ class LoRAManager:
             needy = [q.request_id for q in queued
                      if q.lora_name and q.lora_name not in others and q.lora_name != name and not q.is_finished]
             if len(others) + 1 >= len(self.slot_ver) and needy:
-                raise LoRAInUseError(f"cannot pin {name!r}: it would take the last LoRA slot that {len(needy)} queued or "
-                                     "running request(s) for unpinned adapters need")
+                raise AdapterInUseError(f"cannot pin {name!r}: it would take the last LoRA slot that {len(needy)} "
+                                        "queued or running request(s) for unpinned adapters need")
             # the old version's slot counts as free when nothing uses it: it is dropped below
             slot = self._free_slot(also=old)
             if slot is None:

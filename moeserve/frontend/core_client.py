@@ -25,60 +25,19 @@ import zmq
 import zmq.asyncio
 
 from moeserve.config import EngineConfig
-from moeserve.engine.core import RequestError, RequestLimits
-from moeserve.engine.core_process import ABANDON_SIGNAL, USER_ERRORS, config_to_wire, pack, run_core, unpack
+from moeserve.engine.core import RequestLimits
+from moeserve.engine.core_process import ABANDON_SIGNAL, config_to_wire, run_core
+from moeserve.errors import (USER_ERRORS, AdapterPathError, EngineDeadError, EngineStartError, EngineStepError,
+                             InvalidAdapterNameError, QueueFullError, RequestError, UnknownAdapterError)
 from moeserve.frontend.output_processor import OutputProcessor, RequestState
-from moeserve.lora.adapter import CONFIG_FILE, LoRAAdapterError, validate_adapter_name
+from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
+from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, LoadLoRA, LoRAVersions, Shutdown,
+                               StartupFailed, Stats, StepOutputs, UnloadLoRA)
 from moeserve.models.tokenizer import load_tokenizer
-from moeserve.outputs import CoreOutput, RequestOutput
+from moeserve.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("moeserve")
-
-
-class QueueFullError(RequestError):
-    """The engine's waiting queue holds max_queue_len requests; retry later."""
-
-
-class EngineStepError(RuntimeError):
-    """The engine failed this request (a failed step, an adapter that could not be read)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core is not running."""
-
-
-class EngineStartError(RuntimeError):
-    """The engine core failed to start for a reason other than the configuration (its log has the traceback)."""
-
-
-class UnknownAdapterError(LookupError):
-    """The request names an adapter the engine does not serve."""
-
-
-class AdapterInUseError(RuntimeError):
-    """The core refused a LoRA call because of the adapter's requests: pinning it would take the last slot that
-    queued or running requests for other adapters need. (An unload never answers this: it drains.)"""
-
-
-# error types raised in the core, as the frontend re-raises them (the HTTP layer maps them to statuses)
-_ERRORS = {"UnknownLoRAError": UnknownAdapterError, "LoRAInUseError": AdapterInUseError,
-           "LoRAAdapterError": LoRAAdapterError, "FileNotFoundError": FileNotFoundError,
-           "NotADirectoryError": FileNotFoundError, "IsADirectoryError": IsADirectoryError,
-           "PermissionError": PermissionError, "EngineDeadError": EngineDeadError}
-
-
-def _error(kind: str, message: str) -> Exception:
-    cls = _ERRORS.get(kind)
-    if cls is not None:
-        return cls(message)
-    if kind in ("RequestError", "ValueError"):
-        return (QueueFullError if message.startswith("queue is full") else RequestError)(message)
-    return RuntimeError(f"{kind}: {message}")
-
-
-class AdapterPathError(RequestError):
-    """A load names no path where one is needed, or a path outside --lora-dir."""
 
 
 def resolve_adapter_path(name: str, given: str | None, lora_dir: str | None) -> str:
@@ -286,11 +245,12 @@ class EngineClient:
             if not first.done():
                 raise EngineStartError(f"the engine core process exited while starting (exit code "
                                        f"{self.proc.exitcode})")
-            msg = unpack(first.result())
-            if msg[0] == "startup_failed":
-                err = _error(msg[1], msg[2])
-                raise err if isinstance(err, USER_ERRORS) else EngineStartError(msg[2])
-            self.info = msg[1]
+            msg = CODEC.decode(first.result())
+            if isinstance(msg, StartupFailed):  # the core's error, of its own type
+                if isinstance(msg.error, USER_ERRORS):
+                    raise msg.error
+                raise EngineStartError(str(msg.error)) from msg.error
+            self.info = msg.info
             self.limits = RequestLimits(self.info["vocab_size"], self.info["max_model_len"], self.info["block_size"],
                                         self.info["num_kv_blocks"])
             self.lora_versions = {name: 1 for name in self.info["lora_names"]}  # loaded at start: first versions
@@ -320,7 +280,7 @@ class EngineClient:
     def _stop_core(self) -> None:
         """Stop a core in any state: ABANDON_SIGNAL ends a start, the message a core already serving."""
         try:
-            self._to_core.send(pack(["shutdown"]))
+            self._to_core.send(CODEC.encode(Shutdown()))
         except zmq.ZMQError:
             pass
         if self.proc.is_alive():
@@ -341,7 +301,7 @@ class EngineClient:
         if self.dead is None:
             self.dead = "the engine has shut down"
             try:
-                await self._to_core.send(pack(["shutdown"]))
+                await self._to_core.send(CODEC.encode(Shutdown()))
             except zmq.ZMQError:
                 pass
         self._fail_all(EngineDeadError(self.dead))
@@ -389,7 +349,7 @@ class EngineClient:
     async def _read(self) -> None:
         while True:
             try:
-                msg = unpack(await self._from_core.recv())
+                msg = CODEC.decode(await self._from_core.recv())
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
             try:
@@ -397,27 +357,32 @@ class EngineClient:
             except Exception:  # noqa: BLE001 - a frontend bug must not stop every stream
                 logger.exception("failed to process a message from the engine core")
 
-    def _dispatch(self, msg: list) -> None:
-        if msg[0] == "reply":
-            _, call_id, ok, result = msg
-            fut = self.calls.pop(call_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(result) if ok else fut.set_exception(_error(*result))
-            return
-        _, outputs, accepted, rejected, self.counts = msg
-        for request_id in accepted:
+    def _dispatch(self, msg) -> None:
+        handler = {StepOutputs: self._on_step, CallReply: self._on_reply}.get(type(msg))
+        if handler is None:
+            raise TypeError(f"unexpected {type(msg).__name__} message from the engine core")
+        handler(msg)
+
+    def _on_reply(self, msg: CallReply) -> None:
+        fut = self.calls.pop(msg.call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.result) if msg.error is None else fut.set_exception(msg.error)
+
+    def _on_step(self, msg: StepOutputs) -> None:
+        self.counts = {"num_running": msg.num_running, "num_waiting": msg.num_waiting}
+        for request_id in msg.accepted:
             fut = self.pending_adds.pop(request_id, None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
-        for request_id, kind, message in rejected:
+        for request_id, error in msg.rejected.items():
             fut = self.pending_adds.pop(request_id, None)
             self.output.abort(request_id)
             self.streams.pop(request_id, None)
             if fut is not None and not fut.done():
-                fut.set_exception(_error(kind, message))
-        results, stopped = self.output.process([CoreOutput.from_wire(w) for w in outputs])
+                fut.set_exception(error)
+        results, stopped = self.output.process(msg.outputs)
         if stopped:  # ended by a stop string here: the core stops computing them (not counted as aborts)
-            self._send(["abort", stopped, False])
+            self._send(AbortRequests(stopped, counted=False))
         for out in results:
             stream = self.streams.get(out.request_id)
             if stream is None:
@@ -427,10 +392,10 @@ class EngineClient:
             stream.put(out)
 
     # ---- requests -----------------------------------------------------------------------------------
-    def _send(self, msg: list) -> None:
+    def _send(self, msg) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        self._to_core.send(pack(msg))  # PUSH to a live peer queues at once; the returned future needs no await
+        self._to_core.send(CODEC.encode(msg))  # PUSH to a live peer queues at once; the returned future needs no await
 
     def _tokenize(self, prompt: str | ChatPrompt) -> list[int]:
         if self.tokenizer is None:
@@ -526,7 +491,7 @@ class EngineClient:
         self.pending_adds[request_id] = accepted
         self.output.add(RequestState(request_id, prompt_text, ids, params, lora))
         try:
-            self._send(["add", request_id, ids, dataclasses.asdict(params), lora])
+            self._send(AddRequest(request_id, ids, params, lora))
         except BaseException:  # e.g. a value msgpack cannot carry: a stream left behind would hold its place forever
             self.streams.pop(request_id, None)
             self.pending_adds.pop(request_id, None)
@@ -555,35 +520,34 @@ class EngineClient:
         if stream is not None and out is not None:
             stream.put(out)
         if self.dead is None:
-            self._send(["abort", [request_id], True])
+            self._send(AbortRequests([request_id]))
 
-    async def call(self, method: str, *args):
-        """A utility call on the core (between steps)."""
+    async def call(self, call: Call):
+        """A utility call on the core (between steps, moeserve/messages.py); raises the core's error as its class."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        call_id = next(self._call_ids)
-        fut = asyncio.get_running_loop().create_future()
-        self.calls[call_id] = fut
-        self._send(["call", call_id, method, list(args)])
+        call = dataclasses.replace(call, call_id=next(self._call_ids))
+        self._send(call)  # the reply is read on this loop, so it cannot arrive before the future is registered
+        fut = self.calls[call.call_id] = asyncio.get_running_loop().create_future()
         return await fut
 
     async def load_lora(self, name: str, path: str, pinned: bool = False, replace: bool = False) -> None:
         """Load an adapter (the core reads it off its step loop). `replace=True` reloads a loaded name as a new
         version: requests already started finish on the old one, every later request gets the new one."""
         try:
-            await self.call("load_lora", name, path, pinned, replace)
+            await self.call(LoadLoRA(name, path, pinned, replace))
         finally:
             await self._refresh_loras()
 
     async def unload_lora(self, name: str) -> None:
         try:
-            await self.call("unload_lora", name)
+            await self.call(UnloadLoRA(name))
         finally:
             await self._refresh_loras()
 
     async def _refresh_loras(self) -> None:
         if self.dead is None:
-            self.lora_versions = dict(await self.call("lora_versions"))
+            self.lora_versions = dict(await self.call(LoRAVersions()))
 
     @property
     def loads_on_demand(self) -> bool:
@@ -619,10 +583,10 @@ class EngineClient:
         except Exception as e:  # noqa: BLE001 - one answer to the client, the reason in the server's log
             if name in self.lora_versions:  # loaded meanwhile by a load request
                 return
-            if not (isinstance(e, FileNotFoundError) or "invalid adapter name" in str(e)):  # not a client's typo
+            if not isinstance(e, (FileNotFoundError, InvalidAdapterNameError)):  # not a client's typo
                 logger.warning("could not load LoRA adapter %r from --lora-dir at its first request: %s", name, e)
         raise UnknownAdapterError(f"unknown LoRA adapter {name!r}: it is not loaded, and no adapter by that name "
                                   "could be loaded from the server's --lora-dir")
 
     async def stats(self) -> dict:
-        return await self.call("stats")
+        return await self.call(Stats())

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 from moeserve.config import EngineConfig
-from moeserve.engine.core import EngineCore, EngineShutdownError, RequestError
-from moeserve.engine.lora_manager import UnknownLoRAError
+from moeserve.engine.core import EngineCore
+from moeserve.errors import EngineShutdownError, RequestError, UnknownAdapterError
 from moeserve.frontend.output_processor import OutputProcessor, RequestState
 from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
 from moeserve.outputs import RequestOutput
@@ -125,7 +125,7 @@ class Engine:
             root = os.path.realpath(cfg.lora_dir)
             path = os.path.realpath(os.path.join(root, name))
             if os.path.commonpath([root, path]) != root or not os.path.isfile(os.path.join(path, CONFIG_FILE)):
-                raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded, and lora_dir (--lora-dir) has no "
+                raise UnknownAdapterError(f"LoRA adapter {name!r} is not loaded, and lora_dir (--lora-dir) has no "
                                        f"adapter folder {name!r} ({CONFIG_FILE} inside it) to load it from")
             self.core.load_lora(name, path)
         except (ValueError, LookupError):

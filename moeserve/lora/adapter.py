@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moeserve.errors import InvalidAdapterNameError, LoRAAdapterError
 from moeserve.lora.pattern_keys import MAX_PATTERN_KEY_LEN, MAX_PATTERN_KEYS, PatternKeyError, PatternTable
 from moeserve.model_spec import ModelSpec
 
@@ -96,20 +97,16 @@ _PATTERN_LIST_FIELDS = ("target_modules", "exclude_modules", "layers_pattern", "
 _ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9._/-]{1,128}")
 
 
-class LoRAAdapterError(ValueError):
-    """The adapter cannot be served; the message names the adapter, the file or key, and the problem."""
-
-
 def validate_adapter_name(name: str) -> None:
     """Raise LoRAAdapterError unless `name` is 1-128 characters of [A-Za-z0-9._-/], with '/' only between
     non-empty components none of which is '.' or '..' (names show up in URLs, logs and cache paths)."""
     if not isinstance(name, str):
-        raise LoRAAdapterError(f"adapter name must be a string, got {type(name).__name__}")
+        raise InvalidAdapterNameError(f"adapter name must be a string, got {type(name).__name__}")
     shown = repr(name if len(name) <= 64 else name[:64] + "...")
     if not _ADAPTER_NAME_RE.fullmatch(name):
-        raise LoRAAdapterError(f"invalid adapter name {shown}: use 1-128 characters of A-Z a-z 0-9 . _ - /")
+        raise InvalidAdapterNameError(f"invalid adapter name {shown}: use 1-128 characters of A-Z a-z 0-9 . _ - /")
     if any(part in ("", ".", "..") for part in name.split("/")):
-        raise LoRAAdapterError(f"invalid adapter name {shown}: '/' may only separate components, and no "
+        raise InvalidAdapterNameError(f"invalid adapter name {shown}: '/' may only separate components, and no "
                                "component may be empty, '.' or '..'")
 
 

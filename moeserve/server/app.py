@@ -27,10 +27,10 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.engine_args import add_engine_args, engine_config_from_args
-from moeserve.frontend.core_client import (AdapterPathError, EngineClient, EngineDeadError, UnknownAdapterError,
-                                           resolve_adapter_path)
+from moeserve.errors import AdapterPathError, EngineDeadError, InvalidAdapterNameError, UnknownAdapterError
+from moeserve.frontend.core_client import EngineClient, resolve_adapter_path
 from moeserve.log_filter import filter_repeats
-from moeserve.lora.adapter import LoRAAdapterError, validate_adapter_name
+from moeserve.lora.adapter import validate_adapter_name
 from moeserve.server.completions import ServerState, create_chat_completion, create_completion
 from moeserve.server.connections import (HTTPLimits, guarded_protocol_class, limit_request_body,
                                          raise_open_files_limit, raw_response)
@@ -216,7 +216,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
                               "--enable-lora-runtime-loading)", code="runtime_lora_loading_disabled")
         try:
             validate_adapter_name(name)
-        except LoRAAdapterError as e:
+        except InvalidAdapterNameError as e:
             raise OpenAIError(400, str(e), param="lora_name", code="invalid_value") from None
 
     @app.post("/v1/load_lora_adapter", dependencies=auth)

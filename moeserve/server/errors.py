@@ -6,9 +6,8 @@ import re
 
 from fastapi.exceptions import RequestValidationError
 
-from moeserve.frontend.core_client import (AdapterInUseError, EngineDeadError, EngineStepError, QueueFullError,
-                                           UnknownAdapterError)
-from moeserve.lora.adapter import LoRAAdapterError
+from moeserve.errors import (AdapterInUseError, EngineDeadError, EngineStepError, LoRAAdapterError, QueueFullError,
+                             UnknownAdapterError)
 from moeserve.server.protocol import RETRY_AFTER_S, OpenAIError
 
 logger = logging.getLogger("moeserve")
@@ -46,13 +45,12 @@ def engine_error(e: BaseException, prompt_param: str) -> OpenAIError:
         return queue_full(str(e))
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), type="server_error", code="engine_unavailable")
-    if isinstance(e, LookupError) and not type(e) is KeyError:
+    if isinstance(e, UnknownAdapterError):  # a KeyError or IndexError is a bug: 500 below
         return OpenAIError(404, redact_paths(str(e)), param="model", code="model_not_found")
     if isinstance(e, ValueError):
-        msg = redact_paths(str(e))
-        first = msg.split(" ", 1)[0]
-        param = "model" if isinstance(e, LoRAAdapterError) else first if first in _SAMPLING_FIELDS else prompt_param
-        return OpenAIError(400, msg, param=param, code="invalid_value")
+        param = getattr(e, "param", None)  # RequestError: the field at fault
+        param = "model" if isinstance(e, LoRAAdapterError) else param if param in _SAMPLING_FIELDS else prompt_param
+        return OpenAIError(400, redact_paths(str(e)), param=param, code="invalid_value")
     if not isinstance(e, EngineStepError):  # already logged by the engine core
         logger.error("internal error", exc_info=e)
     return OpenAIError(500, redact_paths(f"internal error: {type(e).__name__}: {e}"), type="server_error",
@@ -70,13 +68,13 @@ def lora_error(e: BaseException, paths: tuple[str, ...] = ()) -> OpenAIError:
     if isinstance(e, (ValueError, OSError, RuntimeError)) and not isinstance(e, (EngineDeadError,
                                                                                   AdapterInUseError)):
         logger.warning("LoRA adapter request failed: %s", e)
-    if isinstance(e, FileNotFoundError):  # one answer for "missing", "not a folder", "unreadable"
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):  # one answer for "missing", "not a folder"
         return OpenAIError(404, ADAPTER_NOT_FOUND, param="lora_path", code="adapter_not_found")
     if isinstance(e, UnknownAdapterError):
         return OpenAIError(404, redact_paths(str(e), paths), param="lora_name", code="adapter_not_found")
     if isinstance(e, AdapterInUseError):
         return OpenAIError(409, redact_paths(str(e), paths), param="lora_name", code="adapter_in_use")
-    if isinstance(e, (ValueError, OSError)):
+    if isinstance(e, (ValueError, PermissionError, IsADirectoryError)):  # other OSErrors are the server's: 500
         return OpenAIError(400, redact_paths(str(e), paths), param="lora_path", code="invalid_adapter")
     return engine_error(e, "lora_path")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import pickle
 import threading
 import time
 from contextlib import contextmanager
@@ -33,7 +32,11 @@ from moeserve.model_spec import ModelSpec
 from moeserve.models.loader import load_model
 from moeserve.worker.model_runner import InFlightStep, ModelRunner, StepResult
 from moeserve.worker.sequence import ScheduledBatch
-from moeserve.worker.tp_step import StepPlan, batch_to_wire, release_graphs, run_forward, symm_mem_buffer
+from moeserve.worker import tp_messages
+from moeserve.worker.tp_messages import (AllocateKVCache, CaptureGraphs, ClearLoRASlot, CreateLoRAPool,
+                                         GetAllReduceBackend, GetLoRASlots, GetReplayCounts, LoadLoRASlot,
+                                         ResizeKVCache, StepPlan, StopWorker, WorkerReply)
+from moeserve.worker.tp_step import batch_to_wire, release_graphs, run_forward, symm_mem_buffer
 from moeserve.worker.tp_worker import worker_main
 
 logger = logging.getLogger("moeserve")
@@ -133,8 +136,9 @@ class ParallelModelRunner(ModelRunner):
 
     # ---- talking to the workers ------------------------------------------------------------------
     def send_to_workers(self, msg) -> None:
+        """Send a message of worker/tp_messages.py to every worker."""
         self._check_workers()
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        data = tp_messages.encode(msg)
         for w in self.workers:
             try:
                 w.conn.send_bytes(data)
@@ -142,7 +146,7 @@ class ParallelModelRunner(ModelRunner):
                 self._check_workers(wait_s=1.0)
                 self._fail(f"tensor-parallel rank {w.rank} stopped reading its messages")
 
-    def worker_replies(self, what: str) -> dict[int, object]:
+    def worker_replies(self, what: str) -> dict[int, WorkerReply]:
         """One reply from every worker, each waited for at most timeout_s while its process lives."""
         out = {}
         for w in self.workers:
@@ -153,16 +157,19 @@ class ParallelModelRunner(ModelRunner):
                     self._fail(f"tensor-parallel rank {w.rank} did not answer within {self.timeout_s} s while "
                                f"{what}")
             try:
-                out[w.rank] = pickle.loads(w.conn.recv_bytes())
+                out[w.rank] = tp_messages.decode(w.conn.recv_bytes())
             except (EOFError, OSError):
                 self._check_workers(wait_s=1.0)
                 self._fail(f"tensor-parallel rank {w.rank} closed its pipe while {what}")
         return out
 
-    def _expect_ok(self, what: str) -> None:
-        for rank, error in sorted(self.worker_replies(what).items()):
-            if error is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed {what}: {error}")
+    def _expect_ok(self, what: str) -> dict[int, object]:
+        """Every worker's reply value; RuntimeError naming the first rank that failed."""
+        replies = self.worker_replies(what)
+        for rank, reply in sorted(replies.items()):
+            if reply.error is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed {what}: {reply.error}")
+        return {rank: reply.value for rank, reply in replies.items()}
 
     def _check_workers(self, wait_s: float = 0.0) -> None:
         """Raise RankFailure if a worker process has exited (`wait_s`: give a dying one that long to exit)."""
@@ -204,15 +211,11 @@ class ParallelModelRunner(ModelRunner):
     # ---- engine hooks ----------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
         """Every rank sizes its cache; all use the smallest count (the scheduler hands out one block table)."""
-        self.send_to_workers(("kv_cache", num_blocks))
+        self.send_to_workers(AllocateKVCache(num_blocks))
         mine = super().allocate_kv_cache(num_blocks)
-        counts = self.worker_replies("allocating its KV cache")
-        bad = {r: c for r, c in counts.items() if isinstance(c, str)}
-        if bad:
-            rank, err = min(bad.items())
-            raise RuntimeError(f"tensor-parallel rank {rank} failed allocating its KV cache: {err}")
+        counts = self._expect_ok("allocating its KV cache")
         least = min(mine, *counts.values())
-        self.send_to_workers(("kv_cache_final", least))
+        self.send_to_workers(ResizeKVCache(least))
         if mine != least:
             self.model.kv_caches = []
             if self.device.type == "cuda":
@@ -223,30 +226,30 @@ class ParallelModelRunner(ModelRunner):
 
     def shard_lora_pool(self, pool):
         """Wrap rank 0's slot pool so that every load and clear also happens on the other ranks."""
-        self.send_to_workers(("lora_pool", sorted(pool.targets), pool.max_loras, pool.max_rank, pool.separate_gate_up))
+        self.send_to_workers(CreateLoRAPool(sorted(pool.targets), pool.max_loras, pool.max_rank, pool.separate_gate_up))
         self._expect_ok("allocating its LoRA slot pool")
         return ShardedLoRAPool(pool, self)
 
     def capture_graphs(self, progress: bool = False) -> None:
-        self.send_to_workers(("capture",))  # every rank captures the same keys in the same order (collectives inside)
+        self.send_to_workers(CaptureGraphs())  # every rank captures the same keys in the same order (collectives)
         with self._collectives("graph capture"):
             super().capture_graphs(progress)
         self._expect_ok("capturing its graphs")
 
     def worker_replay_counts(self) -> dict[int, dict[str, int]]:
         """Each worker's graph replays per GraphKey (tests compare them with rank 0's)."""
-        self.send_to_workers(("replay_counts",))
-        return self.worker_replies("reporting its replay counts")
+        self.send_to_workers(GetReplayCounts())
+        return self._expect_ok("reporting its replay counts")
 
     def worker_all_reduce_backends(self) -> dict[int, str]:
         """Each worker's all-reduce backend (every rank must run the same one)."""
-        self.send_to_workers(("all_reduce_backend",))
-        return self.worker_replies("reporting its all-reduce backend")
+        self.send_to_workers(GetAllReduceBackend())
+        return self._expect_ok("reporting its all-reduce backend")
 
     def worker_lora_slots(self) -> dict[int, list[tuple[int, bool]]]:
         """Each worker's LoRA slots as (rank, holds any nonzero weight) (tests check loads and rollbacks)."""
-        self.send_to_workers(("lora_slots",))
-        return self.worker_replies("reporting its LoRA slots")
+        self.send_to_workers(GetLoRASlots())
+        return self._expect_ok("reporting its LoRA slots")
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -256,8 +259,8 @@ class ParallelModelRunner(ModelRunner):
         key = self.graph_runner.key_for(batch, [s.lora_slot for s in sb.seqs]) if graphed else None
         rows, _, prompt_rows = self._logit_rows(sb)
         pending = any(s.num_pending for s in sb.seqs)
-        self.send_to_workers(("step", StepPlan(batch_to_wire(batch), key, pending, rows,
-                                     [(first, count) for _, first, count in prompt_rows])))
+        self.send_to_workers(StepPlan(batch_to_wire(batch), key, pending, rows,
+                                      [(first, count) for _, first, count in prompt_rows]))
         with self._collectives("a forward step"):
             hidden = run_forward(self, batch, key, self.prev_tokens if pending else None)
             step = self._sample(sb, hidden)
@@ -291,7 +294,7 @@ class ParallelModelRunner(ModelRunner):
         try:
             if healthy and self.workers:
                 try:
-                    self.send_to_workers(("shutdown",))
+                    self.send_to_workers(StopWorker())
                 except RankFailure:
                     healthy = False
             if self.tp is not None:
@@ -338,13 +341,14 @@ class ShardedLoRAPool:
         return getattr(self.pool, name)
 
     def load(self, slot: int, adapter) -> None:
-        self.runner.send_to_workers(("lora_load", slot, adapter))
+        self.runner.send_to_workers(LoadLoRASlot(slot, adapter))
         errors = {}
         try:
             self.pool.load(slot, shard_adapter(adapter, self.runner.sharding))
         except Exception as e:  # noqa: BLE001 - rolled back below, on every rank
             errors[0] = f"{type(e).__name__}: {e}"
-        errors.update({r: e for r, e in self.runner.worker_replies("loading an adapter").items() if e is not None})
+        errors.update({r: reply.error for r, reply in self.runner.worker_replies("loading an adapter").items()
+                       if reply.error is not None})
         if errors:
             self.clear(slot)
             rank, err = min(errors.items())
@@ -352,5 +356,5 @@ class ShardedLoRAPool:
                                    f"({err}); slot {slot} was cleared on every rank")
 
     def clear(self, slot: int) -> None:
-        self.runner.send_to_workers(("lora_clear", slot))
+        self.runner.send_to_workers(ClearLoRASlot(slot))
         self.pool.clear(slot)

@@ -1,10 +1,10 @@
 """What every tensor-parallel rank runs per step, rank 0 (worker/parallel_runner.py) and the others
-(worker/tp_worker.py) alike: the step plan rank 0 sends, the batch as it travels, the forward itself, and the
-symmetric all-reduce buffer every rank asks for."""
+(worker/tp_worker.py) alike: the batch as it travels in a StepPlan (worker/tp_messages.py), the forward itself, and
+the symmetric all-reduce buffer every rank asks for."""
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 import numpy as np
 import torch
@@ -29,16 +29,6 @@ def symm_mem_buffer(config: EngineConfig, spec: ModelSpec) -> tuple[int, torch.d
     row_bytes = spec.hidden_size * dtype.itemsize
     rows = min(max(config.max_num_batched_tokens, config.max_num_seqs), max(1, SYMM_MEM_MAX_BYTES // row_bytes))
     return rows * spec.hidden_size, dtype
-
-
-@dataclass
-class StepPlan:
-    """One step as rank 0 decided it; every rank runs exactly this."""
-    batch: dict  # the host ForwardBatch as numpy arrays and plain values (see batch_to_wire)
-    key: GraphKey | None  # the graph every rank replays; None: eager
-    pending: bool  # rows read their input token from the previous step's sampled tokens
-    sample_rows: list[int]  # rows whose logits are computed for sampling
-    prompt_rows: list[tuple[int, int]]  # (first row, count) of prompt-logprob rows, in order
 
 
 def batch_to_wire(b: ForwardBatch) -> dict:

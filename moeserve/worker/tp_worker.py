@@ -8,7 +8,6 @@ when rank 0 says so or when rank 0's end of the pipe closes (rank 0 is gone).
 from __future__ import annotations
 
 import logging
-import pickle
 import sys
 import traceback
 
@@ -19,6 +18,10 @@ from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapt
 from moeserve.lora.slot_pool import LoRASlotPool, lora_slot_state
 from moeserve.models.loader import load_model
 from moeserve.worker.model_runner import ModelRunner
+from moeserve.worker import tp_messages
+from moeserve.worker.tp_messages import (AllocateKVCache, CaptureGraphs, ClearLoRASlot, CreateLoRAPool,
+                                         GetAllReduceBackend, GetLoRASlots, GetReplayCounts, LoadLoRASlot,
+                                         ResizeKVCache, StepPlan, StopWorker, WorkerReply)
 from moeserve.worker.tp_step import batch_from_wire, release_graphs, run_forward, symm_mem_buffer
 
 logger = logging.getLogger("moeserve")
@@ -40,6 +43,12 @@ class Worker:
         self.sharding = TensorSharding(spec, rank, world_size, ep)
         self.rank_spec = rank_spec(spec, world_size, ep)
         self.runner = None
+        # what each message of rank 0's does (worker/tp_messages.py)
+        self.handlers = {StepPlan: self.step, AllocateKVCache: self.allocate_kv_cache,
+                         ResizeKVCache: self.resize_kv_cache, CreateLoRAPool: self.lora_pool,
+                         LoadLoRASlot: self.lora_load, ClearLoRASlot: self.lora_clear, CaptureGraphs: self.capture,
+                         GetReplayCounts: self.replay_counts, GetLoRASlots: self.lora_slots,
+                         GetAllReduceBackend: lambda msg: self.tp.all_reduce_backend, StopWorker: self.stop}
 
     def load(self) -> None:
         cfg = self.config
@@ -50,7 +59,7 @@ class Worker:
 
     # ---- messages ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, plan) -> None:
+    def step(self, plan: StepPlan) -> None:
         runner = self.runner
         pool = runner.lora_pool
         batch = batch_from_wire(plan.batch, pool.slot_ranks if pool is not None else None)
@@ -66,83 +75,70 @@ class Worker:
             tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
             runner.prev_tokens = self.tp.broadcast(tokens, src=0)
 
-    def lora_pool(self, targets, max_loras: int, max_rank: int, separate_gate_up: bool) -> None:
-        self.runner.lora_pool = LoRASlotPool(self.spec, self.runner.model, max_loras, max_rank, set(targets),
-                                             self.device, self.config.torch_dtype, separate_gate_up=separate_gate_up)
+    def allocate_kv_cache(self, msg: AllocateKVCache) -> int:
+        return self.runner.allocate_kv_cache(msg.num_blocks)
 
-    def lora_load(self, slot: int, adapter) -> None:
-        self.runner.lora_pool.load(slot, shard_adapter(adapter, self.sharding))
+    def resize_kv_cache(self, msg: ResizeKVCache) -> None:
+        runner = self.runner
+        if msg.num_blocks != runner.model.kv_caches[0][0].shape[0]:
+            runner.model.kv_caches = []
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            runner.allocate_kv_cache(msg.num_blocks)
 
-    def capture(self) -> None:
+    def lora_pool(self, msg: CreateLoRAPool) -> None:
+        self.runner.lora_pool = LoRASlotPool(self.spec, self.runner.model, msg.max_loras, msg.max_rank,
+                                             set(msg.targets), self.device, self.config.torch_dtype,
+                                             separate_gate_up=msg.separate_gate_up)
+
+    def lora_load(self, msg: LoadLoRASlot) -> None:
+        self.runner.lora_pool.load(msg.slot, shard_adapter(msg.adapter, self.sharding))
+
+    def lora_clear(self, msg: ClearLoRASlot) -> None:
+        self.runner.lora_pool.clear(msg.slot)
+
+    def capture(self, msg: CaptureGraphs) -> None:
         self.runner.capture_graphs()
 
-    def lora_slots(self) -> list[tuple[int, bool]]:
+    def lora_slots(self, msg: GetLoRASlots) -> list[tuple[int, bool]]:
         return lora_slot_state(self.runner.lora_pool)
 
-    def replay_counts(self) -> dict[str, int]:
+    def replay_counts(self, msg: GetReplayCounts) -> dict[str, int]:
         gr = self.runner.graph_runner
         return gr.replay_counts() if gr is not None else {}
 
+    def stop(self, msg: StopWorker) -> None:
+        release_graphs(self.runner)  # before the teardown, which waits for graphs holding collectives
+        destroy_parallel_state(self.tp)  # the symmetric buffer, then the process group (as rank 0 does)
+
 
 def worker_main(rank: int, world_size: int, store_port: int, config, spec, model_dir, conn) -> None:
-    """Process entry point. Replies (None = done, else an error text) go back for the messages rank 0 waits on."""
+    """Process entry point: load this rank's shard, then run rank 0's messages in order, replying to those rank 0
+    waits on (WorkerReply: the value, or the error as text)."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [tp rank {rank}]: %(message)s")
 
-    def reply(value) -> None:
-        conn.send_bytes(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def attempt(fn, *args):
+    def attempt(fn, *args) -> WorkerReply:
         try:
-            fn(*args)
-            return None
+            return WorkerReply(fn(*args))
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which decides
             logger.error("%s", traceback.format_exc())
-            return f"{type(e).__name__}: {e}"
+            return WorkerReply(error=f"{type(e).__name__}: {e}")
 
     worker = Worker(rank, world_size, store_port, config, spec, model_dir)
-    error = attempt(worker.load)
-    reply(error)
-    if error is not None:
+    loaded = attempt(worker.load)
+    conn.send_bytes(tp_messages.encode(loaded))
+    if loaded.error is not None:
         sys.exit(1)
     while True:
         try:
-            msg = pickle.loads(conn.recv_bytes())
+            msg = tp_messages.decode(conn.recv_bytes())
         except (EOFError, OSError):  # rank 0 is gone (an engine without an explicit shutdown ends so too)
             logger.info("rank 0 closed the pipe; tensor-parallel rank %d exiting", rank)
             return
-        kind = msg[0]
-        if kind == "step":
-            worker.step(msg[1])  # a failure here breaks the collectives: rank 0 notices and names this rank
-        elif kind == "lora_load":
-            reply(attempt(worker.lora_load, *msg[1:]))
-        elif kind == "lora_clear":
-            worker.runner.lora_pool.clear(msg[1])
-        elif kind == "kv_cache":
-            try:
-                reply(worker.runner.allocate_kv_cache(msg[1]))
-            except Exception as e:  # noqa: BLE001
-                reply(f"{type(e).__name__}: {e}")
-        elif kind == "kv_cache_final":
-            if msg[1] != worker.runner.model.kv_caches[0][0].shape[0]:
-                worker.runner.model.kv_caches = []
-                if worker.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                reply(attempt(worker.runner.allocate_kv_cache, msg[1]))
-            else:
-                reply(None)
-        elif kind == "lora_pool":
-            reply(attempt(worker.lora_pool, *msg[1:]))
-        elif kind == "capture":
-            reply(attempt(worker.capture))
-        elif kind == "replay_counts":
-            reply(worker.replay_counts())
-        elif kind == "lora_slots":
-            reply(worker.lora_slots())
-        elif kind == "all_reduce_backend":
-            reply(worker.tp.all_reduce_backend)
-        elif kind == "shutdown":
-            release_graphs(worker.runner)  # before the teardown, which waits for graphs holding collectives
-            destroy_parallel_state(worker.tp)  # the symmetric buffer, then the process group (as rank 0 does)
+        handler = worker.handlers[type(msg)]
+        if msg.answered:
+            conn.send_bytes(tp_messages.encode(attempt(handler, msg)))
+        else:  # a failure here (a step, a clear) ends this rank: rank 0 notices and names it
+            handler(msg)
+        if isinstance(msg, StopWorker):
             return
-        else:
-            raise ValueError(f"unknown message {kind!r} from rank 0")
