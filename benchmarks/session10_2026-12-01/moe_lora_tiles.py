@@ -11,8 +11,11 @@ from dataclasses import replace
 
 import torch
 
-from moeserve.bench import kernels as kb
+from benchmarks.kernels import kernels as kb  # moeserve.bench.kernels in calls 3-6
 from moeserve.kernels.moe_plan import MoEProblem, default_plan
+
+
+VARIANTS = "splits"  # --variants
 
 
 def candidates(t: int, problem) -> dict:
@@ -22,6 +25,12 @@ def candidates(t: int, problem) -> dict:
     if base.decode:
         return out
     apart = replace(base, lora_epilogue=False, lora_epilogue_items=4)  # the tuned no-LoRA tiles, expands after
+    if VARIANTS == "tiles":  # call 7: the expand programs' shape (rows x columns) and the walk vs 4 items
+        for rows, cols in ((64, 128), (64, 64), (32, 64), (16, 64), (128, 32)):
+            out[f"apart_{rows}x{cols}"] = replace(apart, lora_gate_up_splits=1, lora_down_splits=1,
+                                                  lora_apart_tile=(rows, cols))
+        out["apart_64x64_walk"] = replace(out["apart_64x64"], lora_epilogue_items=0)
+        return out
     out["apart_64x128"] = apart
     out["apart_64x128_split1"] = replace(apart, lora_gate_up_splits=1, lora_down_splits=1)
     out["apart_32x256_split1"] = replace(apart, lora_gate_up_splits=1, lora_down_splits=1, lora_apart_tile=(32, 256))
@@ -33,7 +42,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="64,256,512,2048,8192")
+    ap.add_argument("--variants", default="splits", choices=("splits", "tiles"))
     args = ap.parse_args()
+    global VARIANTS
+    VARIANTS = args.variants
     gen = torch.Generator("cuda").manual_seed(0)
     weights = [kb.make_weights(gen) for _ in range(kb.NUM_SETS)]
     pools = [kb.make_lora_pool(gen) for _ in range(kb.NUM_SETS)]
