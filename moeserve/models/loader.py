@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from moeserve.distributed.parallel_state import ParallelState
 from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices
+from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.quantization import check_tensor_dtype, checkpoint_quantization
 from moeserve.model_spec import ModelSpec
@@ -109,16 +110,15 @@ def _first(tensors: _Tensors, names: list[str]) -> str:
     return names[0]  # reported as missing
 
 
-def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backend: str = "torch",
-                 moe_backend: str = "torch", lora_backend: str = "torch", tp: ParallelState | None = None,
-                 linear_backend: str = "torch", pdl: bool = False) -> MoEForCausalLM:
-    """Random weights in the real shapes, built directly on the device (`--load-format dummy`, benchmarks):
+def random_model(spec: ModelSpec, options: ExecOptions = TORCH_CPU, seed: int = 0,
+                 tp: ParallelState | None = None) -> MoEForCausalLM:
+    """Random weights in the real shapes, built directly on options.device in options.dtype (`--load-format dummy`,
+    benchmarks):
     N(0, 0.02) from a seeded generator, norms 1. Under tensor parallelism each rank draws its own shard, and
     the replicated router and shared-expert gate are drawn alike on every rank (ranks must route alike)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.device(device):
-        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp,
-                               linear_backend=linear_backend, pdl=pdl).to(dtype)
+    gen = torch.Generator(device=options.device).manual_seed(seed)
+    with torch.device(options.device):
+        model = MoEForCausalLM(spec, options, tp=tp).to(options.dtype)
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             if model.tp is not None:
@@ -131,23 +131,22 @@ def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backen
     return model
 
 
-def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-               attention_backend: str = "torch", moe_backend: str = "torch", lora_backend: str = "torch",
-               progress: bool = False, load_format: str = "auto", seed: int = 0,
-               tp: ParallelState | None = None, linear_backend: str = "torch", pdl: bool = False) -> MoEForCausalLM:
-    """`tp`: load this rank's shard of a tensor-parallel model (each rank reads only its slices)."""
+def load_model(model_dir: str | Path, spec: ModelSpec, options: ExecOptions = TORCH_CPU, progress: bool = False,
+               load_format: str = "auto", seed: int = 0, tp: ParallelState | None = None) -> MoEForCausalLM:
+    """The model built with `options` (device, dtype, backends: exec_options.py), its weights read from the
+    checkpoint at model_dir. `tp`: load this rank's shard of a tensor-parallel model (each rank reads only its
+    slices)."""
     quant_method = checkpoint_quantization(model_dir)  # refuses what is not implemented, before any weight file opens
     if load_format == "dummy":
         logger.info("random weights (--load-format dummy): outputs are meaningless; for benchmarks")
-        return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend, tp=tp,
-                            linear_backend=linear_backend, pdl=pdl)
+        return random_model(spec, options, seed, tp=tp)
     model_dir = Path(model_dir)
     sharded = tp is not None and tp.world_size > 1
     tensors = _ShardedTensors(model_dir, TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel),
                               quant_method) if sharded else _Tensors(model_dir, quant_method)
-    with torch.device(device):
-        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp,
-                               linear_backend=linear_backend, pdl=pdl).to(dtype)
+    dtype = options.dtype
+    with torch.device(options.device):
+        model = MoEForCausalLM(spec, options, tp=tp).to(dtype)
     H = spec.hidden_size
 
     def put(param: torch.Tensor, value: torch.Tensor):
