@@ -289,17 +289,14 @@ def _max_weights_bytes(spec: ModelSpec, max_rank: int) -> int:
     """Bytes of an adapter with every supported target of every layer at max_rank, in fp32, times the slack:
     more tensor data than this cannot be a servable adapter for this model. Routed experts count in the
     per-expert form (separate gate, up and down per expert), the largest form."""
-    H, r = spec.hidden_size, max_rank
-    attn = 2 * (H + spec.q_size) + 2 * (H + spec.kv_size)  # q, o; k, v: one [r, in] + one [out, r] each
     elements = 0
-    for sparse in spec.sparse_layers:
-        mlp = 3 * spec.num_experts * (H + spec.moe_intermediate_size) if sparse else 3 * (H + spec.intermediate_size)
+    for layer, sparse in enumerate(spec.sparse_layers):
+        # one [r, in] + one [out, r] per linear of the layer (module_tree.py), and per expert projection
+        for p in module_tree.layer_projections(spec, layer):
+            elements += sum(module_tree.projection_dims(spec, p.target))
         if sparse:
-            mlp += H + spec.num_experts  # router
-        if sparse and spec.shared_expert_intermediate_size:
-            mlp += 3 * (H + spec.shared_expert_intermediate_size) + (H + 1)  # shared expert and its gate
-        elements += r * (attn + mlp)
-    return _WEIGHTS_SLACK * 4 * elements
+            elements += 3 * spec.num_experts * (spec.hidden_size + spec.moe_intermediate_size)
+    return _WEIGHTS_SLACK * 4 * max_rank * elements
 
 
 def _max_tensor_count(spec: ModelSpec) -> int:
