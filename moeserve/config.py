@@ -9,7 +9,7 @@ import torch
 
 from moeserve.exec_options import ExecOptions, resolve_backend, resolve_linear_backend, resolve_pdl
 from moeserve.lora.adapter import validate_adapter_name
-from moeserve.lora.slot_pool import ALL_TARGETS
+from moeserve.module_tree import ALL_TARGETS
 from moeserve.models.quantization import checkpoint_quantization
 
 logger = logging.getLogger("moeserve")

@@ -88,6 +88,12 @@ def projection(target: str) -> Projection:
         raise KeyError(f"no projection is LoRA target {target!r} (dense targets: {', '.join(DENSE_TARGETS)})") from None
 
 
+def target_module(target: str) -> str:
+    """The lora_target_modules entry that holds an adapter's dense target ("shared_expert.up_proj" ->
+    "shared_expert"; the others are their own)."""
+    return "shared_expert" if target.startswith("shared_expert.") else target
+
+
 def layer_projections(spec: ModelSpec, layer: int) -> tuple[Projection, ...]:
     """The projections decoder layer `layer` has: attention, then its dense MLP, or its router and shared expert."""
     if not spec.sparse_layers[layer]:

@@ -108,5 +108,7 @@ def test_target_lists_and_shard_rules():
     assert set(COLUMN) == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3"}
     assert set(ROW) == {"o_proj", "down_proj", "w2"}
     assert set(module_tree.REPLICATED_MODULES) == {"mlp.router", "mlp.shared_expert_gate"}
+    assert module_tree.target_module("shared_expert.up_proj") == "shared_expert"
+    assert all(module_tree.target_module(t) in ALL_TARGETS for t in SUPPORTED_DENSE_TARGETS)
     with pytest.raises(KeyError, match="no projection is LoRA target 'experts'"):
         module_tree.projection("experts")

@@ -120,7 +120,7 @@ class LoRASlotPool:
         for (layer_idx, target) in adapter.dense:
             linear, _ = self._dense_site(layer_idx, target)
             if linear is None or linear.lora_a is None:
-                group = "shared_expert" if target.startswith("shared_expert.") else target
+                group = module_tree.target_module(target)
                 raise LoRAAdapterError(
                     f"adapter {adapter.name!r} targets {target} (layer {layer_idx}) but the engine's LoRA targets are "
                     f"{sorted(self.targets)}; start it with lora_target_modules (--lora-target-modules) including "
