@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moeserve import module_tree
 from moeserve.distributed.parallel_state import ParallelState
 from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices
-from moeserve import module_tree
 from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.quantization import check_tensor_dtype, checkpoint_quantization
@@ -107,9 +107,9 @@ class _ShardedTensors(_Tensors):
 def random_model(spec: ModelSpec, options: ExecOptions = TORCH_CPU, seed: int = 0,
                  tp: ParallelState | None = None) -> MoEForCausalLM:
     """Random weights in the real shapes, built directly on options.device in options.dtype (`--load-format dummy`,
-    benchmarks):
-    N(0, 0.02) from a seeded generator, norms 1. Under tensor parallelism each rank draws its own shard, and
-    the replicated router and shared-expert gate are drawn alike on every rank (ranks must route alike)."""
+    benchmarks): N(0, 0.02) from a seeded generator, norms 1. Under tensor parallelism each rank draws its own
+    shard, and the replicated router and shared-expert gate are drawn alike on every rank (ranks must route
+    alike)."""
     gen = torch.Generator(device=options.device).manual_seed(seed)
     with torch.device(options.device):
         model = MoEForCausalLM(spec, options, tp=tp).to(options.dtype)
