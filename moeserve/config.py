@@ -7,8 +7,9 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from moeserve.exec_options import ExecOptions, resolve_backend, resolve_linear_backend, resolve_pdl
 from moeserve.lora.adapter import validate_adapter_name
-from moeserve.lora.slot_pool import ALL_TARGETS
+from moeserve.module_tree import ALL_TARGETS
 from moeserve.models.quantization import checkpoint_quantization
 
 logger = logging.getLogger("moeserve")
@@ -114,7 +115,7 @@ class EngineConfig:
         if self.pdl and not available:
             raise ValueError(f"{flag('pdl')} needs a CUDA device of compute capability 9.0 or later (Hopper); "
                              f"{self.device!r} has none: leave it unset or pass --no-pdl")
-        self.pdl = available if self.pdl is None else self.pdl
+        self.pdl = resolve_pdl(self.pdl, available)
 
     def resolve(self) -> "EngineConfig":
         """Resolve "auto" values, then validate; idempotent."""
@@ -135,10 +136,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v not in BACKENDS:
                 raise ValueError(f"{flag(name)} must be one of {', '.join(BACKENDS)}, got {v!r}")
-            if v == "auto" and name == "linear_backend":  # follows attention, as the fused norms do
-                self.linear_backend = self.attention_backend
-            elif v == "auto":
-                setattr(self, name, "triton" if on_cuda else "torch")
+        self.moe_backend = resolve_backend(self.moe_backend, on_cuda)
+        self.attention_backend = resolve_backend(self.attention_backend, on_cuda)
+        self.linear_backend = resolve_linear_backend(self.linear_backend, self.attention_backend)
         if not on_cuda:
             self.enforce_eager = True  # CUDA graphs need CUDA
         self._resolve_pdl(on_cuda)
@@ -199,6 +199,15 @@ class EngineConfig:
         other = replace(self, device=device)
         other._resolved = True
         return other
+
+    def exec_options(self) -> ExecOptions:
+        """How the model executes on this config's device (backends, dtype, PDL), built once per engine (per rank)
+        and handed to the model; the rules deriving one choice from another are in exec_options.py."""
+        if not self._resolved:
+            raise ValueError("exec_options() needs a resolved config: call resolve() first")
+        return ExecOptions(device=torch.device(self.device), dtype=self.torch_dtype,
+                           attention_backend=self.attention_backend, moe_backend=self.moe_backend,
+                           linear_backend=self.linear_backend, pdl=self.pdl)
 
     @property
     def torch_dtype(self) -> torch.dtype:

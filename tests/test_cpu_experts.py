@@ -74,7 +74,7 @@ def test_moe_block_repacks_when_its_weights_are_written():
     spec = ModelSpec(family="mixtral", vocab_size=32, hidden_size=hidden, num_layers=1, num_heads=4, num_kv_heads=2,
                      head_dim=16, num_experts=num_experts, top_k=top_k, moe_intermediate_size=inter,
                      intermediate_size=inter, norm_topk_prob=True, sparse_layers=(True,))
-    block = MoEBlock(spec, "torch", "torch")
+    block = MoEBlock(spec)
     x, w13, w2, weights, ids = problem(9, hidden, inter, num_experts, top_k, seed=3)
     with torch.no_grad():
         block.w13.copy_(w13)

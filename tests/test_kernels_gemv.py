@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 from moeserve.kernels.gemv import GEMV_MAX_TOKENS, GemvConfig, GemvLoRA, default_config, gemv, gemv_ref  # noqa: E402
 from moeserve.kernels.lora_dense import RANK_BLOCK, dense_lora_ref, dense_lora_shrink  # noqa: E402
+from moeserve.exec_options import ExecOptions  # noqa: E402
 from moeserve.layers.batch import LoRABatch  # noqa: E402
 from moeserve.layers.linear import LoRALinear, dense_lora_torch  # noqa: E402
 
@@ -186,7 +187,8 @@ def test_gemv_lora_rejects_mismatched_scratch():
 
 def make_layer(lora_backend, gemv_on, bias=True, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    layer = LoRALinear(IN, SIZES, bias, lora_backend, gemv=gemv_on)
+    layer = LoRALinear(IN, SIZES, bias, ExecOptions(linear_backend="triton" if gemv_on else "torch",
+                                                 lora_backend=lora_backend))
     layer.weight.data.copy_(torch.randn(sum(SIZES), IN, generator=gen))
     if bias:
         layer.bias.data.copy_(torch.randn(sum(SIZES), generator=gen))
@@ -282,8 +284,8 @@ def test_gpu_layer_gemv_in_cuda_graph(sizes, K, T):
     from moeserve.kernels.gemv import serves
 
     assert serves(T, sum(sizes), K)  # the layer takes the gemv at this shape and row count
-    layer = LoRALinear(K, sizes, False, "triton", gemv=True).cuda().bfloat16()
-    ref = LoRALinear(K, sizes, False, "torch").cuda().bfloat16()
+    layer = LoRALinear(K, sizes, False, ExecOptions(linear_backend="triton", lora_backend="triton")).cuda().bfloat16()
+    ref = LoRALinear(K, sizes, False).cuda().bfloat16()
     gen = torch.Generator().manual_seed(0)
     layer.weight.data.copy_((torch.randn(sum(sizes), K, generator=gen) * 0.02).bfloat16())
     ref.weight.data.copy_(layer.weight.data)
@@ -327,7 +329,7 @@ def test_model_takes_the_gemv_where_it_should(monkeypatch):
                      num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=32,
                      intermediate_size=48, shared_expert_intermediate_size=40, qkv_bias=True,
                      norm_topk_prob=False, max_position_embeddings=64)
-    model = random_model(spec, "cpu", torch.float32, linear_backend="triton")
+    model = random_model(spec, ExecOptions(linear_backend="triton"))
     on = {name for name, m in model.named_modules() if isinstance(m, LoRALinear) and m.gemv_kernels}
     off = {name for name, m in model.named_modules() if isinstance(m, LoRALinear) and not m.gemv_kernels}
     assert on == {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.shared_expert.gate_up_proj",
@@ -344,5 +346,5 @@ def test_model_takes_the_gemv_where_it_should(monkeypatch):
         hidden = torch.randn(T, 64, generator=torch.Generator().manual_seed(T))
         torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, w), rtol=1e-5, atol=1e-5)
     assert calls == [1]
-    assert all(m.gemv_kernels is None for m in random_model(spec, "cpu", torch.float32).modules()
+    assert all(m.gemv_kernels is None for m in random_model(spec).modules()
                if isinstance(m, LoRALinear))

@@ -52,7 +52,7 @@ def _attention(qk_norm: str, nh: int, nkv: int, d: int, clip, seed: int) -> Atte
                      norm_topk_prob=True, sparse_layers=(True,), qk_norm=qk_norm, clip_qkv=clip,
                      rms_norm_eps=EPS, max_position_embeddings=512)
     rotary = RotaryEmbedding(d, spec.max_position_embeddings, 10000.0)
-    attn = Attention(spec, backend=None, lora_backend="torch", rotary=rotary, fused_prologue=True)
+    attn = Attention(spec, rotary, fused_prologue=True)
     gen = _gen(seed)
     for norm in (attn.q_norm, attn.k_norm):
         if norm is not None:

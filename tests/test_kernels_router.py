@@ -20,6 +20,7 @@ from moeserve.kernels.router import (  # noqa: E402
     fused_topk,
     fused_topk_ref,
 )
+from moeserve.exec_options import ExecOptions  # noqa: E402
 from moeserve.layers.batch import LoRABatch  # noqa: E402
 from moeserve.layers.moe import MoEBlock  # noqa: E402
 from moeserve.model_spec import ModelSpec  # noqa: E402
@@ -227,8 +228,8 @@ def test_moe_block_routes_like_torch_with_router_lora(lora_backend, num_tokens):
     without an adapter route bitwise as in a batch without LoRA."""
     gen = torch.Generator().manual_seed(num_tokens)
     spec = _moe_spec()
-    fused = MoEBlock(spec, "triton", lora_backend, gemm_topk_max_tokens=64)
-    ref = MoEBlock(spec, "torch", "torch")
+    fused = MoEBlock(spec, ExecOptions(moe_backend="triton", lora_backend=lora_backend), gemm_topk_max_tokens=64)
+    ref = MoEBlock(spec)
     weight = torch.randn(spec.num_experts, spec.hidden_size, generator=gen) * 0.3
     lora_a = torch.randn(2, 1, 4, spec.hidden_size, generator=gen) * 0.3
     lora_b = torch.randn(2, spec.num_experts, 4, generator=gen) * 0.5

@@ -7,7 +7,6 @@ import torch
 from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.lora.adapter import LoRAAdapterError
 from moeserve.errors import AdapterInUseError, UnknownAdapterError
-from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models.tiny import TINY_FAMILIES
 
 from engine_probe import prompt_logits
@@ -241,7 +240,7 @@ def test_slot_buffers_never_move_and_unloaded_slots_are_zeroed(tmp_path):
     def buffers():
         out = []
         for layer in model.layers:
-            for lin in LoRASlotPool._linears(layer):  # attention, dense MLP, shared expert
+            for lin in engine.runner.lora_pool._linears(layer):  # attention, dense MLP, shared expert
                 out += [lin.lora_a, lin.lora_b]
             bufs = getattr(layer.mlp, "lora_bufs", None)
             if bufs is not None:

@@ -83,7 +83,7 @@ def test_loader_refuses_before_opening_a_weight_file(fp8_model, opened):
     """The loader checks on its own too (benchmarks and tensor-parallel workers call it directly)."""
     spec = ModelSpec.from_model_dir(fp8_model)
     with pytest.raises(ValueError, match="quantization method 'fp8'"):
-        loader.load_model(fp8_model, spec, torch.device("cpu"), torch.float32)
+        loader.load_model(fp8_model, spec)
     assert opened == []
 
 

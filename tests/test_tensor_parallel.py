@@ -155,7 +155,7 @@ def test_a_rank_loads_exactly_its_slices_through_get_slice(tmp_path, monkeypatch
 
     base = save_base_checkpoint(family, tmp_path / "base", **overrides)
     spec = ModelSpec.from_model_dir(base)
-    full = loader.load_model(base, spec, torch.device("cpu"), torch.float32)
+    full = loader.load_model(base, spec)
     real_open = loader.safe_open
     whole_reads, opened = [], []
 
@@ -172,7 +172,7 @@ def test_a_rank_loads_exactly_its_slices_through_get_slice(tmp_path, monkeypatch
             return getattr(self.h, name)
 
     monkeypatch.setattr(loader, "safe_open", Spy)
-    shard = loader.load_model(base, spec, torch.device("cpu"), torch.float32, tp=ParallelState(1, 2, None))
+    shard = loader.load_model(base, spec, tp=ParallelState(1, 2, None))
     assert opened and whole_reads == []
 
     d, H, V = spec.head_dim, spec.hidden_size, spec.vocab_size

@@ -36,7 +36,7 @@ def _attention(qk_norm: str, nh: int, nkv: int, d: int, device) -> Attention:
                      intermediate_size=8, norm_topk_prob=True, sparse_layers=(True,), qk_norm=qk_norm,
                      rms_norm_eps=EPS, max_position_embeddings=MAX_POS)
     rotary = RotaryEmbedding(d, MAX_POS, 1e6)
-    return Attention(spec, None, "torch", rotary, fused_prologue=True).to(device, torch.bfloat16)
+    return Attention(spec, rotary, fused_prologue=True).to(device, torch.bfloat16)
 
 
 def _interleaved(fused: list, reference: list) -> dict:

@@ -25,7 +25,6 @@ from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.config import EngineConfig
 from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models import loader
-from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.model_spec import ModelSpec
 from moeserve.worker.graph_runner import LORA, NOLORA, CudaGraph, GraphRunner
 from moeserve.worker.model_runner import ModelRunner
@@ -57,12 +56,6 @@ def preset_spec(name: str, num_layers: int | None = None) -> ModelSpec:
     return ModelSpec(max_position_embeddings=4096, **p)
 
 
-def random_model(spec: ModelSpec, device, dtype, seed: int = 0, backend: str = "triton",
-                 linear_backend: str = "triton", pdl: bool = False) -> MoEForCausalLM:
-    return loader.random_model(spec, device, dtype, seed, backend, backend, backend, linear_backend=linear_backend,
-                               pdl=pdl)
-
-
 def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> float:
     """Bytes a decode step must read: weights touched + KV + LoRA touched (bf16)."""
     H, E, k, inter = spec.hidden_size, spec.num_experts, spec.top_k, spec.moe_intermediate_size
@@ -90,8 +83,7 @@ class DecodeBench:
                                 max_model_len=self.max_len, max_num_seqs=max_bs, block_size=16,
                                 moe_backend=backend, attention_backend=backend,
                                 linear_backend=linear_backend or backend, pdl=pdl).resolve()
-        self.model = random_model(spec, self.device, dtype, backend=backend, linear_backend=self.cfg.linear_backend,
-                                  pdl=self.cfg.pdl)
+        self.model = loader.random_model(spec, self.cfg.exec_options())
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
         blocks = max_bs * -(-self.max_len // 16) + 2
         self.runner.allocate_kv_cache(blocks)

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve import module_tree
 from moeserve.model_spec import ModelSpec
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")  # split along output rows
-ROW = ("o_proj", "down_proj", "w2")  # split along input columns
+# checkpoint leaf names split along output rows (column-parallel) / input columns (row-parallel): module_tree.py
+COLUMN = tuple(leaf for leaf, how in module_tree.SHARD_BY_LEAF.items() if how == module_tree.COLUMN)
+ROW = tuple(leaf for leaf, how in module_tree.SHARD_BY_LEAF.items() if how == module_tree.ROW)
 
 
 @dataclass(frozen=True)
@@ -124,11 +126,12 @@ def checkpoint_slices(name: str, shape: tuple[int, ...], sh: TensorSharding):
         return 0, [sh.kv_rows()]
     if module == "o_proj":
         return (1, [sh.q_rows()]) if leaf == "weight" else (None if sh.rank == 0 else ZERO)
-    if module == "gate_up_proj" and parts[-2] == "experts":  # [E, 2I, H]: this rank's rows of gate and of up
+    # fused experts: gate_up [E, 2I, H] (this rank's rows of gate and of up), down [E, H, I]
+    if module == module_tree.FUSED_EXPERT_NAMES["gate_up"] and parts[-2] == "experts":
         inter = shape[1] // 2
         a, b = sh.part(inter)
         return 1, [(a, b), (inter + a, inter + b)]
-    if module == "down_proj" and parts[-2] == "experts":  # [E, H, I]
+    if module == module_tree.FUSED_EXPERT_NAMES["down"] and parts[-2] == "experts":
         return 2, [sh.part(shape[2])]
     if module in COLUMN:
         return 0, [sh.part(shape[0])]
@@ -143,16 +146,16 @@ def shard_adapter(adapter, sh: TensorSharding):
     """The part of a parsed adapter (global shapes) that rank `sh.rank` holds (see the module docstring)."""
     dense = {}
     for (layer, target), (a, b) in adapter.dense.items():
-        module = target.rsplit(".", 1)[-1]  # "shared_expert.down_proj" -> "down_proj"
-        if module == "q_proj":
+        shard = module_tree.projection(target).shard
+        if target == "q_proj":
             b = _rows(b, sh.q_rows())
-        elif module in ("k_proj", "v_proj"):
+        elif target in ("k_proj", "v_proj"):
             b = _rows(b, sh.kv_rows())
-        elif module in ROW:
+        elif shard == module_tree.ROW:
             a = _cols(a, sh.part(a.shape[1]))
-        elif module in COLUMN:
+        elif shard == module_tree.COLUMN:
             b = _rows(b, sh.part(b.shape[0]))
-        # anything else sits on a replicated weight (a router): held whole
+        # anything else sits on a replicated weight (the router, the shared-expert gate): held whole
         dense[(layer, target)] = (a, b)
     experts = {}
     if sh.expert_parallel:

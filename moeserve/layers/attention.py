@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.exec_options import TORCH_CPU, ExecOptions
+from moeserve.layers.backends import kernels
 from moeserve.layers.linear import LoRALinear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
@@ -59,10 +61,8 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend:
-    def __init__(self, pdl: bool = False):
-        from moeserve.kernels import paged_attention
-
-        self.k = paged_attention
+    def __init__(self, paged_attention, pdl: bool = False):
+        self.k = paged_attention  # the registry's kernels module (layers/backends.py)
         self.pdl = pdl  # launches with programmatic dependent launch (kernels/pdl.py)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -77,26 +77,28 @@ class TritonAttentionBackend:
         )
 
 
-def make_attention_backend(name: str, pdl: bool = False):
-    return TritonAttentionBackend(pdl) if name == "triton" else TorchAttentionBackend()
+def make_attention_backend(options: ExecOptions):
+    """The paged-attention strategy `options.attention_backend` selects."""
+    paged_attention = kernels("attention", options.attention_backend)
+    return TorchAttentionBackend() if paged_attention is None else TritonAttentionBackend(paged_attention, options.pdl)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend, lora_backend: str, rotary: RotaryEmbedding,
-                 fused_prologue: bool = False, gemv: bool = False, pdl: bool = False):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, options: ExecOptions = TORCH_CPU,
+                 fused_prologue: bool | None = None):
         """`rotary`: the model's one cos/sin table, shared by every layer (one per layer would cost
         max_position x head_dim x 2 per layer: ~1 GiB at Qwen3-30B-A3B's 48 layers x 40k positions).
-        `fused_prologue`: q/k norm + rotary + KV write as one Triton kernel (else the torch code below).
-        `gemv`: qkv_proj and o_proj run the Triton GEMV at decode sizes (layers/linear.py). `pdl`: the Triton
-        kernels launch with programmatic dependent launch (kernels/pdl.py)."""
+        `options`: the attention backend, the projections' linear and LoRA backends, PDL (exec_options.py).
+        `fused_prologue`: q/k norm + rotary + KV write as one Triton kernel (else the torch code below); None: where
+        the norm backend is Triton."""
         super().__init__()
-        self.pdl = pdl
+        self.pdl = options.pdl
         self.spec = spec
         self.nh, self.nkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = self.d ** -0.5
         self.qkv_proj = LoRALinear(spec.hidden_size, (spec.q_size, spec.kv_size, spec.kv_size), spec.qkv_bias,
-                                   lora_backend, gemv=gemv, pdl=pdl)
-        self.o_proj = LoRALinear(spec.q_size, (spec.hidden_size,), spec.o_bias, lora_backend, gemv=gemv, pdl=pdl)
+                                   options)
+        self.o_proj = LoRALinear(spec.q_size, (spec.hidden_size,), spec.o_bias, options)
         if spec.qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(self.d, spec.rms_norm_eps), RMSNorm(self.d, spec.rms_norm_eps)
         elif spec.qk_norm == "full":
@@ -104,12 +106,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = rotary
-        self.backend = backend
-        self.prologue_kernels = None
-        if fused_prologue:
-            from moeserve.kernels import norm_rotary
-
-            self.prologue_kernels = norm_rotary
+        self.backend = make_attention_backend(options)
+        if fused_prologue is None:
+            fused_prologue = options.norm_backend == "triton"
+        self.prologue_kernels = kernels("norm", "triton" if fused_prologue else "torch")
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
         qkv = self.qkv_proj(x, batch.lora)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.layers import cpu_linear
+from moeserve.layers.backends import kernels
 from moeserve.layers.batch import LoRABatch
 
 
@@ -36,15 +38,16 @@ def dense_lora_torch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, ou
 class LoRALinear(nn.Module):
     """y = x W^T (+ b) (+ per-token LoRA delta when the batch carries LoRA and this layer has slots).
 
-    `gemv`: batches the Triton GEMV serves (kernels/gemv.serves: one row, or two where in > out) run it instead
+    `options.linear_backend` "triton" (and `gemv`: the router and the shared-expert gate pass False and keep
+    cuBLAS): batches the Triton GEMV serves (kernels/gemv.serves: one row, or two where in > out) run it instead
     of cuBLAS, with the triton LoRA backend's expand fused into it. The choice depends on the row count, the
-    shape and this flag only, never on LoRA, so the LoRA and no-LoRA variants (eager or graph) share one base
+    shape and the options only, never on LoRA, so the LoRA and no-LoRA variants (eager or graph) share one base
     path."""
 
-    def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool, lora_backend: str = "torch",
-                 gemv: bool = False, pdl: bool = False):
+    def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool,
+                 options: ExecOptions = TORCH_CPU, gemv: bool = True):
         super().__init__()
-        self.pdl = pdl  # Triton launches with programmatic dependent launch (kernels/pdl.py)
+        self.pdl = options.pdl  # Triton launches with programmatic dependent launch (kernels/pdl.py)
         self.in_features = in_features
         self.slice_sizes = tuple(slice_sizes)
         self.out_features = sum(slice_sizes)
@@ -53,16 +56,9 @@ class LoRALinear(nn.Module):
         self.lora_a: torch.Tensor | None = None  # [L, S, R, in], set by the slot pool
         self.lora_b: torch.Tensor | None = None  # [L, N, R]
         self.packed = cpu_linear.PackedWeight()  # float32 on the CPU: the weight packed for oneDNN
-        self.use_triton = lora_backend == "triton"
-        if self.use_triton:
-            from moeserve.kernels import lora_dense
-
-            self.lora_kernels = lora_dense
-        self.gemv_kernels = None
-        if gemv:
-            from moeserve.kernels import gemv as gemv_kernels
-
-            self.gemv_kernels = gemv_kernels
+        self.lora_kernels = kernels("lora", options.lora_backend)
+        self.use_triton = self.lora_kernels is not None
+        self.gemv_kernels = kernels("linear", options.linear_backend) if gemv else None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         with_lora = lora is not None and self.lora_a is not None

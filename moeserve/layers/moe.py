@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.layers import cpu_linear
+from moeserve.layers.backends import kernels
 from moeserve.layers.linear import LoRALinear
 from moeserve.model_spec import ModelSpec
 from moeserve.layers.batch import LoRABatch
@@ -159,11 +161,11 @@ def moe_experts_dense(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None
 class DenseMLP(nn.Module):
     """SiLU-gated MLP (dense layers and the qwen2 shared expert)."""
 
-    def __init__(self, hidden: int, inter: int, lora_backend: str, gemv: bool = False, pdl: bool = False):
+    def __init__(self, hidden: int, inter: int, options: ExecOptions = TORCH_CPU):
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = LoRALinear(hidden, (inter, inter), False, lora_backend, gemv=gemv, pdl=pdl)
-        self.down_proj = LoRALinear(inter, (hidden,), False, lora_backend, gemv=gemv, pdl=pdl)
+        self.gate_up_proj = LoRALinear(hidden, (inter, inter), False, options)
+        self.down_proj = LoRALinear(inter, (hidden,), False, options)
 
     def forward(self, x, lora: LoRABatch | None):
         gu = self.gate_up_proj(x, lora)
@@ -171,35 +173,28 @@ class DenseMLP(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """`gemm_topk_max_tokens` (triton backend): batches of at most this many tokens run the router GEMM
-    inside the routing kernel; larger ones run the linear layer, then the routing kernel. `gemv`: the shared
-    expert runs the Triton GEMV at decode sizes (the router and the shared-expert gate keep their own paths).
-    `pdl`: the Triton kernels launch with programmatic dependent launch (kernels/pdl.py)."""
+    """`options` (exec_options.py): the MoE backend (routing and experts), the shared expert's linear backend (the
+    router and the shared-expert gate keep cuBLAS), the LoRA backend, PDL. `gemm_topk_max_tokens` (triton
+    backend): batches of at most this many tokens run the router GEMM inside the routing kernel; larger ones run
+    the linear layer, then the routing kernel."""
 
-    def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str,
-                 gemm_topk_max_tokens: int | None = None, gemv: bool = False, pdl: bool = False):
+    def __init__(self, spec: ModelSpec, options: ExecOptions = TORCH_CPU, gemm_topk_max_tokens: int | None = None):
         super().__init__()
         self.spec = spec
-        self.pdl = pdl
+        self.pdl = options.pdl
         E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
-        self.router = LoRALinear(H, (E,), False, lora_backend, pdl=pdl)
+        self.router = LoRALinear(H, (E,), False, options, gemv=False)
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
         self.lora_bufs: ExpertLoRABuffers | None = None  # set by the slot pool
         self._packed: tuple[tuple, PackedExperts | None] | None = None  # (weights' identity, packed), torch CPU
         self.shared_expert = None
         if spec.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, lora_backend, gemv=gemv, pdl=pdl)
-            self.shared_expert_gate = LoRALinear(H, (1,), False, lora_backend, pdl=pdl)
-        self.backend = moe_backend
-        if moe_backend == "triton":
-            from moeserve.kernels import fused_moe
-
-            self._fused = fused_moe
-        if moe_backend == "triton":  # routing: router GEMM + softmax + top-k in the routing kernels
-            from moeserve.kernels import router as router_kernels
-
-            self._routing = router_kernels
+            self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, options)
+            self.shared_expert_gate = LoRALinear(H, (1,), False, options, gemv=False)
+        self._fused = kernels("moe", options.moe_backend)
+        self._routing = router_kernels = kernels("routing", options.moe_backend)  # router GEMM + softmax + top-k
+        if router_kernels is not None:
             if gemm_topk_max_tokens is None:
                 gemm_topk_max_tokens = router_kernels.GEMM_TOPK_MAX_TOKENS
             self.gemm_topk_max_tokens = gemm_topk_max_tokens
@@ -219,7 +214,7 @@ class MoEBlock(nn.Module):
 
     def route(self, x, lora: LoRABatch | None):
         """(top-k weights [T, K], expert ids [T, K]) over all experts, best first."""
-        if self.backend == "triton":
+        if self._routing is not None:
             return self._route_fused(x, lora)
         logits = self.router(x, lora)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -252,7 +247,7 @@ class MoEBlock(nn.Module):
     def experts(self, x, topk_w, topk_ids, lora: LoRABatch | None) -> torch.Tensor:
         """The routed experts (and the shared expert) for routing already decided."""
         use_lora = lora is not None and self.lora_bufs is not None
-        if self.backend == "triton":
+        if self._fused is not None:
             args = None
             if use_lora:
                 b = self.lora_bufs

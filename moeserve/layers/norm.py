@@ -4,20 +4,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.exec_options import ExecOptions
+from moeserve.layers.backends import kernels
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, backend: str = "torch", pdl: bool = False):
-        """backend "triton": one fused kernel per call (kernels/norm_rotary.py), launched with programmatic dependent
-        launch when `pdl` (kernels/pdl.py); "torch": the reference."""
+    def __init__(self, dim: int, eps: float, options: ExecOptions | None = None):
+        """`options.norm_backend` "triton": one fused kernel per call (kernels/norm_rotary.py), launched with
+        programmatic dependent launch when `options.pdl` (kernels/pdl.py); "torch", or no options (the q/k norms,
+        which the attention prologue fuses or runs on the torch path): the reference."""
         super().__init__()
-        self.pdl = pdl
+        self.pdl = options is not None and options.pdl
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
-        self.kernels = None  # the Triton kernels module, imported only when chosen
-        if backend == "triton":
-            from moeserve.kernels import norm_rotary
-
-            self.kernels = norm_rotary
+        self.kernels = None if options is None else kernels("norm", options.norm_backend)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """normed x; with a residual: (normed x + residual, x + residual), the new residual stream."""

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.distributed.parallel_state import ParallelState
+from moeserve.exec_options import ExecOptions
 from moeserve.layers.linear import LoRALinear
 from moeserve.layers.moe import MoEBlock
 from moeserve.model_spec import ModelSpec
@@ -58,13 +59,11 @@ class ExpertParallelMoEBlock(MoEBlock):
     layer's all-reduce after the block then adds the ranks' parts — with the token activations already on every
     rank, that is the all-gather + reduce-scatter exchange in one collective."""
 
-    def __init__(self, spec: ModelSpec, moe_backend: str, lora_backend: str, tp: ParallelState, gemv: bool = False,
-                 pdl: bool = False):
+    def __init__(self, spec: ModelSpec, options: ExecOptions, tp: ParallelState):
         num_local = spec.num_experts // tp.world_size
-        super().__init__(dataclasses.replace(spec, num_experts=num_local), moe_backend, lora_backend, gemv=gemv,
-                         pdl=pdl)
+        super().__init__(dataclasses.replace(spec, num_experts=num_local), options)
         self.spec = spec  # route() takes top-k over all experts
-        self.router = LoRALinear(spec.hidden_size, (spec.num_experts,), False, lora_backend, pdl=pdl)  # all E experts
+        self.router = LoRALinear(spec.hidden_size, (spec.num_experts,), False, options, gemv=False)  # all E experts
         self.expert_start, self.num_local = tp.rank * num_local, num_local
 
     def route(self, *args, **kwargs):

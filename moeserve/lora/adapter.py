@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from moeserve import module_tree
 from moeserve.errors import InvalidAdapterNameError, LoRAAdapterError
 from moeserve.lora.pattern_keys import MAX_PATTERN_KEY_LEN, MAX_PATTERN_KEYS, PatternKeyError, PatternTable
 from moeserve.model_spec import ModelSpec
@@ -45,11 +46,9 @@ from moeserve.model_spec import ModelSpec
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
-SUPPORTED_DENSE_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
-    "router", "shared_expert_gate",  # the MoE router (`mlp.gate` / `block_sparse_moe.gate`) and qwen2's [1, H] gate
-)
+# attention, dense MLP, shared expert, the MoE router (`mlp.gate` / `block_sparse_moe.gate`) and qwen2's [1, H]
+# shared-expert gate: the module tree's dense targets (module_tree.py)
+SUPPORTED_DENSE_TARGETS = module_tree.DENSE_TARGETS
 # Dense targets that are single [out, in] weights: PEFT may adapt them as modules (nn.Linear, key `…mlp.gate`) or,
 # on transformers 5, as parameters (`target_parameters`, key `…mlp.gate.weight`); rank/alpha patterns match that key.
 _PARAM_TARGETS = ("router", "shared_expert_gate")
@@ -70,17 +69,19 @@ _VARIANT_FIELDS = {
 _BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "mica")
 
 _PREFIX = "base_model.model."
-_MOE = r"(?:mlp|block_sparse_moe)"
+# PEFT module names, from the module tree's checkpoint names
+_MOE = f"(?:{'|'.join(module_tree.MOE_BLOCKS)})"
 _LAYER_RE = re.compile(r"(?:^|.*\.)layers\.(\d+)\.(.+)$")
-_ATTN_RE = re.compile(r"self_attn\.(q_proj|k_proj|v_proj|o_proj)$")
-_DENSE_MLP_RE = re.compile(r"mlp\.(gate_proj|up_proj|down_proj)$")
-_SHARED_EXPERT_RE = re.compile(r"mlp\.shared_expert\.(gate_proj|up_proj|down_proj)$")
-_ROUTER_RE = re.compile(rf"{_MOE}\.gate$")
+_ATTN_RE = re.compile(rf"self_attn\.({'|'.join(module_tree.ATTN_TARGETS)})$")
+_DENSE_MLP_RE = re.compile(rf"mlp\.({'|'.join(module_tree.MLP_TARGETS)})$")
+_SHARED_EXPERT_RE = re.compile(rf"mlp\.shared_expert\.({'|'.join(module_tree.MLP_TARGETS)})$")
+_ROUTER_RE = re.compile(rf"{_MOE}\.{module_tree.ROUTER}$")
+_SHARED_EXPERT_GATE = module_tree.projection("shared_expert_gate").checkpoint
+_EXPERT_NAMES = "|".join(n for names in module_tree.PER_EXPERT_NAMES.values() for n in names)
 _WRAPPED_EXPERTS_RE = re.compile(rf"({_MOE}\.experts)$")
-_PER_EXPERT_RE = re.compile(rf"({_MOE}\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
-_STACKED_RE = re.compile(rf"({_MOE}\.experts)\.(gate_up_proj|down_proj|gate_proj|up_proj|w1|w3|w2)$")
-_PROJ = {"gate_up_proj": "gate_up", "gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
-         "down_proj": "down", "w2": "down"}
+_PER_EXPERT_RE = re.compile(rf"({_MOE}\.experts)\.(\d+)\.({_EXPERT_NAMES})$")
+_STACKED_RE = re.compile(rf"({_MOE}\.experts)\.({'|'.join(module_tree.EXPERT_PROJ)})$")
+_PROJ = module_tree.EXPERT_PROJ  # expert projection name -> "gate_up" | "gate" | "up" | "down"
 
 # Limits against hostile adapter folders. Real adapters are far inside every one of them.
 MAX_CONFIG_BYTES = 4 << 20  # adapter_config.json
@@ -285,17 +286,14 @@ def _max_weights_bytes(spec: ModelSpec, max_rank: int) -> int:
     """Bytes of an adapter with every supported target of every layer at max_rank, in fp32, times the slack:
     more tensor data than this cannot be a servable adapter for this model. Routed experts count in the
     per-expert form (separate gate, up and down per expert), the largest form."""
-    H, r = spec.hidden_size, max_rank
-    attn = 2 * (H + spec.q_size) + 2 * (H + spec.kv_size)  # q, o; k, v: one [r, in] + one [out, r] each
     elements = 0
-    for sparse in spec.sparse_layers:
-        mlp = 3 * spec.num_experts * (H + spec.moe_intermediate_size) if sparse else 3 * (H + spec.intermediate_size)
+    for layer, sparse in enumerate(spec.sparse_layers):
+        # one [r, in] + one [out, r] per linear of the layer (module_tree.py), and per expert projection
+        for p in module_tree.layer_projections(spec, layer):
+            elements += sum(module_tree.projection_dims(spec, p.target))
         if sparse:
-            mlp += H + spec.num_experts  # router
-        if sparse and spec.shared_expert_intermediate_size:
-            mlp += 3 * (H + spec.shared_expert_intermediate_size) + (H + 1)  # shared expert and its gate
-        elements += r * (attn + mlp)
-    return _WEIGHTS_SLACK * 4 * elements
+            elements += 3 * spec.num_experts * (spec.hidden_size + spec.moe_intermediate_size)
+    return _WEIGHTS_SLACK * 4 * max_rank * elements
 
 
 def _max_tensor_count(spec: ModelSpec) -> int:
@@ -548,7 +546,7 @@ def _classify(ctx: _Ctx, spec: ModelSpec, module: str, key_a: str) -> _Site:
         if not sparse:
             raise ctx.error(where, f"layer {layer} is a dense MLP layer in the base model; it has no router")
         return _Site("dense", layer, canonical, target="router")
-    if sub == "mlp.shared_expert_gate":
+    if sub == _SHARED_EXPERT_GATE:
         if not (sparse and spec.shared_expert_intermediate_size):
             raise ctx.error(where, f"layer {layer} of the base model has no shared expert")
         return _Site("dense", layer, canonical, target="shared_expert_gate")
@@ -571,29 +569,6 @@ def _classify(ctx: _Ctx, spec: ModelSpec, module: str, key_a: str) -> _Site:
     return expert_site
 
 
-def _dense_dims(spec: ModelSpec, target: str) -> tuple[int, int]:
-    """(in_features, out_features) of a dense target's base weight."""
-    H = spec.hidden_size
-    if target == "router":
-        return H, spec.num_experts
-    if target == "shared_expert_gate":
-        return H, 1
-    if target.startswith("shared_expert."):
-        inner = spec.shared_expert_intermediate_size
-    else:
-        inner = spec.intermediate_size
-    return {
-        "q_proj": (H, spec.q_size), "k_proj": (H, spec.kv_size), "v_proj": (H, spec.kv_size),
-        "o_proj": (spec.q_size, H),
-        "gate_proj": (H, inner), "up_proj": (H, inner), "down_proj": (inner, H),
-    }[target.rsplit(".", 1)[-1]]
-
-
-def _expert_dims(spec: ModelSpec, proj: str) -> tuple[int, int]:
-    H, I = spec.hidden_size, spec.moe_intermediate_size
-    return {"gate_up": (H, 2 * I), "gate": (H, I), "up": (H, I), "down": (I, H)}[proj]
-
-
 def _shape_error(ctx: _Ctx, key: str, got, expected: str) -> LoRAAdapterError:
     return ctx.error(f"{WEIGHTS_FILE}[{key}]",
                      f"shape {tuple(got)} does not match the base model (expected {expected})")
@@ -606,7 +581,7 @@ def _check_rank(ctx: _Ctx, key: str, r_tensor: int, r_cfg: int, peft_key: str) -
 
 
 def _check_dense(ctx, spec, site: _Site, key_a, a: Tensor, key_b, b: Tensor, r_cfg: int) -> None:
-    fan_in, fan_out = _dense_dims(spec, site.target)
+    fan_in, fan_out = module_tree.projection_dims(spec, site.target)
     if a.ndim != 2 or a.shape[1] != fan_in:
         raise _shape_error(ctx, key_a, a.shape, f"[r, {fan_in}]")
     r = a.shape[0]
@@ -630,7 +605,7 @@ class _ExpertProj:
 def _add_expert_factors(ctx, spec, scaling: _Scaling, site: _Site, key_a, a, key_b, b, layer_projs) -> None:
     E = spec.num_experts
     if site.kind == "per_expert":
-        fan_in, fan_out = _expert_dims(spec, site.proj)
+        fan_in, fan_out = module_tree.expert_dims(spec, site.proj)
         if a.ndim != 2 or a.shape[1] != fan_in:
             raise _shape_error(ctx, key_a, a.shape, f"[r, {fan_in}]")
         r = a.shape[0]
@@ -689,7 +664,7 @@ def _unflatten_wrapped(ctx, spec, proj, key_a, a: Tensor, key_b, b: Tensor) -> t
     """PEFT ParamWrapper layout -> (A [Ea, r, in], B [Eb, out, r]), Ea/Eb in {E, 1}.
     lora_A is [Ea*r, in] expert-major; lora_B is [out, r*Eb] expert-minor."""
     E = spec.num_experts
-    fan_in, fan_out = _expert_dims(spec, proj)
+    fan_in, fan_out = module_tree.expert_dims(spec, proj)
     if a.shape[1] != fan_in:
         raise _shape_error(ctx, key_a, a.shape, f"[E*r, {fan_in}]")
     if b.shape[0] != fan_out:
@@ -712,7 +687,7 @@ def _unflatten_wrapped(ctx, spec, proj, key_a, a: Tensor, key_b, b: Tensor) -> t
 def _stacked_factors(ctx, spec, proj, key_a, a: Tensor, key_b, b: Tensor) -> tuple[Tensor, Tensor]:
     """Stacked form: A [E|1, r, in] (or [r, in], shared) and B [E|1, out, r] (or [out, r], shared)."""
     E = spec.num_experts
-    fan_in, fan_out = _expert_dims(spec, proj)
+    fan_in, fan_out = module_tree.expert_dims(spec, proj)
     a3 = a.unsqueeze(0) if a.ndim == 2 else a
     b3 = b.unsqueeze(0) if b.ndim == 2 else b
     if a3.ndim != 3 or a3.shape[0] not in (1, E) or a3.shape[2] != fan_in:

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from moeserve import module_tree
 from moeserve.layers.moe import ExpertLoRABuffers
 from moeserve.lora.adapter import LoRAAdapter, LoRAAdapterError
 from moeserve.models.moe_decoder import MoEForCausalLM
@@ -19,12 +20,20 @@ from moeserve.model_spec import ModelSpec
 
 logger = logging.getLogger("moeserve")
 
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-# "router": a dense LoRA on the MoE router's logits (PEFT `all-linear` puts one there); its buffers are tiny
-# ([E + H] x rank per slot and sparse layer), so it is part of the default targets. "shared_expert_gate": qwen2's
-# [1, H] sigmoid gate of the shared expert, also an `all-linear` target.
-ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + ("shared_expert", "shared_expert_gate", "experts", "router")
+# The LoRA targets (module_tree.py). "router": a dense LoRA on the MoE router's logits (PEFT `all-linear` puts one
+# there); its buffers are tiny ([E + H] x rank per slot and sparse layer), so it is part of the default targets.
+# "shared_expert_gate": qwen2's [1, H] sigmoid gate of the shared expert, also an `all-linear` target.
+ALL_TARGETS = module_tree.ALL_TARGETS
+
+
+def _layer_linears(spec: ModelSpec, layer) -> list[tuple[module_tree.Projection, object]]:
+    """(first projection, LoRALinear) of every LoRA-capable linear of a decoder layer, in module-tree order."""
+    out, seen = [], set()
+    for p in module_tree.layer_projections(spec, layer.layer_idx):
+        if p.module not in seen:
+            seen.add(p.module)
+            out.append((p, module_tree.submodule(layer, p.module)))
+    return out
 
 
 def format_bytes(n: int) -> str:
@@ -72,25 +81,15 @@ class LoRASlotPool:
         (counting only)."""
         L, R, targets = self.max_loras, self.max_rank, self.targets
 
-        def attach(group: str, linear, wanted: bool):
-            if wanted:
-                a = make(group, L, len(linear.slice_sizes), R, linear.in_features)
-                b = make(group, L, linear.out_features, R)
-                if a is not None:
-                    linear.lora_a, linear.lora_b = a, b
-
-        mlp_wanted = any(t in targets for t in MLP_TARGETS)
         for layer in self.model.layers:
-            attn = layer.self_attn
-            attach("q_proj/k_proj/v_proj", attn.qkv_proj, any(t in targets for t in ("q_proj", "k_proj", "v_proj")))
-            attach("o_proj", attn.o_proj, "o_proj" in targets)
+            for p, linear in _layer_linears(self.spec, layer):
+                if any(t in targets for t in p.enabled_by):
+                    a = make(p.pool_group, L, len(linear.slice_sizes), R, linear.in_features)
+                    b = make(p.pool_group, L, linear.out_features, R)
+                    if a is not None:
+                        linear.lora_a, linear.lora_b = a, b
             mlp = layer.mlp
-            if not layer.is_sparse:
-                attach("gate_proj/up_proj/down_proj", mlp.gate_up_proj, mlp_wanted)
-                attach("gate_proj/up_proj/down_proj", mlp.down_proj, mlp_wanted)
-                continue
-            attach("router", mlp.router, "router" in targets)
-            if "experts" in targets:
+            if layer.is_sparse and module_tree.EXPERTS_TARGET in targets:
                 E, H, inter = mlp.w2.shape  # the layer's own shapes: a tensor-parallel rank holds a slice of inter
                 bufs = [make("experts", *shape) for shape in ((L, E, R, H), (L, E, 2 * inter, R), (L, E, R, inter),
                                                               (L, E, H, R))]
@@ -98,11 +97,6 @@ class LoRASlotPool:
                 flags = make("experts", L) if self.separate_gate_up else None
                 if bufs[0] is not None:
                     mlp.lora_bufs = ExpertLoRABuffers(*bufs, up_a=up_a, gate_up_separate=flags)
-            if mlp.shared_expert is not None and "shared_expert" in targets:
-                attach("shared_expert", mlp.shared_expert.gate_up_proj, True)
-                attach("shared_expert", mlp.shared_expert.down_proj, True)
-            if mlp.shared_expert is not None and "shared_expert_gate" in targets:
-                attach("shared_expert_gate", mlp.shared_expert_gate, True)
 
     def _check_device_memory(self, device: torch.device) -> None:
         if device.type != "cuda":
@@ -118,28 +112,15 @@ class LoRASlotPool:
 
     def _dense_site(self, layer_idx: int, target: str):
         """(LoRALinear, slice index) that holds `target` of layer `layer_idx`."""
-        layer = self.model.layers[layer_idx]
-        if target in ("q_proj", "k_proj", "v_proj"):
-            return layer.self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj").index(target)
-        if target == "o_proj":
-            return layer.self_attn.o_proj, 0
-        mlp = layer.mlp
-        if target == "router":
-            return mlp.router, 0
-        if target == "shared_expert_gate":
-            return mlp.shared_expert_gate, 0
-        if target.startswith("shared_expert."):
-            mlp, target = mlp.shared_expert, target.split(".", 1)[1]
-        if target == "down_proj":
-            return mlp.down_proj, 0
-        return mlp.gate_up_proj, ("gate_proj", "up_proj").index(target)
+        p = module_tree.projection(target)
+        return module_tree.submodule(self.model.layers[layer_idx], p.module), p.slice
 
     def check_fits(self, adapter: LoRAAdapter) -> None:
         """Raise LoRAAdapterError if the pool has no buffer for one of the adapter's targets."""
         for (layer_idx, target) in adapter.dense:
             linear, _ = self._dense_site(layer_idx, target)
             if linear is None or linear.lora_a is None:
-                group = "shared_expert" if target.startswith("shared_expert.") else target
+                group = module_tree.target_module(target)
                 raise LoRAAdapterError(
                     f"adapter {adapter.name!r} targets {target} (layer {layer_idx}) but the engine's LoRA targets are "
                     f"{sorted(self.targets)}; start it with lora_target_modules (--lora-target-modules) including "
@@ -197,17 +178,8 @@ class LoRASlotPool:
                 bufs.down_b[slot, :, :, :r].copy_(ex.down_b)
         self.slot_ranks[slot] = adapter.rank if self.separate_gate_up else adapter.stacked_rank
 
-    @staticmethod
-    def _linears(layer):
-        out = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
-        mlp = layer.mlp
-        if not layer.is_sparse:
-            out += [mlp.gate_up_proj, mlp.down_proj]
-            return out
-        out.append(mlp.router)
-        if mlp.shared_expert is not None:
-            out += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj, mlp.shared_expert_gate]
-        return out
+    def _linears(self, layer):
+        return [linear for _, linear in _layer_linears(self.spec, layer)]
 
 
 def lora_slot_state(pool) -> list[tuple[int, bool]]:

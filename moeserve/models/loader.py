@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from moeserve import module_tree
 from moeserve.distributed.parallel_state import ParallelState
 from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices
+from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.models.quantization import check_tensor_dtype, checkpoint_quantization
 from moeserve.model_spec import ModelSpec
@@ -102,27 +104,19 @@ class _ShardedTensors(_Tensors):
         return t
 
 
-def _first(tensors: _Tensors, names: list[str]) -> str:
-    for n in names:
-        if tensors.has(n):
-            return n
-    return names[0]  # reported as missing
-
-
-def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backend: str = "torch",
-                 moe_backend: str = "torch", lora_backend: str = "torch", tp: ParallelState | None = None,
-                 linear_backend: str = "torch", pdl: bool = False) -> MoEForCausalLM:
-    """Random weights in the real shapes, built directly on the device (`--load-format dummy`, benchmarks):
-    N(0, 0.02) from a seeded generator, norms 1. Under tensor parallelism each rank draws its own shard, and
-    the replicated router and shared-expert gate are drawn alike on every rank (ranks must route alike)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.device(device):
-        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp,
-                               linear_backend=linear_backend, pdl=pdl).to(dtype)
+def random_model(spec: ModelSpec, options: ExecOptions = TORCH_CPU, seed: int = 0,
+                 tp: ParallelState | None = None) -> MoEForCausalLM:
+    """Random weights in the real shapes, built directly on options.device in options.dtype (`--load-format dummy`,
+    benchmarks): N(0, 0.02) from a seeded generator, norms 1. Under tensor parallelism each rank draws its own
+    shard, and the replicated router and shared-expert gate are drawn alike on every rank (ranks must route
+    alike)."""
+    gen = torch.Generator(device=options.device).manual_seed(seed)
+    with torch.device(options.device):
+        model = MoEForCausalLM(spec, options, tp=tp).to(options.dtype)
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
             if model.tp is not None:
-                replicated = name.endswith(("router.weight", "shared_expert_gate.weight"))
+                replicated = name.endswith(tuple(m + ".weight" for m in module_tree.REPLICATED_MODULES))
                 gen.manual_seed(seed + 1_000_003 * i + (0 if replicated else 7919 * (model.tp.rank + 1)))
             if "norm" in name:
                 p.fill_(1.0)
@@ -131,23 +125,22 @@ def random_model(spec: ModelSpec, device, dtype, seed: int = 0, attention_backen
     return model
 
 
-def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-               attention_backend: str = "torch", moe_backend: str = "torch", lora_backend: str = "torch",
-               progress: bool = False, load_format: str = "auto", seed: int = 0,
-               tp: ParallelState | None = None, linear_backend: str = "torch", pdl: bool = False) -> MoEForCausalLM:
-    """`tp`: load this rank's shard of a tensor-parallel model (each rank reads only its slices)."""
+def load_model(model_dir: str | Path, spec: ModelSpec, options: ExecOptions = TORCH_CPU, progress: bool = False,
+               load_format: str = "auto", seed: int = 0, tp: ParallelState | None = None) -> MoEForCausalLM:
+    """The model built with `options` (device, dtype, backends: exec_options.py), its weights read from the
+    checkpoint at model_dir. `tp`: load this rank's shard of a tensor-parallel model (each rank reads only its
+    slices)."""
     quant_method = checkpoint_quantization(model_dir)  # refuses what is not implemented, before any weight file opens
     if load_format == "dummy":
         logger.info("random weights (--load-format dummy): outputs are meaningless; for benchmarks")
-        return random_model(spec, device, dtype, seed, attention_backend, moe_backend, lora_backend, tp=tp,
-                            linear_backend=linear_backend, pdl=pdl)
+        return random_model(spec, options, seed, tp=tp)
     model_dir = Path(model_dir)
     sharded = tp is not None and tp.world_size > 1
     tensors = _ShardedTensors(model_dir, TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel),
                               quant_method) if sharded else _Tensors(model_dir, quant_method)
-    with torch.device(device):
-        model = MoEForCausalLM(spec, attention_backend, moe_backend, lora_backend, tp=tp,
-                               linear_backend=linear_backend, pdl=pdl).to(dtype)
+    dtype = options.dtype
+    with torch.device(options.device):
+        model = MoEForCausalLM(spec, options, tp=tp).to(dtype)
     H = spec.hidden_size
 
     def put(param: torch.Tensor, value: torch.Tensor):
@@ -165,33 +158,18 @@ def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dty
         layers = tqdm(layers, desc="loading layers", unit="layer")
     for layer in layers:
         i = layer.layer_idx
-        p = f"model.layers.{i}."
-        put(layer.input_layernorm.weight, tensors.get(p + "input_layernorm.weight", (H,)))
-        put(layer.post_attention_layernorm.weight, tensors.get(p + "post_attention_layernorm.weight", (H,)))
+        p = module_tree.layer_prefix(i)
+        for norm in module_tree.LAYER_NORMS:
+            put(getattr(layer, norm).weight, tensors.get(p + norm + ".weight", (H,)))
         attn = layer.self_attn
-        a = p + "self_attn."
-        put(attn.qkv_proj.weight, torch.cat([
-            tensors.get(a + "q_proj.weight", (spec.q_size, H)),
-            tensors.get(a + "k_proj.weight", (spec.kv_size, H)),
-            tensors.get(a + "v_proj.weight", (spec.kv_size, H)),
-        ]))
-        if attn.qkv_proj.bias is not None:
-            put(attn.qkv_proj.bias, torch.cat([
-                tensors.get(a + "q_proj.bias", (spec.q_size,)),
-                tensors.get(a + "k_proj.bias", (spec.kv_size,)),
-                tensors.get(a + "v_proj.bias", (spec.kv_size,)),
-            ]))
-        put(attn.o_proj.weight, tensors.get(a + "o_proj.weight", (H, spec.q_size)))
-        if attn.o_proj.bias is not None:
-            put(attn.o_proj.bias, tensors.get(a + "o_proj.bias", (H,)))
         if attn.q_norm is not None:
             full = spec.qk_norm == "full"  # the checkpoint's shapes (a rank's norm may hold a slice)
-            put(attn.q_norm.weight, tensors.get(a + "q_norm.weight", (spec.q_size if full else spec.head_dim,)))
-            put(attn.k_norm.weight, tensors.get(a + "k_norm.weight", (spec.kv_size if full else spec.head_dim,)))
+            q_name, k_name = (f"{p}self_attn.{n}.weight" for n in module_tree.QK_NORMS)
+            put(attn.q_norm.weight, tensors.get(q_name, (spec.q_size if full else spec.head_dim,)))
+            put(attn.k_norm.weight, tensors.get(k_name, (spec.kv_size if full else spec.head_dim,)))
+        _load_projections(layer, tensors, spec, put)
         if layer.is_sparse:
-            _load_moe(layer.mlp, tensors, p, spec, put)
-        else:
-            _load_dense(layer.mlp, tensors, p + "mlp.", H, spec.intermediate_size, put)
+            _load_experts(layer.mlp, tensors, spec, i, put)
 
     unused = set(tensors.where) - tensors.used
     if unused:
@@ -199,39 +177,53 @@ def load_model(model_dir: str | Path, spec: ModelSpec, device: torch.device, dty
     return model
 
 
-def _load_dense(mlp, tensors: _Tensors, p: str, H: int, inter: int, put):
-    put(mlp.gate_up_proj.weight, torch.cat([
-        tensors.get(p + "gate_proj.weight", (inter, H)), tensors.get(p + "up_proj.weight", (inter, H))]))
-    put(mlp.down_proj.weight, tensors.get(p + "down_proj.weight", (H, inter)))
+def _load_projections(layer, tensors: _Tensors, spec: ModelSpec, put):
+    """Every linear of a decoder layer (attention; the dense MLP, or the router and the shared expert), read by
+    its checkpoint names; the slices of a fused module (q|k|v, gate|up) concatenated in order."""
+    i = layer.layer_idx
+    router = module_tree.ROUTER_PROJ
+    moe_block = next((b for b in module_tree.MOE_BLOCKS  # where the router is (reported missing under the first)
+                      if tensors.has(module_tree.checkpoint_name(i, router, b) + ".weight")), module_tree.MOE_BLOCKS[0])
+    slices: dict[str, list[module_tree.Projection]] = {}
+    for proj in module_tree.layer_projections(spec, i):
+        slices.setdefault(proj.module, []).append(proj)
+    for path, projs in slices.items():
+        linear = module_tree.submodule(layer, path)
+        names = [module_tree.checkpoint_name(i, q, moe_block) for q in projs]
+        outs = [module_tree.projection_dims(spec, q.target) for q in projs]
+        put(linear.weight, _cat([tensors.get(n + ".weight", (out, fan_in)) for n, (fan_in, out) in zip(names, outs)]))
+        if linear.bias is not None:
+            put(linear.bias, _cat([tensors.get(n + ".bias", (out,)) for n, (_, out) in zip(names, outs)]))
 
 
-def _load_moe(moe, tensors: _Tensors, p: str, spec: ModelSpec, put):
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _per_expert_names(tensors: _Tensors, layer: int, expert: int) -> tuple[str, str, str]:
+    """(gate, up, down) names of one expert in the per-expert layout: Mixtral's w1/w3/w2 or HF's, under either MoE
+    block name; the first candidate (reported missing) where there are none."""
+    for block in module_tree.MOE_BLOCKS:
+        for mixtral in (True, False):
+            names = module_tree.per_expert_names(layer, expert, block, mixtral)
+            if tensors.has(names[0]):
+                return names
+    return module_tree.per_expert_names(layer, expert, module_tree.MOE_BLOCKS[0])
+
+
+def _load_experts(moe, tensors: _Tensors, spec: ModelSpec, layer: int, put):
     H, E, inter = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
-    prefixes = [p + "mlp.", p + "block_sparse_moe."]
-    put(moe.router.weight, tensors.get(_first(tensors, [q + "gate.weight" for q in prefixes]), (E, H)))
-    fused = [q for q in prefixes if tensors.has(q + "experts.gate_up_proj")]
+    fused = [module_tree.fused_expert_names(layer, b) for b in module_tree.MOE_BLOCKS]
+    fused = [names for names in fused if tensors.has(names[0])]
     if fused:
-        q = fused[0]
-        put(moe.w13, tensors.get(q + "experts.gate_up_proj", (E, 2 * inter, H)))
-        put(moe.w2, tensors.get(q + "experts.down_proj", (E, H, inter)))
-    else:
-        e0 = getattr(moe, "expert_start", 0)  # expert parallelism: this rank holds experts e0 .. e0 + E_local - 1
-        for e in range(e0, e0 + moe.w13.shape[0]):
-            for prefix in prefixes:  # Mixtral names its experts w1/w3/w2 (gate/up/down), under either prefix
-                q = prefix + f"experts.{e}."
-                if tensors.has(q + "w1.weight"):
-                    g, u, d = q + "w1.weight", q + "w3.weight", q + "w2.weight"
-                    break
-                if tensors.has(q + "gate_proj.weight"):
-                    g, u, d = q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"
-                    break
-            else:
-                q = prefixes[0] + f"experts.{e}."
-                g, u, d = q + "gate_proj.weight", q + "up_proj.weight", q + "down_proj.weight"  # reported missing
-            held = moe.w13.shape[1] // 2  # this rank's rows of gate (and of up): inter / tensor_parallel_size
-            moe.w13.data[e - e0, :held].copy_(tensors.get(g, (inter, H)))
-            moe.w13.data[e - e0, held:].copy_(tensors.get(u, (inter, H)))
-            moe.w2.data[e - e0].copy_(tensors.get(d, (H, inter)))
-    if moe.shared_expert is not None:
-        _load_dense(moe.shared_expert, tensors, p + "mlp.shared_expert.", H, spec.shared_expert_intermediate_size, put)
-        put(moe.shared_expert_gate.weight, tensors.get(p + "mlp.shared_expert_gate.weight", (1, H)))
+        gate_up, down = fused[0]
+        put(moe.w13, tensors.get(gate_up, (E, 2 * inter, H)))
+        put(moe.w2, tensors.get(down, (E, H, inter)))
+        return
+    e0 = getattr(moe, "expert_start", 0)  # expert parallelism: this rank holds experts e0 .. e0 + E_local - 1
+    held = moe.w13.shape[1] // 2  # this rank's rows of gate (and of up): inter / tensor_parallel_size
+    for e in range(e0, e0 + moe.w13.shape[0]):
+        g, u, d = _per_expert_names(tensors, layer, e)
+        moe.w13.data[e - e0, :held].copy_(tensors.get(g, (inter, H)))
+        moe.w13.data[e - e0, held:].copy_(tensors.get(u, (inter, H)))
+        moe.w2.data[e - e0].copy_(tensors.get(d, (H, inter)))

@@ -5,8 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.layers import cpu_linear
-from moeserve.layers.attention import Attention, make_attention_backend
+from moeserve.layers.attention import Attention
+from moeserve.layers.backends import kernels
 from moeserve.layers.moe import DenseMLP, MoEBlock
 from moeserve.distributed.parallel_state import ParallelState
 from moeserve.distributed.sharding import TensorSharding, rank_spec
@@ -19,31 +21,26 @@ from moeserve.layers.batch import ForwardBatch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int, attn_backend, moe_backend: str, lora_backend: str,
-                 rotary: RotaryEmbedding, tp: ParallelState | None = None, norm_backend: str = "torch",
-                 gemv: bool = False, pdl: bool = False):
-        """`spec`: the shapes this rank holds; `tp`: the parallel state under tensor parallelism (None: one rank,
-        no collectives at all); `norm_backend` "triton": the norms (fused with the residual add) and the
-        attention prologue (q/k norm + rotary + KV write) run as one Triton kernel each; `gemv`: the dense
-        projections run the Triton GEMV at decode sizes (layers/linear.py); `pdl`: every Triton kernel launches with
-        programmatic dependent launch (kernels/pdl.py)."""
+    def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, options: ExecOptions = TORCH_CPU,
+                 tp: ParallelState | None = None):
+        """`spec`: the shapes this rank holds; `options`: backends and PDL, read by each layer (exec_options.py);
+        `tp`: the parallel state under tensor parallelism (None: one rank, no collectives at all)."""
         super().__init__()
         self.tp = tp
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend, pdl)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend, pdl)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, options)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, options)
         # OLMoE's full-width q/k norms under TP need an all-reduce inside the norm: those keep the torch path
         sharded_qk_norm = tp is not None and spec.qk_norm == "full"
-        self.self_attn = Attention(spec, attn_backend, lora_backend, rotary,
-                                   fused_prologue=norm_backend == "triton" and not sharded_qk_norm, gemv=gemv,
-                                   pdl=pdl)
+        self.self_attn = Attention(spec, rotary, options,
+                                   fused_prologue=options.norm_backend == "triton" and not sharded_qk_norm)
         self.is_sparse = spec.sparse_layers[layer_idx]
         if self.is_sparse and tp is not None and tp.expert_parallel:
-            self.mlp = ExpertParallelMoEBlock(spec, moe_backend, lora_backend, tp, gemv=gemv, pdl=pdl)
+            self.mlp = ExpertParallelMoEBlock(spec, options, tp)
         elif self.is_sparse:
-            self.mlp = MoEBlock(spec, moe_backend, lora_backend, gemv=gemv, pdl=pdl)
+            self.mlp = MoEBlock(spec, options)
         else:
-            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, lora_backend, gemv=gemv, pdl=pdl)
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, options)
         if sharded_qk_norm:  # olmoe's q/k norms span all heads, now split across ranks
             attn = self.self_attn
             attn.q_norm = ShardedRMSNorm(spec.q_size, spec.rms_norm_eps, tp)
@@ -68,13 +65,11 @@ class DecoderLayer(nn.Module):
 
 
 class MoEForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec, attention_backend: str = "torch", moe_backend: str = "torch",
-                 lora_backend: str = "torch", tp: ParallelState | None = None, linear_backend: str = "torch",
-                 pdl: bool = False):
-        """`tp`: build this rank's shard of a tensor-parallel model (moeserve/distributed/sharding.py); `spec`
-        stays the whole model's, `rank_spec` holds the shapes of this rank's layers. `linear_backend` "triton":
-        the dense projections and lm_head run the Triton GEMV at decode sizes (kernels/gemv.py). `pdl`: the Triton
-        kernels launch with programmatic dependent launch (kernels/pdl.py; the caller checks the device has it)."""
+    def __init__(self, spec: ModelSpec, options: ExecOptions = TORCH_CPU, tp: ParallelState | None = None):
+        """`options`: how it executes (exec_options.py: backends, PDL; built once from the engine's config), handed
+        to every layer. `tp`: build this rank's shard of a tensor-parallel model (moeserve/distributed/sharding.py);
+        `spec` stays the whole model's, `rank_spec` holds the shapes of this rank's layers. lm_head runs the
+        linear backend's GEMV at decode sizes (kernels/gemv.py) like the dense projections."""
         super().__init__()
         self.spec = spec
         self.tp = tp if tp is not None and tp.world_size > 1 else None
@@ -83,22 +78,16 @@ class MoEForCausalLM(nn.Module):
             sharding = TensorSharding(spec, tp.rank, tp.world_size, tp.expert_parallel)
             self.rank_spec, vocab_rows = rank_spec(spec, tp.world_size, tp.expert_parallel), sharding.vocab_per_rank
             self.vocab_start = sharding.vocab_rows()[0]
-        self.pdl = pdl
-        attn = make_attention_backend(attention_backend, pdl)
-        self.gemv = None
-        if linear_backend == "triton":
-            from moeserve.kernels import gemv as gemv_kernels
-
-            self.gemv = gemv_kernels
-        norm_backend = "triton" if attention_backend == "triton" else "torch"  # the norms follow attention
+        self.options = options
+        self.pdl = options.pdl
+        self.gemv = kernels("linear", options.linear_backend)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta)
         self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(self.rank_spec, i, attn, moe_backend, lora_backend, self.rotary, self.tp, norm_backend,
-                         gemv=self.gemv is not None, pdl=pdl)
+            DecoderLayer(self.rank_spec, i, self.rotary, options, self.tp)
             for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, norm_backend, pdl)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, options)
         self.lm_head = None if spec.tie_word_embeddings else nn.Parameter(
             torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # bound by the model runner

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pathlib
 
+from moeserve import module_tree
+
 TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 # H=64, I=48, 2I=96, dense MLP 80: all distinct.
@@ -178,9 +180,8 @@ def _to_fused_names(state: dict) -> dict:
 
 def _to_per_expert(state: dict, family: str, cfg) -> dict:
     """Split fused expert tensors into the HF on-disk per-expert layout (gate_up rows [:I] are gate)."""
-    mixtral = family == "mixtral"
+    mixtral = family == "mixtral"  # on disk: block_sparse_moe, experts w1/w3/w2 (module_tree.per_expert_names)
     block = "block_sparse_moe" if mixtral else "mlp"
-    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     out = {}
     for name, w in state.items():
         hit = _fused_expert_tensor(name)
@@ -190,14 +191,15 @@ def _to_per_expert(state: dict, family: str, cfg) -> dict:
             out[name] = w
             continue
         prefix, which = hit
+        layer = int(prefix.rsplit(".", 1)[1])
         for e in range(w.shape[0]):
-            base = f"{prefix}.{block}.experts.{e}"
+            gate, up, down = module_tree.per_expert_names(layer, e, block, mixtral)
             if which == "gate_up_proj":
                 inter = w.shape[1] // 2
-                out[f"{base}.{gate}.weight"] = w[e, :inter]
-                out[f"{base}.{up}.weight"] = w[e, inter:]
+                out[gate] = w[e, :inter]
+                out[up] = w[e, inter:]
             else:
-                out[f"{base}.{down}.weight"] = w[e]
+                out[down] = w[e]
     return out
 
 

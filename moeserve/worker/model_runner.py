@@ -68,11 +68,9 @@ class ModelRunner:
         self.spec = spec
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        lora_backend = config.moe_backend  # dense LoRA kernels travel with the MoE backend choice
         self.model = model if model is not None else load_model(
-            model_dir, spec, self.device, self.dtype, config.attention_backend, config.moe_backend, lora_backend,
-            linear_backend=config.linear_backend, pdl=config.pdl,
-            progress=progress, load_format=config.load_format, seed=config.seed)
+            model_dir, spec, config.exec_options(), progress=progress, load_format=config.load_format,
+            seed=config.seed)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.lora_pool = None  # set by the engine when LoRA is enabled (before graph capture)

@@ -87,10 +87,8 @@ class ParallelModelRunner(ModelRunner):
             with _children_allowed():
                 self._start_workers(ctx, n, store.port, config, spec, model_dir)
             self.tp = self._join_group(store, device, symm_mem_buffer(config, spec))
-            model = load_model(model_dir, spec, device, config.torch_dtype, config.attention_backend,
-                               config.moe_backend, config.moe_backend, progress=progress,
-                               load_format=config.load_format, seed=config.seed, tp=self.tp,
-                               linear_backend=config.linear_backend, pdl=config.pdl)
+            model = load_model(model_dir, spec, config.exec_options().on_device(device), progress=progress,
+                               load_format=config.load_format, seed=config.seed, tp=self.tp)
             # self.spec is then this rank's shapes, which size its KV cache; the core keeps the whole model's
             super().__init__(config, rank_spec(spec, n, ep), model_dir, model=model)
             self._expect_ok("loading its shard of the model")

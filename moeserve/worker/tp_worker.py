@@ -52,9 +52,8 @@ class Worker:
 
     def load(self) -> None:
         cfg = self.config
-        model = load_model(self.model_dir, self.spec, self.device, cfg.torch_dtype, cfg.attention_backend,
-                           cfg.moe_backend, cfg.moe_backend, load_format=cfg.load_format, seed=cfg.seed, tp=self.tp,
-                           linear_backend=cfg.linear_backend, pdl=cfg.pdl)
+        model = load_model(self.model_dir, self.spec, cfg.exec_options().on_device(self.device),
+                           load_format=cfg.load_format, seed=cfg.seed, tp=self.tp)
         self.runner = ModelRunner(cfg, self.rank_spec, self.model_dir, model=model)
 
     # ---- messages ---------------------------------------------------------------------------------
