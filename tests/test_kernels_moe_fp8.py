@@ -215,6 +215,7 @@ def test_default_plan_keeps_k_steps_inside_scale_groups(monkeypatch, device_name
 # GPU: bf16 at Qwen3-30B-A3B expert shapes
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("num_tokens", [1, 8, 16, 256, 2048])  # GEMV path at 1 and 8
 def test_gpu_qwen3_shapes_against_twins(num_tokens):
@@ -240,6 +241,7 @@ def test_gpu_qwen3_shapes_against_twins(num_tokens):
     assert (err <= w8a8_bound(*sub) + 2e-2 * unquantized.abs().max()).all()
 
 
+@pytest.mark.gpu
 @gpu
 def test_gpu_graph_replay_is_eager():
     x, q13, s13, q2, s2, weights, ids = _problem(64, 128, 2048, 768, 8, seed=6, dtype=torch.bfloat16, device="cuda")
@@ -265,6 +267,7 @@ def test_gpu_graph_replay_is_eager():
         assert torch.equal(out, run())
 
 
+@pytest.mark.gpu
 @gpu
 def test_gpu_pdl_launches_are_bitwise_the_plain_ones():
     from moeserve.kernels.pdl import supported
@@ -366,6 +369,7 @@ def test_lora_apart_on_fp8_gemms_fp16_rows_without_adapter_bitwise():
     _check_lora_recipe(9, 4, 256, 128, 2, torch.float16, DEV, _small_plan(fused_act=False, y_fp32=False))
 
 
+@pytest.mark.gpu
 @gpu
 def test_gpu_lora_apart_on_fp8_gemms_bf16():
     tile = GemmTile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
