@@ -121,9 +121,10 @@ class CompileWatch:
 
     def _hook(self, *args, **kwargs):
         self.count += 1
-        name = str(kwargs.get("repr") or kwargs.get("key") or "?").split("[")[0].split("(")[0]
+        spec = str(kwargs.get("repr") or kwargs.get("key") or "?")  # name[options](argument types and alignments)
+        name = spec.split("[")[0].split("(")[0]
         logger.warning("kernel %s compiled on the request path: the start-up warm-up did not reach this variant "
-                       "(%d so far)", name, self.count)
+                       "(%d so far): %s", name, self.count, spec[:1500])
         return self._previous(*args, **kwargs) if self._previous else None
 
     def close(self) -> None:
