@@ -53,9 +53,23 @@ def _check(out, ref, atol=1e-6):
     torch.testing.assert_close(w.float(), rw.float(), atol=atol, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_experts", [8, 60, 128])
-@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
-@pytest.mark.parametrize("renorm,fp32", FLAGS)
+# The kernels' paths are set by three independent choices: E (8 and 128 fill their power-of-two tile, 60 leaves masked
+# columns; in the GEMM kernel E 8 is one program per row block, 60 and 128 spread a row over 4 and 8 programs and
+# meet through the arrival counters), top_k (the unrolled pick loop's length, 1 up to all 8 of E 8) and the family
+# flags (RENORMALIZE on/off, fp32 or fp16 stores). No code path depends on two of them together, so every pair of
+# values is run once (12 cases: top_k x E, the flags cycling so each flag setting meets each E and each top_k)
+# instead of all 36 combinations, which ran each of those paths three times over.
+PAIRWISE = [(e, k, *FLAGS[(i + j) % len(FLAGS)]) for i, e in enumerate((8, 60, 128)) for j, k in enumerate((1, 2, 4, 8))]
+
+
+def test_pairwise_cases_cover_every_pair():
+    assert len(PAIRWISE) == 12
+    assert {(e, k) for e, k, _, _ in PAIRWISE} == {(e, k) for e in (8, 60, 128) for k in (1, 2, 4, 8)}
+    assert {(e, (r, f)) for e, _, r, f in PAIRWISE} == {(e, f) for e in (8, 60, 128) for f in FLAGS}
+    assert {(k, (r, f)) for _, k, r, f in PAIRWISE} == {(k, f) for k in (1, 2, 4, 8) for f in FLAGS}
+
+
+@pytest.mark.parametrize("num_experts,top_k,renorm,fp32", PAIRWISE)
 def test_fused_topk_matches_torch(num_experts, top_k, renorm, fp32):
     gen = torch.Generator().manual_seed(num_experts * 10 + top_k)
     out_dtype = torch.float32 if fp32 else torch.float16  # "cast to the activation dtype" (fp16: exact on CPU)
@@ -65,10 +79,9 @@ def test_fused_topk_matches_torch(num_experts, top_k, renorm, fp32):
         _check(out, fused_topk_ref(logits, top_k, renorm, out_dtype), atol=1e-3 if not fp32 else 1e-6)
 
 
-# E 8 runs as one program per row block (no counters); E 60 and 128 spread a row over 4 and 8 programs.
-@pytest.mark.parametrize("num_experts", [8, 60, 128])
-@pytest.mark.parametrize("top_k", [1, 2, 4, 8])
-@pytest.mark.parametrize("renorm,fp32", FLAGS)
+# E 8 runs as one program per row block (no counters); E 60 and 128 spread a row over 4 and 8 programs. The
+# stores are fp32 here whatever the flag (the full product ran the fp32/fp16 flag cases twice alike).
+@pytest.mark.parametrize("num_experts,top_k,renorm,fp32", PAIRWISE)
 def test_fused_gemm_topk_matches_torch(num_experts, top_k, renorm, fp32):
     gen = torch.Generator().manual_seed(1000 + num_experts * 10 + top_k)
     hidden = 48  # not a multiple of block_h: masked tail
