@@ -42,3 +42,31 @@ def test_shutdown_frees_the_model_is_idempotent_and_later_calls_say_why(tiny_mod
                  engine.stats, lambda: engine.load_lora("a", "/nowhere"), lambda: engine.lora_version("a")):
         with pytest.raises(EngineShutdownError, match="this engine has been shut down"):
             call()
+
+
+def test_a_signal_while_a_worker_starts_arrives_after_the_start():
+    """The engine core's start-abandon signal raises from its handler: one landing inside a worker's start would cut
+    the child's start-up data short (it died printing `EOFError: Ran out of input`, seen under load in the SIGTERM
+    test). Held while a worker starts, it arrives once the worker is started and tracked."""
+    import os
+    import signal
+
+    from moeserve.worker.parallel_runner import _signals_held
+
+    class Abandoned(Exception):
+        pass
+
+    def raise_abandoned(signum, frame):
+        raise Abandoned
+
+    previous = signal.signal(signal.SIGUSR1, raise_abandoned)
+    started = []
+    try:
+        with pytest.raises(Abandoned):
+            with _signals_held():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                started.append("worker")  # what the handler would have cut short
+        assert started == ["worker"]
+        assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the mask is restored
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -43,6 +44,21 @@ logger = logging.getLogger("moeserve")
 
 
 # ---- rank 0 ---------------------------------------------------------------------------------------------
+
+@contextmanager
+def _signals_held():
+    """Signals held while a worker starts: a handler that raises (the engine core's start-abandon signal) would
+    otherwise cut the child's start-up data short mid-write (the child dies printing a traceback) or leave a started
+    worker untracked. They are delivered on leaving. The child inherits the mask; worker_main clears it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
 
 @contextmanager
 def _children_allowed():
@@ -105,9 +121,10 @@ class ParallelModelRunner(ModelRunner):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"moeserve-tp-rank{rank}", daemon=True,
                                args=(rank, n, store_port, config, spec, model_dir, child))
-            proc.start()
-            child.close()
-            self.workers.append(_Worker(rank, proc, parent))
+            with _signals_held():
+                proc.start()
+                child.close()
+                self.workers.append(_Worker(rank, proc, parent))
 
     def _join_group(self, store, device: torch.device, symm_mem: tuple[int, torch.dtype] | None) -> ParallelState:
         """Join the process group (and set up the symmetric all-reduce buffer with the other ranks), watching the
