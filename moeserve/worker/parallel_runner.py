@@ -47,17 +47,28 @@ logger = logging.getLogger("moeserve")
 
 @contextmanager
 def _signals_held():
-    """Signals held while a worker starts: a handler that raises (the engine core's start-abandon signal) would
-    otherwise cut the child's start-up data short mid-write (the child dies printing a traceback) or leave a started
-    worker untracked. They are delivered on leaving. The child inherits the mask; worker_main clears it."""
+    """Python signal handlers deferred while a worker starts: one that raises (the engine core's start-abandon
+    signal) would otherwise cut the child's start-up data short mid-write (the child dies printing a traceback) or
+    leave a started worker untracked. Deferred signals are raised again on leaving, to the handlers they had. (Not
+    a thread signal mask: a signal sent to the process goes to any thread that does not block it, and Python runs
+    its handler in the main thread at once.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    pending: list[int] = []
+    handlers = {}
+    for sig in signal.valid_signals():
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            handlers[sig] = handler
+            signal.signal(sig, lambda signum, frame: pending.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for sig in pending:
+            signal.raise_signal(sig)
 
 
 @contextmanager

@@ -8,7 +8,6 @@ when rank 0 says so or when rank 0's end of the pipe closes (rank 0 is gone).
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import traceback
 
@@ -115,7 +114,6 @@ class Worker:
 def worker_main(rank: int, world_size: int, store_port: int, config, spec, model_dir, conn) -> None:
     """Process entry point: load this rank's shard, then run rank 0's messages in order, replying to those rank 0
     waits on (WorkerReply: the value, or the error as text)."""
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # rank 0 held every signal while starting this process
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [tp rank {rank}]: %(message)s")
 
     def attempt(fn, *args) -> WorkerReply:
