@@ -372,6 +372,16 @@ def _topk_sum_kernel(
 # launchers
 
 
+def silu_mul_rows(gu: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """h [pairs, I] = silu(gu[:, :I]) * gu[:, I:] by its own kernel (the plans' separate activation)."""
+    num_pairs, inter = gu.shape[0], gu.shape[1] // 2
+    h = torch.empty(num_pairs, inter, dtype=gu.dtype, device=gu.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(num_pairs, triton.cdiv(inter, block))](
+        gu, h, inter, gu.stride(0), h.stride(0), BLOCK_N=block, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return h
+
+
 def _topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dtype, pdl: bool) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     n = y.shape[1]
@@ -504,10 +514,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     if apart:
         act = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile, pdl=pdl)
     elif not fused_act:
-        act = torch.empty(num_pairs, inter, dtype=x.dtype, device=dev)
-        block = min(1024, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(num_pairs, triton.cdiv(inter, block))](
-            gu, act, inter, gu.stride(0), act.stride(0), BLOCK_N=block, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+        act = silu_mul_rows(gu, pdl)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=dev)
     t = plan.down
     shrunk_h = shrink(True, act, plan.lora_down_splits, activated=True) if apart else None

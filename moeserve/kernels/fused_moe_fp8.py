@@ -51,7 +51,7 @@ from moeserve.kernels.fp8 import (
     silu_mul_quant_fp8,
     silu_mul_quant_fp8_ref,
 )
-from moeserve.kernels.fused_moe import _block_tile, _silu_mul_kernel, _topk_sum
+from moeserve.kernels.fused_moe import _block_tile, _topk_sum, silu_mul_rows
 from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import silu_mul
 from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan, fit_tile, smem_limit
@@ -339,10 +339,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     elif fused_act:
         h, h_scale = gu, topk_weights
     else:
-        h, h_scale = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device), topk_weights
-        width = min(1024, triton.next_power_of_2(inter))
-        _silu_mul_kernel[(num_pairs, triton.cdiv(inter, width))](
-            gu, h, inter, gu.stride(0), h.stride(0), BLOCK_N=width, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+        h, h_scale = silu_mul_rows(gu, pdl), topk_weights
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
             hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl)

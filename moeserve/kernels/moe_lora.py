@@ -359,6 +359,16 @@ def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr,
 # memory-bound kernels add the deltas. The gate_up one also applies SiLU*up, standing in for the activation
 # kernel; rows without an adapter get exactly that kernel's h and keep the no-LoRA y.
 
+@triton.jit
+def _sub_block(sorted_ids_ptr, block_groups_ptr, num_pairs, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr):
+    """(sub-block, its expert (-1: padding), pairs, which are real) of an apart expand program: aligned rows
+    program_id(0) * SUB_M ..., SUB_M of an alignment block of BLOCK_M."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_groups_ptr + pid_m * SUB_M // BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + pid_m * SUB_M + tl.arange(0, SUB_M))
+    return pid_m, expert, pairs, pairs < num_pairs
+
+
 @triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
 def _lora_expand_act_kernel(
     gu_ptr, h_ptr, sorted_ids_ptr, block_groups_ptr, slots_ptr, ranks_ptr, b_ptr, scratch_ptr,
@@ -371,12 +381,9 @@ def _lora_expand_act_kernel(
     plain gate_up GEMM's gu [pairs, 2I], dG / dU the pair's adapter expand of the block shrink (gate columns,
     and the up columns at offs + I)."""
     pdl_launch.enter(USE_PDL)
-    pid_m = tl.program_id(0)  # sub-block: aligned rows pid_m * SUB_M ...
-    expert = tl.load(block_groups_ptr + pid_m * SUB_M // BLOCK_M)
+    pid_m, expert, pairs, pair_ok = _sub_block(sorted_ids_ptr, block_groups_ptr, num_pairs, BLOCK_M, SUB_M)
     if expert < 0:
         return
-    pairs = tl.load(sorted_ids_ptr + pid_m * SUB_M + tl.arange(0, SUB_M))
-    pair_ok = pairs < num_pairs
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = pair_ok[:, None] & (offs_n < I)[None, :]
     gu_rows = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
@@ -403,12 +410,9 @@ def _lora_expand_down_kernel(
     plain down GEMM's weighted per-pair output); sub-blocks without any adapter row return at once, other rows
     are not touched."""
     pdl_launch.enter(USE_PDL)
-    pid_m = tl.program_id(0)  # sub-block: aligned rows pid_m * SUB_M ...
-    expert = tl.load(block_groups_ptr + pid_m * SUB_M // BLOCK_M)
+    pid_m, expert, pairs, pair_ok = _sub_block(sorted_ids_ptr, block_groups_ptr, num_pairs, BLOCK_M, SUB_M)
     if expert < 0:
         return
-    pairs = tl.load(sorted_ids_ptr + pid_m * SUB_M + tl.arange(0, SUB_M))
-    pair_ok = pairs < num_pairs
     slots, _ = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
     if tl.max(slots, 0) < 0:
         return
