@@ -7,6 +7,10 @@ from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.engine.warmup import (CompileWatch, decode_batches, decode_split_shapes, eager_decode_sizes, warm_up,
                                      warmup_batches, warmup_token_counts)
 
+from moeserve.kernels.lora_dense import _token_tiling
+from moeserve.kernels.moe_align import align_constants
+from moeserve.kernels.moe_plan import LORA_APART_MIN_PAIRS, heuristic_plan, tile_table
+
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -17,6 +21,25 @@ def test_token_counts_cover_both_specializations_and_stay_within_limits():
     assert counts[-1] == 300 and max(counts) <= 300
     assert any(c % 16 == 0 for c in counts) and any(c % 2 for c in counts)
     assert warmup_token_counts(8192, 100)[-1] == 99  # a prompt leaves room for one token
+
+
+def test_token_counts_reach_every_compile_time_variant_a_step_can_take():
+    """Each token count a step can have decides some kernels' compile-time constants (the MoE alignment's chunk
+    and chunk count, the MoE plan with and without adapters and its tuned-table row, the dense LoRA tiling) and
+    Triton's integer specializations: the warm-up counts must take every combination any count takes."""
+    tuned_edges = sorted({row[0] for rows in tile_table().values() for row in rows})
+
+    def variant(t, top_k):
+        pairs = t * top_k
+        row = next((i for i, edge in enumerate(tuned_edges) if t <= edge), len(tuned_edges))
+        return (align_constants(pairs), heuristic_plan(t, top_k, None, False), heuristic_plan(t, top_k, None, True),
+                row, pairs > LORA_APART_MIN_PAIRS, _token_tiling(t, 4, None, None), t == 1, t % 16 == 0)
+
+    assert tuned_edges  # the shipped table has rows
+    for top_k, limit in ((8, 8192), (6, 8192), (2, 3000), (4, 700)):
+        counts = warmup_token_counts(limit, 1 << 20, top_k)
+        missing = {variant(t, top_k) for t in range(1, limit + 1)} - {variant(t, top_k) for t in counts}
+        assert not missing, (top_k, limit, missing)
 
 
 def test_batches_cover_one_two_and_sixteen_sequences_with_and_without_lora():

@@ -152,7 +152,7 @@ class EngineCore:
         """Compile and run every eager shape now (engine/warmup.py): prefill chunks, and decode steps larger than
         the largest graph (every decode step without graphs) with each split count of the decode attention."""
         cfg = self.config
-        counts = warmup_token_counts(cfg.max_num_batched_tokens, cfg.max_model_len)
+        counts = warmup_token_counts(cfg.max_num_batched_tokens, cfg.max_model_len, self.spec.top_k)
         graphs = self.runner.graph_runner
         low = max(graphs.sizes) if graphs is not None else 0
         shapes = [(b, 1) for b in eager_decode_sizes(cfg.max_num_seqs, low or None)]

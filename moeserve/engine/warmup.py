@@ -26,10 +26,25 @@ logger = logging.getLogger("moeserve")
 WARM_TOKENS = (1, 3, 8, 16, 17, 33, 64, 65, 127, 256, 257, 511, 1024, 1025, 2047, 4096, 4097, 8192)
 
 
-def warmup_token_counts(max_batched_tokens: int, max_model_len: int) -> list[int]:
-    """Token counts of the warm-up prefills: WARM_TOKENS that fit a step and a sequence, and the largest step."""
+def _variant_key(t: int, top_k: int) -> tuple:
+    """What a token count decides at compile time: kernels size tiles and program counts by the next power of two
+    of the tokens or of the (token, expert) pairs (the MoE alignment's chunk and chunk count, the tuned tile
+    table's rows), and Triton specializes integers on 1 and multiples of 16."""
+    return triton_next_pow2(t), triton_next_pow2(t * top_k), t == 1, t % 16 == 0
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def warmup_token_counts(max_batched_tokens: int, max_model_len: int, top_k: int = 1) -> list[int]:
+    """Token counts of the warm-up prefills: WARM_TOKENS, the smallest count of every `_variant_key` (for a
+    model routing each token to `top_k` experts), and the largest step, all that fit a step and a sequence."""
     limit = min(max_batched_tokens, max_model_len - 1)
-    return sorted({t for t in WARM_TOKENS if t <= limit} | {limit})
+    firsts: dict[tuple, int] = {}
+    for t in range(1, limit + 1):
+        firsts.setdefault(_variant_key(t, top_k), t)
+    return sorted({t for t in WARM_TOKENS if t <= limit} | set(firsts.values()) | {limit})
 
 
 def _sequence(num_tokens: int, context: int, lora_slot: int, block_size: int) -> Sequence:
@@ -123,8 +138,11 @@ class CompileWatch:
         self.count += 1
         spec = str(kwargs.get("repr") or kwargs.get("key") or "?")  # name[options](argument types and alignments)
         name = spec.split("[")[0].split("(")[0]
+        # the compile-time constants and the specialization attributes (which arguments were 1, or multiples of
+        # 16): what tells one variant from another; on one line, so a log grep keeps all of it
+        spec = " ".join(f"{spec} constants={kwargs.get('constants')} attrs={kwargs.get('configs')}".split())
         logger.warning("kernel %s compiled on the request path: the start-up warm-up did not reach this variant "
-                       "(%d so far): %s", name, self.count, spec[:1500])
+                       "(%d so far): %s", name, self.count, spec[:4000])
         return self._previous(*args, **kwargs) if self._previous else None
 
     def close(self) -> None:

@@ -57,7 +57,9 @@ def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = WEIGHT_BLOCK) -
     padded = F.pad(w32, (0, -k % bk, 0, -n % bn))  # zeros leave every block's amax as it is
     nb, kb = padded.shape[-2] // bn, padded.shape[-1] // bk
     amax = padded.reshape(*lead, nb, bn, kb, bk).abs().amax(dim=(-3, -1))
-    scale_inv = amax / FP8_MAX
+    # a tensor divisor: torch on CUDA turns division by a Python scalar into a multiply by its reciprocal, which
+    # rounds differently from the kernel's (and the CPU's) correctly rounded division
+    scale_inv = amax / torch.full_like(amax, FP8_MAX)
     scale = _expand_blocks(scale_inv, block, n, k)
     scaled = torch.where(scale > 0, w32 / torch.where(scale > 0, scale, 1.0), 0.0)
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale_inv

@@ -67,7 +67,9 @@ def _first_slot_of_lane(slots, lane):
     return cur
 
 
-@triton.jit
+# sizes that vary with the step's token count are not specialized (Triton would compile a variant per residue of
+# 16 it sees): a prefill shape the start-up warm-up did not reach then compiles nothing inside a request
+@triton.jit(do_not_specialize=["T", "K_PER_SPLIT", "stride_sk", "stride_ss"])
 def _shrink_kernel(
     x_ptr, a_ptr, slots_ptr, ranks_ptr, scratch_ptr,
     T, IN, R_MAX, K_PER_SPLIT,
@@ -110,16 +112,15 @@ def _shrink_kernel(
             cur = _next_slot(slots, cur)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "K_SPLITS", "stride_sk", "stride_ss"])  # as the shrink's
 def _expand_kernel(
     scratch_ptr, b_ptr, slots_ptr, ranks_ptr, out_ptr,
-    T, R_MAX,
+    T, R_MAX, K_SPLITS,  # K_SPLITS: the shrink's split count, which follows the token count: a run-time loop
     stride_sk, stride_ss, stride_st,
     stride_bl, stride_bn, stride_br,
     stride_ot, stride_on,
     SIZE0: tl.constexpr, SIZE1: tl.constexpr, SIZE2: tl.constexpr, SIZE3: tl.constexpr,
     TILE1: tl.constexpr, TILE2: tl.constexpr, TILE3: tl.constexpr,
-    K_SPLITS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -151,7 +152,7 @@ def _expand_kernel(
             s_mask = rows[:, None] & r_mask[None, :]
             s_ptrs = scratch_ptr + sl * stride_ss + t[:, None] * stride_st + r[None, :]
             s = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
-            for ks in tl.static_range(K_SPLITS):
+            for ks in range(K_SPLITS):
                 s += tl.load(s_ptrs + ks * stride_sk, mask=s_mask, other=0.0)
             b = tl.load(b_slot + n[None, :] * stride_bn + r[:, None] * stride_br,
                         mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(COMPUTE)
@@ -259,13 +260,12 @@ def _expand(scratch, lora_b, token_slots, slot_ranks, slice_sizes, out, *, block
     num_col_tiles = tile_starts[num_slices]
     _expand_kernel[(triton.cdiv(T, block_t), num_col_tiles, lanes)](
         scratch, lora_b, token_slots, slot_ranks, out,
-        T, max_rank,
+        T, max_rank, k_splits,
         scratch.stride(0), scratch.stride(1), scratch.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         out.stride(0), out.stride(1),
         SIZE0=sizes[0], SIZE1=sizes[1], SIZE2=sizes[2], SIZE3=sizes[3],
         TILE1=tile_starts[1], TILE2=tile_starts[2], TILE3=tile_starts[3],
-        K_SPLITS=k_splits,
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=RANK_BLOCK, LANES=lanes,
         COMPUTE=_compute_dtype(lora_b.dtype), DOT_PRECISION=_dot_precision(lora_b.dtype), USE_PDL=pdl,
         num_warps=num_warps, launch_pdl=pdl,

@@ -141,6 +141,13 @@ def align_chunk(num_pairs: int, chunk: int | None = None) -> int:
     return max(1024, triton.next_power_of_2(triton.cdiv(num_pairs, 64)))
 
 
+def align_constants(num_pairs: int, chunk: int | None = None) -> tuple[int, int]:
+    """(pairs per program, chunk count rounded up to a power of two): the compile-time constants the pair count
+    decides (the start-up warm-up must reach each combination real steps take)."""
+    chunk = min(align_chunk(num_pairs, chunk), max(16, triton.next_power_of_2(num_pairs)))
+    return chunk, triton.next_power_of_2(triton.cdiv(num_pairs, chunk))
+
+
 def moe_align(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -154,9 +161,8 @@ def moe_align(
     num_pairs = topk_ids.numel()
     max_blocks = align_max_blocks(num_pairs, num_experts, block_m)
     num_bins = max(32, triton.next_power_of_2(num_experts + 1))
-    chunk = min(align_chunk(num_pairs, chunk), max(16, triton.next_power_of_2(num_pairs)))
+    chunk, chunks_p2 = align_constants(num_pairs, chunk)
     num_chunks = triton.cdiv(num_pairs, chunk)
-    chunks_p2 = triton.next_power_of_2(num_chunks)
     block_b = max(1, min(64, 4096 // block_m))  # blocks per padding program: a [4096] tile of rows
     dev = topk_ids.device
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
