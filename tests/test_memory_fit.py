@@ -87,8 +87,11 @@ def test_device_memory_bytes_flag_and_validation():
         EngineConfig(device="cpu", device_memory_bytes=0).resolve()
 
 
-def test_forward_with_unbound_kv_caches_raises():
-    """Issue 10.4: layers zipped with fewer KV caches than layers would silently run fewer layers."""
+def test_kv_caches_are_the_runners_bound_to_the_model(setup):
+    """The model runner owns the KV cache and hands it to the model: a cache for fewer layers than the model has
+    is refused when bound (zip would silently run fewer layers, issue 10.4), an unbound model refuses to run, and
+    after a resize the model runs on the new cache, not the freed one."""
+    from moeserve import SamplingParams
     from moeserve.layers.batch import AttentionMetadata, ForwardBatch
     from moeserve.models.moe_decoder import MoEForCausalLM
     from moeserve.worker.kv_cache import allocate_kv_cache
@@ -98,10 +101,21 @@ def test_forward_with_unbound_kv_caches_raises():
     batch = ForwardBatch(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                          AttentionMetadata(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
                                            torch.ones(1, dtype=torch.int32), is_decode=True))
-    for bound in (0, spec.num_layers - 1):
-        model.kv_caches = allocate_kv_cache(spec, 2, BLOCK, torch.float32, torch.device("cpu"))[:bound]
-        with pytest.raises(RuntimeError, match=f"KV caches bound for {bound} of {spec.num_layers} layers"):
-            model(batch)
+    with pytest.raises(RuntimeError, match="no KV caches bound"):
+        model(batch)
+    short = allocate_kv_cache(spec, 2, BLOCK, torch.float32, torch.device("cpu"))[:spec.num_layers - 1]
+    with pytest.raises(ValueError, match=f"KV caches given for {spec.num_layers - 1} of {spec.num_layers} layers"):
+        model.bind_kv_caches(short)
+
+    base, _ = setup
+    eng = engine(base, None, num_kv_blocks=6)
+    runner = eng.runner
+    old = runner.kv_caches
+    runner.resize_kv_cache(9)
+    assert runner.num_kv_blocks == 9 and all(k.shape[0] == v.shape[0] == 9 for k, v in runner.kv_caches)
+    eng.generate([[5, 9, 30, 2, 7, 11, 4]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert all(k[1:].abs().sum() > 0 and v[1:].abs().sum() > 0 for k, v in runner.kv_caches)  # written to
+    assert all(k[1:].abs().sum() == 0 for k, _ in old)  # the freed cache was not
 
 
 @pytest.mark.gpu

@@ -39,9 +39,9 @@ def test_warm_up_leaves_no_trace(tmp_path):
                                    lora_modules={"ad": str(path)}, max_lora_rank=8))
 
     cold, warm = engine(), engine()
-    kv_before = [t.clone() for layer in warm.runner.model.kv_caches for t in layer]
+    kv_before = [t.clone() for layer in warm.runner.kv_caches for t in layer]
     warm_up(warm.runner, [1, 5, 33], with_lora=True, block_size=4, decode_shapes=[(1, 1), (3, 2)])
-    kv_after = [t for layer in warm.runner.model.kv_caches for t in layer]
+    kv_after = [t for layer in warm.runner.kv_caches for t in layer]
     block0 = [torch.equal(a[1:], b[1:]) for a, b in zip(kv_before, kv_after)]  # blocks past the dummy one
     assert all(block0)
     assert any(not torch.equal(a[:1], b[:1]) for a, b in zip(kv_before, kv_after))  # it did write the dummy block

@@ -131,13 +131,14 @@ def kernel_names(fn: Callable[[], object]) -> list[str] | None:
         return None
 
 
-def layer_budget(model, batch: ForwardBatch, x: torch.Tensor, ctx_len: int, bandwidth: float,
+def layer_budget(model, kv_caches, batch: ForwardBatch, x: torch.Tensor, ctx_len: int, bandwidth: float,
                  timer: Callable[[list], float]) -> list[dict]:
     """One row per region: µs per layer (timed over every routed-expert layer in turn), bytes, floor µs,
-    share of the floor, kernels per layer; and a last row for the whole layer."""
+    share of the floor, kernels per layer; and a last row for the whole layer. `kv_caches`: the model runner's
+    (k, v) pair of every layer."""
     # the routed-expert layers (dense layers, where a family has them, cut into other regions)
-    pairs = [(layer, kv) for layer, kv in zip(model.layers, model.kv_caches) if layer.is_sparse] or \
-        list(zip(model.layers, model.kv_caches))
+    pairs = [(layer, kv) for layer, kv in zip(model.layers, kv_caches) if layer.is_sparse] or \
+        list(zip(model.layers, kv_caches))
     residual = x.flip(0).contiguous()  # a residual stream unlike x (a middle layer's input norm adds them)
     per_layer = [layer_regions(layer, x, residual, batch, k, v, ctx_len)[0] for layer, (k, v) in pairs]
     # every timing first: the profiler (kernel names) can leave tracing hooks that slow later launches

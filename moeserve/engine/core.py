@@ -160,7 +160,7 @@ class EngineCore:
             # imported here, not at the top: it imports triton, which `import moeserve` (and the CLI) should not pay
             from moeserve.kernels.paged_attention import DECODE_BLOCK_N, MAX_DECODE_SPLITS, default_num_splits
 
-            n_kv = self.runner.model.kv_caches[0][0].shape[-2]  # this rank's KV heads
+            n_kv = self.runner.spec.num_kv_heads  # this rank's KV heads (the runner's spec is its rank's)
             # contexts past MAX_DECODE_SPLITS tiles give no split count of their own
             max_blocks = min(self.runner.max_blocks_per_seq, -(-MAX_DECODE_SPLITS * DECODE_BLOCK_N // cfg.block_size))
             shapes += decode_split_shapes(range(low + 1, cfg.max_num_seqs + 1), max_blocks, lambda b, blocks:

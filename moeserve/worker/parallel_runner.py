@@ -242,11 +242,7 @@ class ParallelModelRunner(ModelRunner):
         counts = self._expect_ok("allocating its KV cache")
         least = min(mine, *counts.values())
         self.send_to_workers(ResizeKVCache(least))
-        if mine != least:
-            self.model.kv_caches = []
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            super().allocate_kv_cache(least)
+        self.resize_kv_cache(least)
         self._expect_ok("resizing its KV cache")
         return least
 

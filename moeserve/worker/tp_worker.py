@@ -78,12 +78,7 @@ class Worker:
         return self.runner.allocate_kv_cache(msg.num_blocks)
 
     def resize_kv_cache(self, msg: ResizeKVCache) -> None:
-        runner = self.runner
-        if msg.num_blocks != runner.model.kv_caches[0][0].shape[0]:
-            runner.model.kv_caches = []
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            runner.allocate_kv_cache(msg.num_blocks)
+        self.runner.resize_kv_cache(msg.num_blocks)
 
     def lora_pool(self, msg: CreateLoRAPool) -> None:
         self.runner.lora_pool = LoRASlotPool(self.spec, self.runner.model, msg.max_loras, msg.max_rank,
