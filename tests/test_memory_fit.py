@@ -7,7 +7,8 @@ import torch
 
 from moeserve import Engine, EngineConfig
 from moeserve.engine_args import add_engine_args, engine_config_from_args
-from moeserve.worker.model_runner import ACTIVATION_HEADROOM, InsufficientMemoryError
+from moeserve.errors import InsufficientMemoryError
+from moeserve.worker.model_runner import ACTIVATION_HEADROOM
 from peft_fixtures import make_peft_adapter, save_base_checkpoint, tiny_base_model, tiny_spec
 
 FAMILY = "qwen2_moe"  # attention, routed experts, a shared expert and a dense layer: every pool target

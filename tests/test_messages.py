@@ -113,7 +113,7 @@ def test_every_tensor_parallel_message_survives_its_codec():
         tp_messages.CreateLoRAPool(["q_proj", "experts"], 4, 8, False), tp_messages.LoadLoRASlot(1, {"a": 1}),
         tp_messages.ClearLoRASlot(1), tp_messages.CaptureGraphs(), tp_messages.GetReplayCounts(),
         tp_messages.GetLoRASlots(), tp_messages.GetAllReduceBackend(), tp_messages.StopWorker(),
-        tp_messages.WorkerReply(3), tp_messages.WorkerReply(error="RuntimeError: simulated device fault"),
+        tp_messages.WorkerReply(3), tp_messages.WorkerReply.failed(RuntimeError("simulated device fault")),
     ]
     assert {type(m) for m in examples} == set(tp_messages.WORKER_MESSAGES)
     for msg in examples:
@@ -214,3 +214,73 @@ def test_an_error_class_that_is_not_carried_arrives_as_its_base_with_its_name():
         server.reader.shutdown()
     reply = CODEC.decode(outbox.sent[0])
     assert type(reply.error) is ValueError and str(reply.error) == "CheckpointLikeError: tensor x is float8"
+
+
+# ---- failures raised below the floor are moeserve.errors' classes, and cross by type -------------------------
+
+def _raised(fn) -> Exception:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the failure under test
+        return e
+    raise AssertionError("it did not fail")
+
+
+def _checkpoint_error(tmp_path):
+    from moeserve.models.loader import load_model
+    from peft_fixtures import tiny_spec
+
+    return _raised(lambda: load_model(tmp_path, tiny_spec("qwen3_moe")))  # a folder without weights
+
+
+def _pattern_key_error(tmp_path):
+    from moeserve.lora.pattern_keys import MAX_PATTERN_KEYS, PatternTable
+
+    return _raised(lambda: PatternTable("rank_pattern", {f"k{i}": 4 for i in range(MAX_PATTERN_KEYS + 1)}))
+
+
+def _insufficient_memory_error(tmp_path):
+    from moeserve import Engine
+    from peft_fixtures import save_base_checkpoint
+
+    base = save_base_checkpoint("qwen3_moe", tmp_path / "base")
+    return _raised(lambda: Engine(EngineConfig(model=str(base), device="cpu", dtype="float32",
+                                               device_memory_bytes=1 << 20)))  # less than the weights
+
+
+def _rank_failure(tmp_path):
+    from moeserve.worker.parallel_runner import ParallelModelRunner
+
+    runner = ParallelModelRunner.__new__(ParallelModelRunner)  # no ranks started: only its failure path
+    runner.failure, runner.workers = None, []
+    return _raised(lambda: runner._fail("tensor-parallel rank 1 (pid 7) exited with code 1"))
+
+
+BELOW_THE_FLOOR = [
+    pytest.param(_checkpoint_error, errors.CheckpointError, id="CheckpointError", marks=pytest.mark.xfail(
+        strict=True, reason="models/loader.py still defines a CheckpointError of its own; it is to import "
+                            "moeserve.errors.CheckpointError (drop this mark then)")),
+    pytest.param(_pattern_key_error, errors.PatternKeyError, id="PatternKeyError"),
+    pytest.param(_insufficient_memory_error, errors.InsufficientMemoryError, id="InsufficientMemoryError"),
+    pytest.param(_rank_failure, errors.RankFailure, id="RankFailure"),
+]
+
+
+@pytest.mark.parametrize("fail, cls", BELOW_THE_FLOOR)
+def test_a_failure_raised_below_the_floor_crosses_as_its_own_class(tmp_path, fail, cls):
+    """The loader, the pattern tables, the memory plan and rank 0's watch raise moeserve.errors' classes: to the
+    frontend, and from a tensor-parallel worker to rank 0, each arrives as its class with its message."""
+    error = fail(tmp_path)
+    assert type(error) is cls, repr(error)
+    back = CODEC.decode(CODEC.encode(CallReply(1, error=error))).error
+    assert type(back) is cls and str(back) == str(error)
+    reply = tp_messages.decode(tp_messages.encode(tp_messages.WorkerReply.failed(error)))
+    again = reply.raised_on(1, "loading its shard of the model")
+    assert type(again) is cls and str(again) == f"tensor-parallel rank 1 failed loading its shard of the model: {error}"
+
+
+def test_a_worker_failure_of_a_class_that_is_not_carried_arrives_at_rank_0_as_its_base_with_its_name():
+    reply = tp_messages.decode(tp_messages.encode(tp_messages.WorkerReply.failed(CheckpointLikeError("bad x"))))
+    again = reply.raised_on(2, "allocating its KV cache")
+    assert type(again) is ValueError
+    assert str(again) == "tensor-parallel rank 2 failed allocating its KV cache: CheckpointLikeError: bad x"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
-from moeserve.distributed.parallel_state import RankFailure
+from moeserve.errors import RankFailure
 from moeserve.lora.slot_pool import ALL_TARGETS
 
 from peft_fixtures import make_peft_adapter, save_base_checkpoint

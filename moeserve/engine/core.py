@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.distributed.parallel_state import RankFailure
 from moeserve.engine.lora_manager import LoRAManager
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.warmup import CompileWatch, decode_split_shapes, eager_decode_sizes, warm_up, warmup_token_counts
-from moeserve.errors import EngineShutdownError, QueueFullError, RequestError
+from moeserve.errors import EngineShutdownError, QueueFullError, RankFailure, RequestError
 from moeserve.model_spec import ModelSpec
 from moeserve.models.tokenizer import eos_token_ids, load_tokenizer
 from moeserve.models.upcycle import demo_model_path

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import EngineConfig
+from moeserve.errors import InsufficientMemoryError
 from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.layers.sampler import SamplingTensors, compute_logprobs, row_key, sample
 from moeserve.lora.slot_pool import describe_by_target, format_bytes
@@ -34,11 +35,6 @@ GiB = 1 << 30
 # device memory kept out of the KV cache for activations, sampling and CUDA graphs
 ACTIVATION_HEADROOM = 2 * GiB
 CPU_KV_CAP = 2 * GiB  # CPU without a device_memory_bytes budget: no limit to plan against, so a cap
-
-
-class InsufficientMemoryError(ValueError):
-    """The weights, the LoRA slot pool and the smallest useful KV cache do not fit the device; the message
-    gives the accounting and names the flags that change it."""
 
 
 @dataclass
