@@ -77,11 +77,11 @@ def test_configured_adapters_are_resident_before_the_first_request(tmp_path):
              for i, name in enumerate(["a", "b", "c"])}
     engine = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", block_size=4, max_loras=2,
                                  max_lora_rank=8, lora_modules=paths))
-    assert engine.stats()["lora_loads_total"] == 2
+    assert engine.stats().lora_loads_total == 2
     engine.generate([[5, 9, 30], [8, 1, 40]], GREEDY, lora=["a", "b"])
-    assert engine.stats()["lora_loads_total"] == 2  # both were resident
+    assert engine.stats().lora_loads_total == 2  # both were resident
     engine.generate([[5, 9, 30]], GREEDY, lora="c")
-    assert engine.stats()["lora_loads_total"] == 3
+    assert engine.stats().lora_loads_total == 3
 
 
 def test_compile_watch_counts_and_names_kernels_compiled_after_start(caplog, tmp_path):

@@ -382,6 +382,7 @@ class LoRAManager:
         return min(candidates, key=lambda i: self.slot_loaded_at[i]) if candidates else -1
 
     def stats(self) -> dict:
+        """The lora_* fields of the engine's stats (moeserve/messages.py EngineStats)."""
         s = dict(self.counters)
         s["lora_adapters_known"] = len(self.names())
         s["lora_adapters_draining"] = sum(v.state == "draining" for v in self.live.values())
