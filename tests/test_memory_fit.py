@@ -71,6 +71,17 @@ def test_the_pool_decides_whether_the_engine_starts(setup):
     assert set(known.lora_manager.pool.nbytes_by_target) == {"q_proj/k_proj/v_proj", "o_proj"}
 
 
+def test_pool_targets_sized_from_the_adapters_name_the_shared_expert_as_one_target(tmp_path):
+    """lora_modules without lora_target_modules: the pool holds the targets the adapters use, each shared-expert
+    projection (shared_expert.gate_proj, ...) under its lora_target_modules entry "shared_expert"."""
+    base = save_base_checkpoint(FAMILY, tmp_path / "base")
+    shared, _ = make_peft_adapter(FAMILY, tmp_path / "shared", kind="shared-expert", rank=4, seed=2)
+    attn, _ = make_peft_adapter(FAMILY, tmp_path / "attn", kind="attn", rank=4, seed=1)
+    eng = engine(base, None, lora_modules={"s": str(shared), "a": str(attn)})
+    assert eng.lora_manager.pool.targets == {"shared_expert", "q_proj", "k_proj", "v_proj", "o_proj"}
+    assert set(eng.lora_manager.pool.nbytes_by_target) == {"shared_expert", "q_proj/k_proj/v_proj", "o_proj"}
+
+
 def test_kv_budget_flags_skip_the_device_plan(setup):
     """An explicit KV size is the user's: no device planning (the core lowers an automatic max_model_len)."""
     base, _ = setup
