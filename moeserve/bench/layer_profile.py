@@ -13,7 +13,11 @@ floor is the bytes it must move at the read bandwidth measured in the same run; 
 from the profiler over one replay.
 
 `layer_regions` rebuilds the layer forward from the same modules the model uses; a CPU test chains the
-regions and checks that they reproduce `DecoderLayer.forward`, so the budget cannot drift from the layer.
+regions and checks that they reproduce `DecoderLayer.forward`, so the budget cannot drift from the layer. The
+order is spelled here, not read off the layer: the regions cut through three forwards (the layer's, Attention's
+qkv / prologue / attend / o_proj, the MoE block's route / experts) and each carries the bytes it must move, which
+no forward knows; turning those forwards into lists of named steps for the profiler alone would make the code
+every step runs (eager, compiled and in CUDA graphs) harder to read.
 """
 from __future__ import annotations
 
