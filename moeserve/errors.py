@@ -36,6 +36,16 @@ class InvalidAdapterNameError(LoRAAdapterError):
     """An adapter name that is not allowed (characters, '/' components, ':'). HTTP 400."""
 
 
+class PatternKeyError(ValueError):
+    """A rank_pattern / alpha_pattern table that cannot be used as PEFT would use it (lora/pattern_keys.py).
+    `about_names`: the adapter's module names (its weights file) are at fault rather than the table's keys (its
+    config); the adapter parser reports it as that file's LoRAAdapterError (it does not cross processes)."""
+
+    def __init__(self, message: str = "", about_names: bool = False):
+        super().__init__(message)
+        self.about_names = about_names
+
+
 class UnknownAdapterError(LookupError):
     """A request or call names an adapter the engine does not serve. HTTP 404."""
 
@@ -43,6 +53,19 @@ class UnknownAdapterError(LookupError):
 class AdapterInUseError(RuntimeError):
     """A LoRA call refused because of the adapter's requests: pinning it would take the last slot that queued or
     running requests for other adapters need. (An unload never answers this: it drains.) HTTP 409."""
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match its config (missing tensor, wrong shape, unreadable file); refused at start."""
+
+
+class InsufficientMemoryError(ValueError):
+    """The weights, the LoRA slot pool and the smallest useful KV cache do not fit the device; the message gives the
+    accounting and names the flags that change it. Refused at start."""
+
+
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot go on and says which rank. HTTP 500."""
 
 
 class EngineShutdownError(RuntimeError):

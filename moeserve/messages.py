@@ -8,8 +8,10 @@ raised again as the same class on the other side (moeserve/errors.py; builtin ex
 Both ends run the same package, so a type code is a message's position in RECORDS.
 
 Frontend -> core: AddRequest, AbortRequests, Shutdown, and the calls (subclasses of Call: LoadLoRA, UnloadLoRA,
-ListLoRAs, LoRAVersions, Stats, and the test hooks), each answered by a CallReply with its call_id.
-Core -> frontend: CoreReady or StartupFailed (once, at start), StepOutputs (one per step), CallReply.
+ListLoRAs, LoRAVersions, Stats, and the test hooks), each answered by a CallReply with its call_id (a Stats call by
+a StatsReply, whose result is an EngineStats record).
+Core -> frontend: CoreReady (with a CoreInfo) or StartupFailed (once, at start), StepOutputs (one per step),
+CallReply.
 """
 from __future__ import annotations
 
@@ -109,8 +111,59 @@ class HoldLoRAReads(Call):
 # ---- core -> frontend -------------------------------------------------------------------------------------
 
 @dataclass
+class CoreInfo:
+    """What a frontend needs to know about the engine core (EngineCore.info(), sent once in CoreReady)."""
+    model: str
+    tokenizer: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int  # usable blocks (the dummy block is not one)
+    max_queue_len: int
+    max_num_seqs: int
+    lora_names: list[str]  # the adapters loaded at start
+    device: str
+    dtype: str
+
+
+@dataclass
+class EngineStats:
+    """The engine core's counters and gauges, the answer to a Stats call (EngineCore.stats()); /metrics exports
+    each field under its name (server/metrics.py). The fields of a part that is off are None: the compile watch
+    (off unless the core watches for compiles after start), the CUDA graphs, LoRA."""
+    requests_total: int
+    requests_rejected: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    steps_total: int
+    decode_steps_total: int
+    aborted_total: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    prefix_cache_hit_rate: float
+    prefix_cache_blocks: int
+    prefix_cache_evictions: int
+    kernel_compiles_after_start_total: int | None = None
+    graph_replays: dict[str, int] | None = None  # str(GraphKey) -> replays
+    lora_loads_total: int | None = None
+    lora_evictions_total: int | None = None
+    lora_rereads_total: int | None = None
+    lora_adapters_known: int | None = None
+    lora_adapters_draining: int | None = None
+    lora_slots_used: int | None = None
+    lora_slots_total: int | None = None
+    lora_versions: dict[str, int] | None = None  # live adapter -> its version
+
+
+@dataclass
 class CoreReady:
-    info: dict  # EngineCore.info()
+    info: CoreInfo
 
 
 @dataclass
@@ -131,13 +184,22 @@ class StepOutputs:
 @dataclass
 class CallReply:
     call_id: int
-    result: object = None
+    result: object = None  # plain data (lists, dicts, numbers, strings); a record travels in a reply of its own
     error: Exception | None = None
 
 
+@dataclass
+class StatsReply(CallReply):
+    """The answer to a Stats call: the stats as their record."""
+    result: EngineStats | None = None
+
+
+REPLY_OF = {Stats: StatsReply}  # the calls whose result is a record, and the reply that types it (else CallReply)
+
+
 RECORDS = (AddRequest, AbortRequests, Shutdown, ListLoRAs, LoRAVersions, Stats, LoadLoRA, UnloadLoRA, Hold,
-           FailNextSteps, HoldLoRAReads, CoreReady, StartupFailed, StepOutputs, CallReply,
-           SamplingParams, CoreOutput, TokenLogprobs)
+           FailNextSteps, HoldLoRAReads, CoreReady, StartupFailed, StepOutputs, CallReply, StatsReply,
+           SamplingParams, CoreOutput, TokenLogprobs, CoreInfo, EngineStats)
 
 
 # ---- errors -----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import httpx
 import openai
 
 from moeserve import EngineConfig
-from moeserve.messages import FailNextSteps, Hold
+from moeserve.messages import EngineStats, FailNextSteps, Hold
 from moeserve.server.app import run_on_server_loop, run_server
 
 os.environ["MOESERVE_TEST_HOOKS"] = "1"  # inherited by the engine-core processes started from here
@@ -58,14 +58,14 @@ class RunningServer:
         """Run a coroutine on the server's event loop (where its EngineClient lives)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.run(self.engine.stats())
 
-    def wait_idle(self, timeout: float = 20.0) -> dict:
+    def wait_idle(self, timeout: float = 20.0) -> EngineStats:
         deadline = time.time() + timeout
         while True:
             s = self.stats()
-            if s["num_running"] == 0 and s["num_waiting"] == 0 or time.time() > deadline:
+            if s.num_running == 0 and s.num_waiting == 0 or time.time() > deadline:
                 return s
             time.sleep(0.02)
 

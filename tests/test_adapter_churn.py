@@ -45,13 +45,13 @@ def test_churn_under_traffic_loses_nothing_and_answers_right(setup):
         s.close()
     print(f"\nchurn: {res.completed} ok / {res.failed} failed, {res.wrong} wrong, {res.request_throughput:.1f} req/s, "
           f"p50 {res.p50_latency_ms:.0f} ms, p99 {res.p99_latency_ms:.0f} ms, {res.reloads} reloads, "
-          f"{res.unload_loads} unload+load, lora loads {stats['lora_loads_total']}, "
-          f"re-reads {stats['lora_rereads_total']}")
+          f"{res.unload_loads} unload+load, lora loads {stats.lora_loads_total}, "
+          f"re-reads {stats.lora_rereads_total}")
     assert res.failed == 0 and res.failed_churn_ops == 0, res.errors
     assert res.wrong == 0, [a for a in res.answers if a["text"] != a["solo"]][:3]
     assert res.completed == 96 and res.reloads >= 1 and res.unload_loads >= 1
-    assert stats["lora_loads_total"] > len(adapters)  # slots really changed hands
-    assert stats["lora_rereads_total"] > 0  # and adapters were read again (on the reader thread) after eviction
+    assert stats.lora_loads_total > len(adapters)  # slots really changed hands
+    assert stats.lora_rereads_total > 0  # and adapters were read again (on the reader thread) after eviction
     # the solo answers themselves against an offline engine with all four adapters loaded at start
     ref = Engine(EngineConfig(model=model, lora_modules=adapters, **dict(KW, max_loras=4, max_cpu_loras=4)))
     pairs = sorted({(a["prompt"], a["model"]) for a in res.answers})

@@ -116,7 +116,7 @@ def test_continuous_batching_equals_running_alone(tiny_models, num_kv_blocks):
     outs = _run_staggered(engine, prompts, max_tokens, stagger)
     assert [o.token_ids for o in outs] == alone
     if num_kv_blocks is not None:
-        assert engine.stats()["num_preemptions"] > 0
+        assert engine.stats().num_preemptions > 0
     assert engine.allocator.num_free == engine.allocator.num_usable  # every block came back
 
 
@@ -212,7 +212,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_models):
     with pytest.raises(RequestError, match="LoRA is not enabled"):
         engine.add_request(prompt, SamplingParams(max_tokens=4), lora="nope")
     assert engine.generate([prompt], SamplingParams(max_tokens=5, **GREEDY))[0].token_ids == before
-    assert engine.stats()["requests_rejected"] >= 4
+    assert engine.stats().requests_rejected >= 4
 
 
 def test_bad_checkpoints_name_the_problem(tiny_models, tmp_path):

@@ -114,7 +114,7 @@ def test_refusals_are_raised_before_any_output(client):
             await client.submit([10**6], SamplingParams(max_tokens=4))
         with pytest.raises(UnknownAdapterError, match="nope"):
             await client.submit("hi", SamplingParams(max_tokens=4), lora="nope")
-        vocab = client.info["vocab_size"]
+        vocab = client.info.vocab_size
         for stop_id in (vocab, 2**64):  # never generated; 2^64 would not even cross the boundary
             with pytest.raises(RequestError, match=rf"^stop_token_ids {stop_id} is outside the vocabulary"):
                 await client.submit("hi", SamplingParams(max_tokens=4, stop_token_ids=[stop_id]))
@@ -145,7 +145,7 @@ def _idle_stats(client):
     async def main():
         for _ in range(500):
             s = await client.stats()
-            if s["num_running"] == 0 and s["num_waiting"] == 0:
+            if s.num_running == 0 and s.num_waiting == 0:
                 return s
             await asyncio.sleep(0.01)
         return s
@@ -172,9 +172,9 @@ def test_consumer_that_stops_and_abort_by_id_free_kv(client):
     first, rest = client.lt.run(main())
     assert not first.finished and rest[-1].finish_reason == "abort"
     s = _idle_stats(client)
-    assert s["kv_blocks_free"] == s["kv_blocks_total"]
-    assert s["aborted_total"] == before["aborted_total"] + 2
-    assert s["generation_tokens_total"] - before["generation_tokens_total"] < 200
+    assert s.kv_blocks_free == s.kv_blocks_total
+    assert s.aborted_total == before.aborted_total + 2
+    assert s.generation_tokens_total - before.generation_tokens_total < 200
 
 
 def test_a_failed_step_fails_running_requests_and_the_core_keeps_serving(client, ref):
@@ -187,7 +187,7 @@ def test_a_failed_step_fails_running_requests_and_the_core_keeps_serving(client,
     outs = client.lt.run(main())
     assert outs[-1].token_ids == ref.generate("hello world", SamplingParams(max_tokens=8, temperature=0))[0].token_ids
     s = _idle_stats(client)
-    assert s["kv_blocks_free"] == s["kv_blocks_total"] and client.is_running
+    assert s.kv_blocks_free == s.kv_blocks_total and client.is_running
 
 
 def test_outputs_a_reader_has_not_read_are_folded_into_one(client, ref):
@@ -202,7 +202,7 @@ def test_outputs_a_reader_has_not_read_are_folded_into_one(client, ref):
 
     async def main():
         streams = [await client.submit(p, params) for p in prompts]
-        while (s := await client.stats())["num_running"] or s["num_waiting"]:
+        while (s := await client.stats()).num_running or s.num_waiting:
             await asyncio.sleep(0.01)  # nobody reads while the engine generates every token
         alone = [o async for o in streams[0]]
         merged = [io async for io in MergedStreams(streams[1:])]
@@ -261,8 +261,8 @@ def test_a_request_that_cannot_be_sent_leaves_nothing_behind(client, monkeypatch
 
 def test_queue_full_is_refused_by_the_frontend_at_once(client):
     async def main():
-        old = client.info["max_queue_len"]
-        client.info["max_queue_len"] = 1
+        old = client.info.max_queue_len
+        client.info.max_queue_len = 1
         try:
             flag = os.path.join(client._dir, "hold")
             open(flag, "w").close()
@@ -277,7 +277,7 @@ def test_queue_full_is_refused_by_the_frontend_at_once(client):
             await hold
             return [o async for o in await first]
         finally:
-            client.info["max_queue_len"] = old
+            client.info.max_queue_len = old
 
     assert client.lt.run(main())[-1].finished
 

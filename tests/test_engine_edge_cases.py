@@ -41,7 +41,7 @@ def test_recompute_after_preemption_larger_than_the_budget(tiny_models):
                                  max_num_batched_tokens=8, enable_chunked_prefill=False, num_kv_blocks=8))
     ids = [engine.add_request([5 + i] * 6, SamplingParams(max_tokens=20, **GREEDY)) for i in range(2)]
     outs = run_all(engine)
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats().num_preemptions > 0
     assert all(len(outs[i].token_ids) == 20 for i in ids)
 
 

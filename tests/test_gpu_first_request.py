@@ -103,7 +103,7 @@ def test_gpu_no_request_compiles_a_kernel_and_none_fails(tmp_path, family, dtype
         restore()
     assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
-    assert engine.stats()["kernel_compiles_after_start_total"] == len(seen)  # the engine's watch (/metrics) agrees
+    assert engine.stats().kernel_compiles_after_start_total == len(seen)  # the engine's watch (/metrics) agrees
     assert seen == [], f"{len(seen)} kernels compiled after start-up: {[_variant(k) for k in seen]}"
     engine.shutdown()
 

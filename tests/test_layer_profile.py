@@ -46,7 +46,7 @@ def test_regions_chained_are_the_layer_forward(family, backend):
     batch = bench.runner.prepare(ScheduledBatch(seqs, [1] * B, is_decode=True))
     gen = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(B, bench.spec.hidden_size, generator=gen) for _ in range(2))
-    for layer, (k_cache, v_cache) in zip(bench.model.layers, bench.model.kv_caches):
+    for layer, (k_cache, v_cache) in zip(bench.model.layers, bench.runner.kv_caches):
         regions, chained = layer_profile.layer_regions(layer, x, residual, batch, k_cache, v_cache, ctx_len=512)
         reference = layer(x, residual, batch, k_cache, v_cache)
         assert all(torch.equal(c, r) for c, r in zip(chained, reference)), (family, layer.layer_idx)
@@ -91,7 +91,7 @@ def regions_vs_forward(rank, store_port, config, model_dir):
             batch, x = tp_profile.decode_inputs(runner, 3)
             residual = x.flip(0).contiguous()
             names = []
-            for layer, (k_cache, v_cache) in zip(runner.model.layers, runner.model.kv_caches):
+            for layer, (k_cache, v_cache) in zip(runner.model.layers, runner.kv_caches):
                 regions, chained = layer_profile.layer_regions(layer, x, residual, batch, k_cache, v_cache, 512)
                 reference = layer(x, residual, batch, k_cache, v_cache)
                 if not all(torch.equal(c, r) for c, r in zip(chained, reference)):

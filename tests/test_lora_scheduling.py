@@ -113,7 +113,7 @@ def test_four_adapters_over_two_slots_throughput_fairness_and_outputs(setup):
           f"({n_req / ideal['elapsed']:.1f} with 4 slots); "
           f"mean running {got['mean_batch']:.1f}/{max_num_seqs} while requests waited ({ideal['mean_batch']:.1f}); "
           f"longest wait {got['max_wait']} steps ({ideal['max_wait']}); "
-          f"{got['engine'].stats()['lora_loads_total']} slot loads")
+          f"{got['engine'].stats().lora_loads_total} slot loads")
     assert got["mean_batch"] >= 0.75 * ideal["mean_batch"] and got["mean_batch"] >= 0.5 * max_num_seqs
     assert got["steps"] <= 1.25 * ideal["steps"]
     # bounded wait: no worse than with a slot per adapter, plus one aging period and one slot drain
@@ -164,7 +164,7 @@ def test_unload_drains_running_and_queued_requests_then_frees_the_name(setup):
     step_once(engine, outs)
     r_queued = engine.add_request(p[1], sp, lora="a")  # max_num_seqs=1: queued behind r_run
     engine.unload_lora("a")
-    assert engine.list_loras() == ["b"] and "a" not in engine.stats()["lora_versions"]
+    assert engine.list_loras() == ["b"] and "a" not in engine.stats().lora_versions
     with pytest.raises(UnknownAdapterError, match="'a' is not loaded"):
         engine.add_request(p[2], sp, lora="a")
     with pytest.raises(UnknownAdapterError):
@@ -181,7 +181,7 @@ def test_unload_drains_running_and_queued_requests_then_frees_the_name(setup):
     fresh_c = make_engine(base, lora_modules={"c": ads["c"]})
     assert solo(engine, p[2], "a", 4).token_ids == solo(fresh_c, p[2], "c", 4).token_ids
     engine.unload_lora("b")  # idle: freed at once
-    assert engine.list_loras() == ["a"] and engine.stats()["lora_adapters_draining"] == 0
+    assert engine.list_loras() == ["a"] and engine.stats().lora_adapters_draining == 0
     assert engine.allocator.num_free == engine.allocator.num_usable
 
 
@@ -222,7 +222,7 @@ def test_reload_under_the_same_name_keeps_started_requests_on_the_old_version(se
     fresh = make_engine(base, lora_modules={"x": ads["b"]})
     assert new_out.token_ids == solo(fresh, p[1], "x", 10).token_ids
     m = engine.lora_manager
-    assert m.version("x") == 2 and engine.stats()["lora_versions"] == {"x": 2}
+    assert m.version("x") == 2 and engine.stats().lora_versions == {"x": 2}
     assert m.slot_name.count("x") == 1  # the old version's slot was freed when its request ended
     assert engine.list_loras() == ["x"]
     assert solo(engine, p[0], "x", 10).token_ids == solo(fresh, p[0], "x", 10).token_ids

@@ -7,7 +7,8 @@ import torch
 
 from moeserve import Engine, EngineConfig
 from moeserve.engine_args import add_engine_args, engine_config_from_args
-from moeserve.worker.model_runner import ACTIVATION_HEADROOM, InsufficientMemoryError
+from moeserve.errors import InsufficientMemoryError
+from moeserve.worker.model_runner import ACTIVATION_HEADROOM
 from peft_fixtures import make_peft_adapter, save_base_checkpoint, tiny_base_model, tiny_spec
 
 FAMILY = "qwen2_moe"  # attention, routed experts, a shared expert and a dense layer: every pool target
@@ -70,6 +71,17 @@ def test_the_pool_decides_whether_the_engine_starts(setup):
     assert set(known.lora_manager.pool.nbytes_by_target) == {"q_proj/k_proj/v_proj", "o_proj"}
 
 
+def test_pool_targets_sized_from_the_adapters_name_the_shared_expert_as_one_target(tmp_path):
+    """lora_modules without lora_target_modules: the pool holds the targets the adapters use, each shared-expert
+    projection (shared_expert.gate_proj, ...) under its lora_target_modules entry "shared_expert"."""
+    base = save_base_checkpoint(FAMILY, tmp_path / "base")
+    shared, _ = make_peft_adapter(FAMILY, tmp_path / "shared", kind="shared-expert", rank=4, seed=2)
+    attn, _ = make_peft_adapter(FAMILY, tmp_path / "attn", kind="attn", rank=4, seed=1)
+    eng = engine(base, None, lora_modules={"s": str(shared), "a": str(attn)})
+    assert eng.lora_manager.pool.targets == {"shared_expert", "q_proj", "k_proj", "v_proj", "o_proj"}
+    assert set(eng.lora_manager.pool.nbytes_by_target) == {"shared_expert", "q_proj/k_proj/v_proj", "o_proj"}
+
+
 def test_kv_budget_flags_skip_the_device_plan(setup):
     """An explicit KV size is the user's: no device planning (the core lowers an automatic max_model_len)."""
     base, _ = setup
@@ -87,8 +99,11 @@ def test_device_memory_bytes_flag_and_validation():
         EngineConfig(device="cpu", device_memory_bytes=0).resolve()
 
 
-def test_forward_with_unbound_kv_caches_raises():
-    """Issue 10.4: layers zipped with fewer KV caches than layers would silently run fewer layers."""
+def test_kv_caches_are_the_runners_bound_to_the_model(setup):
+    """The model runner owns the KV cache and hands it to the model: a cache for fewer layers than the model has
+    is refused when bound (zip would silently run fewer layers, issue 10.4), an unbound model refuses to run, and
+    after a resize the model runs on the new cache, not the freed one."""
+    from moeserve import SamplingParams
     from moeserve.layers.batch import AttentionMetadata, ForwardBatch
     from moeserve.models.moe_decoder import MoEForCausalLM
     from moeserve.worker.kv_cache import allocate_kv_cache
@@ -98,10 +113,21 @@ def test_forward_with_unbound_kv_caches_raises():
     batch = ForwardBatch(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                          AttentionMetadata(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
                                            torch.ones(1, dtype=torch.int32), is_decode=True))
-    for bound in (0, spec.num_layers - 1):
-        model.kv_caches = allocate_kv_cache(spec, 2, BLOCK, torch.float32, torch.device("cpu"))[:bound]
-        with pytest.raises(RuntimeError, match=f"KV caches bound for {bound} of {spec.num_layers} layers"):
-            model(batch)
+    with pytest.raises(RuntimeError, match="no KV caches bound"):
+        model(batch)
+    short = allocate_kv_cache(spec, 2, BLOCK, torch.float32, torch.device("cpu"))[:spec.num_layers - 1]
+    with pytest.raises(ValueError, match=f"KV caches given for {spec.num_layers - 1} of {spec.num_layers} layers"):
+        model.bind_kv_caches(short)
+
+    base, _ = setup
+    eng = engine(base, None, num_kv_blocks=6)
+    runner = eng.runner
+    old = runner.kv_caches
+    runner.resize_kv_cache(9)
+    assert runner.num_kv_blocks == 9 and all(k.shape[0] == v.shape[0] == 9 for k, v in runner.kv_caches)
+    eng.generate([[5, 9, 30, 2, 7, 11, 4]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert all(k[1:].abs().sum() > 0 and v[1:].abs().sum() > 0 for k, v in runner.kv_caches)  # written to
+    assert all(k[1:].abs().sum() == 0 for k, _ in old)  # the freed cache was not
 
 
 @pytest.mark.gpu

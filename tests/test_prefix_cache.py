@@ -189,10 +189,10 @@ def test_outputs_equal_the_cache_off_engine_in_two_waves_for_base_and_adapters(s
         earlier += wave
     assert sum(want) == 24 + 24 + 20 + 8 + 8 + 12  # wave 2 hit what wave 1 registered
     on, off = engines[True].stats(), engines[False].stats()
-    assert on["prefix_cache_hits"] == sum(want)
-    assert on["prefix_cache_queries"] == sum(len(p) for p, _ in earlier)
-    assert on["prefix_cache_hit_rate"] == pytest.approx(sum(want) / on["prefix_cache_queries"])
-    assert on["prefix_cache_blocks"] > 0 and off["prefix_cache_queries"] == off["prefix_cache_blocks"] == 0
+    assert on.prefix_cache_hits == sum(want)
+    assert on.prefix_cache_queries == sum(len(p) for p, _ in earlier)
+    assert on.prefix_cache_hit_rate == pytest.approx(sum(want) / on.prefix_cache_queries)
+    assert on.prefix_cache_blocks > 0 and off.prefix_cache_queries == off.prefix_cache_blocks == 0
     for e in engines.values():
         check_idle(e.allocator)
 
@@ -207,9 +207,9 @@ def test_never_reused_across_adapters_the_base_model_or_versions_of_a_name(setup
     engine = make_engine(setup, True)
 
     def run(lora):
-        before = engine.stats()["prefix_cache_hits"]
+        before = engine.stats().prefix_cache_hits
         out = engine.generate([x], SP, lora=lora)[0]
-        assert engine.stats()["prefix_cache_hits"] - before == out.num_cached_tokens
+        assert engine.stats().prefix_cache_hits - before == out.num_cached_tokens
         return out
 
     first = run("a")
@@ -279,7 +279,7 @@ def test_eviction_preemption_and_abort_under_a_tiny_cache_keep_accounting_exact(
     for i in range(len(jobs)):
         assert_same(on[i], off[i])
     s = engine.stats()
-    assert s["num_preemptions"] > 0 and s["prefix_cache_evictions"] > 0 and s["prefix_cache_hits"] > 0
+    assert s.num_preemptions > 0 and s.prefix_cache_evictions > 0 and s.prefix_cache_hits > 0
     assert any(pre > 0 and n > 0 for pre, n in found)  # a recompute took its own cached blocks back
     check_idle(engine.allocator)
     # aborts mid-prefill and mid-decode, same arrivals
@@ -287,7 +287,7 @@ def test_eviction_preemption_and_abort_under_a_tiny_cache_keep_accounting_exact(
     aborted = run(engine, abort_at={4: 1, 9: 0, 17: 5})
     for i in set(range(len(jobs))) - {0, 1, 5}:
         assert_same(aborted[i], off[i])
-    assert engine.stats()["aborted_total"] == 3
+    assert engine.stats().aborted_total == 3
     check_idle(engine.allocator)
 
 
@@ -384,7 +384,7 @@ def test_cached_tokens_in_openai_usage_and_metrics(tmp_path):
                                                             stream_options={"include_usage": True}))
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
         assert hits() - h0 == 32 + 32 + (n - 1) // 16 * 16
-        assert server.wait_idle()["kv_blocks_free"] == server.stats()["kv_blocks_total"]
+        assert server.wait_idle().kv_blocks_free == server.stats().kv_blocks_total
     finally:
         server.close()
 

@@ -547,14 +547,14 @@ def test_5000_concurrent_requests_beyond_the_queue_are_refused_within_1s(server)
     assert worst < 1.0
     assert health and all(h[0] == 200 for h in health) and max(h[1] for h in health) < 1.0
     st = server.wait_idle()
-    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    assert st.kv_blocks_free == st.kv_blocks_total
 
 
 def test_queue_full_from_the_app_has_retry_after(server):
     """The refusal's other route (a request whose head arrived in pieces reaches the app): same 503."""
     host, port = server.url.removeprefix("http://").split(":")
     info = server.engine.info
-    old, info["max_queue_len"] = info["max_queue_len"], 1
+    old, info.max_queue_len = info.max_queue_len, 1
     results = []
     try:
         with server.engine_paused():
@@ -573,7 +573,7 @@ def test_queue_full_from_the_app_has_retry_after(server):
             assert json.loads(payload)["error"]["code"] == "queue_full"
         t.join(30)
     finally:
-        info["max_queue_len"] = old
+        info.max_queue_len = old
     assert results[0].status_code == 200
 
 
@@ -666,9 +666,9 @@ def test_non_streaming_disconnect_aborts_every_choice(server):
             httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
         time.sleep(0.1)
     after = server.wait_idle()
-    assert after["kv_blocks_free"] == after["kv_blocks_total"]
-    assert after["aborted_total"] == before["aborted_total"] + n
-    assert after["generation_tokens_total"] - before["generation_tokens_total"] < n * max_tokens // 4
+    assert after.kv_blocks_free == after.kv_blocks_total
+    assert after.aborted_total == before.aborted_total + n
+    assert after.generation_tokens_total - before.generation_tokens_total < n * max_tokens // 4
 
 
 def test_lone_surrogate_is_400_on_both_endpoints(server):

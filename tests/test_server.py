@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -261,7 +262,7 @@ def test_engine_fault_is_reported_and_server_keeps_serving(server):
     events = sse_events(r.text)
     assert "simulated device fault" in events[-1]["error"]["message"]
     s = server.wait_idle()
-    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    assert s.kv_blocks_free == s.kv_blocks_total
     assert server.client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices
 
 
@@ -310,7 +311,7 @@ def test_64_concurrent_clients_match_offline(server, ref):
     got = asyncio.run(main())
     assert got == [w.text for w in want]
     s = server.wait_idle()
-    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    assert s.kv_blocks_free == s.kv_blocks_total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,8 +389,8 @@ def test_queue_full_is_503(server):
     """With the engine core held between steps, submissions pile up: those past max_queue_len are
     refused at once with 503 (by the frontend, without a round trip), the others complete."""
     info = server.engine.info
-    old = info["max_queue_len"]
-    info["max_queue_len"] = 2
+    old = info.max_queue_len
+    info.max_queue_len = 2
     results = []
 
     def post():
@@ -405,12 +406,12 @@ def test_queue_full_is_503(server):
         for t in threads:
             t.join(30)
     finally:
-        info["max_queue_len"] = old
+        info.max_queue_len = old
     codes = sorted(r.status_code for r in results)
     assert codes == [200, 200, 503, 503, 503]
     err = next(r for r in results if r.status_code == 503).json()["error"]
     assert err["code"] == "queue_full"
-    assert server.wait_idle()["kv_blocks_free"] == server.stats()["kv_blocks_total"]
+    assert server.wait_idle().kv_blocks_free == server.stats().kv_blocks_total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,14 +433,14 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
                     got += 1
                     if got == 3:
                         break
-            assert server.stats()["kv_blocks_free"] < before["kv_blocks_total"]  # it holds blocks now
+            assert server.stats().kv_blocks_free < before.kv_blocks_total  # it holds blocks now
             with server.engine_paused():  # no progress until the server has seen the disconnect
                 r.close()
                 wait_until(lambda: not server.engine.streams)  # the frontend aborted it
     after = server.wait_idle()
-    assert after["kv_blocks_free"] == after["kv_blocks_total"]
-    assert after["aborted_total"] == before["aborted_total"] + 1
-    assert after["generation_tokens_total"] - before["generation_tokens_total"] < max_tokens
+    assert after.kv_blocks_free == after.kv_blocks_total
+    assert after.aborted_total == before.aborted_total + 1
+    assert after.generation_tokens_total - before.generation_tokens_total < max_tokens
 
 
 def test_non_stream_disconnect_aborts_and_frees_kv(server):
@@ -450,9 +451,9 @@ def test_non_stream_disconnect_aborts_and_frees_kv(server):
             httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
         time.sleep(0.1)
     after = server.wait_idle()
-    assert after["kv_blocks_free"] == after["kv_blocks_total"]
-    assert after["aborted_total"] == before["aborted_total"] + 1
-    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 100
+    assert after.kv_blocks_free == after.kv_blocks_total
+    assert after.aborted_total == before.aborted_total + 1
+    assert after.generation_tokens_total - before.generation_tokens_total < 100
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,15 +507,20 @@ def test_graph_replay_metric_labels():
     assert parse_graph_key("bs8-nolora") == ("8", "nolora")
     assert parse_graph_key("bs16-lora") == ("16", "lora")
     assert parse_graph_key((4, "lora")) == ("4", "lora")
+    from moeserve.messages import EngineStats
     from moeserve.server.metrics import EngineStatsCollector
 
     col = EngineStatsCollector()
-    col.stats = {"graph_replays": {"bs8-nolora": 5, "bs8-lora": 2}, "lora_loads_total": 3, "num_waiting": 1}
+    assert list(col.collect()) == []  # no stats (the engine is not running): no engine metrics
+    required = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING}
+    col.stats = EngineStats(**dict(required, num_waiting=1), graph_replays={"bs8-nolora": 5, "bs8-lora": 2},
+                            lora_loads_total=3)
     fams = {f.name: f for f in col.collect()}
     replays = {(s.labels["batch_size"], s.labels["variant"]): s.value for s in fams["moeserve_graph_replays"].samples}
     assert replays == {("8", "nolora"): 5.0, ("8", "lora"): 2.0}
     assert fams["moeserve_lora_loads"].type == "counter" and fams["moeserve_lora_loads"].samples[0].value == 3
     assert fams["moeserve_num_requests_waiting"].samples[0].value == 1
+    assert "moeserve_lora_evictions" not in fams and "moeserve_kernel_compiles_after_start" not in fams  # None: off
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,7 +681,7 @@ def test_lora_64_clients_mixing_three_adapters(lora_server, lora_ref, adapters):
 
     assert asyncio.run(main()) == [w.text for w in want]
     st = s.wait_idle()
-    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    assert st.kv_blocks_free == st.kv_blocks_total
     m = _metrics(s)
     assert m[("moeserve_lora_loads_total", ())] >= 3 and m[("moeserve_lora_evictions_total", ())] >= 1
     assert m[("moeserve_lora_adapters", ())] == 3
@@ -751,7 +757,7 @@ def test_lora_load_unload_while_traffic_runs(lora_server, lora_ref, adapters):
     assert not errors, errors[:3]
     assert done.count(MODEL) >= 1 and done.count("b") >= 1
     st = s.wait_idle()
-    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    assert st.kv_blocks_free == st.kv_blocks_total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -760,7 +766,7 @@ def test_lora_load_unload_while_traffic_runs(lora_server, lora_ref, adapters):
 
 def test_small_kv_cache_lowers_an_automatic_max_model_len(model_dir):
     s = RunningServer(EngineConfig(model=str(model_dir), num_kv_blocks=6, block_size=16), MODEL)  # 5 usable blocks
-    assert s.engine.info["max_model_len"] == 80
+    assert s.engine.info.max_model_len == 80
     try:  # no max_tokens: "as many as fit", not a refusal
         r = s.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200, r.text
@@ -775,7 +781,7 @@ def test_more_choices_than_the_queue_holds_is_400_not_503(model_dir):
     try:
         r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 8})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
-        assert s.wait_idle()["kv_blocks_free"] == s.stats()["kv_blocks_total"]
+        assert s.wait_idle().kv_blocks_free == s.stats().kv_blocks_total
     finally:
         s.close()
 

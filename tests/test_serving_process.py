@@ -76,9 +76,9 @@ def test_128_streaming_clients_some_leaving_lose_nothing_and_free_every_block(mo
             else:  # streamed text pieces of the same greedy tokens as the offline engine
                 assert "".join(g) == "".join(ref.tokenizer.decode([t], skip_special_tokens=False) for t in w.token_ids)
         st = s.wait_idle()
-        assert st["kv_blocks_free"] == st["kv_blocks_total"]
-        assert st["aborted_total"] == len(leaving)
-        assert st["num_running"] == st["num_waiting"] == 0
+        assert st.kv_blocks_free == st.kv_blocks_total
+        assert st.aborted_total == len(leaving)
+        assert st.num_running == st.num_waiting == 0
         print(f"128 streaming clients in {elapsed:.1f} s")
     finally:
         s.close()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
-from moeserve.distributed.parallel_state import RankFailure
+from moeserve.errors import RankFailure
 from moeserve.lora.slot_pool import ALL_TARGETS
 
 from peft_fixtures import make_peft_adapter, save_base_checkpoint
@@ -100,7 +100,7 @@ def test_tp2_and_ep2_equal_tp1_with_mixed_adapters_hot_load_and_eviction(tmp_pat
         two.load_lora(late, paths[late])  # hot load, after start
         for (ps, loras), ref in zip(waves, refs):
             assert_same(two.generate(ps, sp, lora=loras), ref)
-        assert two.stats()["lora_evictions_total"] > 0
+        assert two.stats().lora_evictions_total > 0
 
         # decode through the graph runner (on CPU its graphs re-run the forward on the static buffers,
         # collectives included): both ranks replay the keys rank 0 picks, also for a batch padded to a bucket

@@ -62,9 +62,9 @@ def test_warm_up_leaves_no_trace(tmp_path):
                                    lora_modules={"ad": str(path)}, max_lora_rank=8))
 
     cold, warm = engine(), engine()
-    kv_before = [t.clone() for layer in warm.runner.model.kv_caches for t in layer]
+    kv_before = [t.clone() for layer in warm.runner.kv_caches for t in layer]
     warm_up(warm.runner, [1, 5, 33], with_lora=True, block_size=4, decode_shapes=[(1, 1), (3, 2)])
-    kv_after = [t for layer in warm.runner.model.kv_caches for t in layer]
+    kv_after = [t for layer in warm.runner.kv_caches for t in layer]
     block0 = [torch.equal(a[1:], b[1:]) for a, b in zip(kv_before, kv_after)]  # blocks past the dummy one
     assert all(block0)
     assert any(not torch.equal(a[:1], b[:1]) for a, b in zip(kv_before, kv_after))  # it did write the dummy block
@@ -100,11 +100,11 @@ def test_configured_adapters_are_resident_before_the_first_request(tmp_path):
              for i, name in enumerate(["a", "b", "c"])}
     engine = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", block_size=4, max_loras=2,
                                  max_lora_rank=8, lora_modules=paths))
-    assert engine.stats()["lora_loads_total"] == 2
+    assert engine.stats().lora_loads_total == 2
     engine.generate([[5, 9, 30], [8, 1, 40]], GREEDY, lora=["a", "b"])
-    assert engine.stats()["lora_loads_total"] == 2  # both were resident
+    assert engine.stats().lora_loads_total == 2  # both were resident
     engine.generate([[5, 9, 30]], GREEDY, lora="c")
-    assert engine.stats()["lora_loads_total"] == 3
+    assert engine.stats().lora_loads_total == 3
 
 
 def test_compile_watch_counts_and_names_kernels_compiled_after_start(caplog, tmp_path):

@@ -87,7 +87,7 @@ class DecodeBench:
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
         blocks = max_bs * -(-self.max_len // 16) + 2
         self.runner.allocate_kv_cache(blocks)
-        for k_cache, v_cache in self.model.kv_caches:  # prompt context: random K/V (prefill excluded)
+        for k_cache, v_cache in self.runner.kv_caches:  # prompt context: random K/V (prefill excluded)
             k_cache.normal_()
             v_cache.normal_()
         self.pool = None
@@ -157,7 +157,7 @@ class DecodeBench:
         # a distinct token per row: identical rows would all route to the same top-k experts in the timed layer
         ids = (torch.arange(B, device=batch.input_ids.device) * 7919 + 1) % self.model.embed_tokens.shape[0]
         x = torch.nn.functional.embedding(ids, self.model.embed_tokens)
-        rows = layer_profile.layer_budget(self.model, batch, x, PROMPT, bandwidth, timer)
+        rows = layer_profile.layer_budget(self.model, self.runner.kv_caches, batch, x, PROMPT, bandwidth, timer)
         layer_profile.print_budget(B, rows)
         return rows
 

@@ -13,7 +13,11 @@ floor is the bytes it must move at the read bandwidth measured in the same run; 
 from the profiler over one replay.
 
 `layer_regions` rebuilds the layer forward from the same modules the model uses; a CPU test chains the
-regions and checks that they reproduce `DecoderLayer.forward`, so the budget cannot drift from the layer.
+regions and checks that they reproduce `DecoderLayer.forward`, so the budget cannot drift from the layer. The
+order is spelled here, not read off the layer: the regions cut through three forwards (the layer's, Attention's
+qkv / prologue / attend / o_proj, the MoE block's route / experts) and each carries the bytes it must move, which
+no forward knows; turning those forwards into lists of named steps for the profiler alone would make the code
+every step runs (eager, compiled and in CUDA graphs) harder to read.
 """
 from __future__ import annotations
 
@@ -131,13 +135,14 @@ def kernel_names(fn: Callable[[], object]) -> list[str] | None:
         return None
 
 
-def layer_budget(model, batch: ForwardBatch, x: torch.Tensor, ctx_len: int, bandwidth: float,
+def layer_budget(model, kv_caches, batch: ForwardBatch, x: torch.Tensor, ctx_len: int, bandwidth: float,
                  timer: Callable[[list], float]) -> list[dict]:
     """One row per region: µs per layer (timed over every routed-expert layer in turn), bytes, floor µs,
-    share of the floor, kernels per layer; and a last row for the whole layer."""
+    share of the floor, kernels per layer; and a last row for the whole layer. `kv_caches`: the model runner's
+    (k, v) pair of every layer."""
     # the routed-expert layers (dense layers, where a family has them, cut into other regions)
-    pairs = [(layer, kv) for layer, kv in zip(model.layers, model.kv_caches) if layer.is_sparse] or \
-        list(zip(model.layers, model.kv_caches))
+    pairs = [(layer, kv) for layer, kv in zip(model.layers, kv_caches) if layer.is_sparse] or \
+        list(zip(model.layers, kv_caches))
     residual = x.flip(0).contiguous()  # a residual stream unlike x (a middle layer's input norm adds them)
     per_layer = [layer_regions(layer, x, residual, batch, k, v, ctx_len)[0] for layer, (k, v) in pairs]
     # every timing first: the profiler (kernel names) can leave tracing hooks that slow later launches

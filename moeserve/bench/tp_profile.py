@@ -106,7 +106,7 @@ def rank_budgets(rank: int, store_port: int, config: EngineConfig, model_dir: st
         with torch.inference_mode():
             for B in batches:
                 batch, x = decode_inputs(runner, B)
-                budgets[B] = layer_profile.layer_budget(runner.model, batch, x, PROMPT, bw, timer)
+                budgets[B] = layer_profile.layer_budget(runner.model, runner.kv_caches, batch, x, PROMPT, bw, timer)
         return {"all_reduce": tp.all_reduce_backend if tp is not None else "-", "read_bandwidth": bw,
                 "budgets": budgets}
     finally:

@@ -39,10 +39,6 @@ SYMM_MEM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _symm_mem_rendezvoused = False
 
 
-class RankFailure(RuntimeError):
-    """A tensor-parallel rank died or stopped answering: the engine cannot go on and says which rank."""
-
-
 class SymmMemAllReduce:
     """Sums activations over the ranks through one symmetric-memory buffer (torch.distributed._symmetric_memory)
     instead of NCCL. The buffer is allocated and rendezvoused once at start-up, before any graph is captured, and

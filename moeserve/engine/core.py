@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.distributed.parallel_state import RankFailure
 from moeserve.engine.lora_manager import LoRAManager
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.warmup import CompileWatch, decode_split_shapes, eager_decode_sizes, warm_up, warmup_token_counts
-from moeserve.errors import EngineShutdownError, QueueFullError, RequestError
+from moeserve.errors import EngineShutdownError, QueueFullError, RankFailure, RequestError
+from moeserve.messages import CoreInfo, EngineStats
 from moeserve.model_spec import ModelSpec
 from moeserve.models.tokenizer import eos_token_ids, load_tokenizer
 from moeserve.models.upcycle import demo_model_path
@@ -160,21 +160,21 @@ class EngineCore:
             # imported here, not at the top: it imports triton, which `import moeserve` (and the CLI) should not pay
             from moeserve.kernels.paged_attention import DECODE_BLOCK_N, MAX_DECODE_SPLITS, default_num_splits
 
-            n_kv = self.runner.model.kv_caches[0][0].shape[-2]  # this rank's KV heads
+            n_kv = self.runner.spec.num_kv_heads  # this rank's KV heads (the runner's spec is its rank's)
             # contexts past MAX_DECODE_SPLITS tiles give no split count of their own
             max_blocks = min(self.runner.max_blocks_per_seq, -(-MAX_DECODE_SPLITS * DECODE_BLOCK_N // cfg.block_size))
             shapes += decode_split_shapes(range(low + 1, cfg.max_num_seqs + 1), max_blocks, lambda b, blocks:
                                           default_num_splits(b, n_kv, blocks, cfg.block_size, self.runner.device))
         warm_up(self.runner, counts, self.lora_manager is not None, cfg.block_size, sorted(set(shapes)))
 
-    def info(self) -> dict:
+    def info(self) -> CoreInfo:
         """What a frontend needs to know about this core (sent once, at start)."""
         cfg = self.config
-        return {"model": cfg.model, "tokenizer": cfg.tokenizer or cfg.model, "vocab_size": self.spec.vocab_size,
-                "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
-                "num_kv_blocks": self.allocator.num_usable, "max_queue_len": cfg.max_queue_len,
-                "max_num_seqs": cfg.max_num_seqs, "lora_names": self.list_loras(),
-                "device": str(self.runner.device), "dtype": cfg.dtype}
+        return CoreInfo(model=cfg.model, tokenizer=cfg.tokenizer or cfg.model, vocab_size=self.spec.vocab_size,
+                        max_model_len=cfg.max_model_len, block_size=cfg.block_size,
+                        num_kv_blocks=self.allocator.num_usable, max_queue_len=cfg.max_queue_len,
+                        max_num_seqs=cfg.max_num_seqs, lora_names=self.list_loras(), device=str(self.runner.device),
+                        dtype=cfg.dtype)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -364,12 +364,10 @@ class EngineCore:
                 torch.cuda.empty_cache()
 
     # ---- introspection --------------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         self.check_open()
-        s = dict(self.stats_counters)
-        if self.compile_watch is not None:
-            s["kernel_compiles_after_start_total"] = self.compile_watch.count
-        s.update(
+        return EngineStats(
+            **self.stats_counters,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_blocks_total=self.allocator.num_usable,
@@ -381,9 +379,7 @@ class EngineCore:
             prefix_cache_hit_rate=self.scheduler.prefix_cache_hits / max(self.scheduler.prefix_cache_queries, 1),
             prefix_cache_blocks=self.allocator.num_cached,
             prefix_cache_evictions=self.allocator.num_evictions,
+            kernel_compiles_after_start_total=self.compile_watch.count if self.compile_watch is not None else None,
+            graph_replays=self.runner.graph_runner.replay_counts() if self.runner.graph_runner is not None else None,
+            **(self.lora_manager.stats() if self.lora_manager is not None else {}),
         )
-        if self.runner.graph_runner is not None:
-            s["graph_replays"] = self.runner.graph_runner.replay_counts()
-        if self.lora_manager is not None:
-            s.update(self.lora_manager.stats())
-        return s

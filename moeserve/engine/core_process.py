@@ -28,8 +28,8 @@ from moeserve.engine.core import EngineCore
 from moeserve.errors import USER_ERRORS
 from moeserve.log_filter import filter_repeats
 from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, CoreReady, FailNextSteps, Hold,
-                               HoldLoRAReads, ListLoRAs, LoadLoRA, LoRAVersions, Shutdown, StartupFailed, Stats,
-                               StepOutputs, UnloadLoRA)
+                               HoldLoRAReads, ListLoRAs, LoadLoRA, LoRAVersions, REPLY_OF, Shutdown, StartupFailed,
+                               Stats, StepOutputs, UnloadLoRA)
 
 logger = logging.getLogger("moeserve")
 
@@ -168,7 +168,7 @@ class CoreServer:
             self.reply(call, error=e)
 
     def reply(self, call: Call, result=None, error: Exception | None = None) -> None:
-        self.send(CallReply(call.call_id, result, error))
+        self.send(REPLY_OF.get(type(call), CallReply)(call.call_id, result, error))
 
     # ---- adapter loads: read on the reader thread, registered here in arrival order --------------------
     def queue_lora_call(self, call: LoadLoRA | UnloadLoRA) -> None:

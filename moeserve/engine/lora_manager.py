@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve import module_tree
 from moeserve.config import EngineConfig
 from moeserve.errors import AdapterInUseError, InvalidAdapterNameError, LoRAAdapterError, UnknownAdapterError
 from moeserve.lora.adapter import LoRAAdapter, load_lora_adapter
@@ -85,7 +86,7 @@ class LoRAManager:
             targets: set[str] = set()
             for name, path in config.lora_modules.items():
                 a = self._start_adapter(name, path)
-                targets |= {t.split(".")[0] if t.startswith("shared_expert") else t for t in a.target_modules}
+                targets |= {module_tree.target_module(t) for t in a.target_modules}
             return targets
         return set(ALL_TARGETS)
 
@@ -382,6 +383,7 @@ class LoRAManager:
         return min(candidates, key=lambda i: self.slot_loaded_at[i]) if candidates else -1
 
     def stats(self) -> dict:
+        """The lora_* fields of the engine's stats (moeserve/messages.py EngineStats)."""
         s = dict(self.counters)
         s["lora_adapters_known"] = len(self.names())
         s["lora_adapters_draining"] = sum(v.state == "draining" for v in self.live.values())

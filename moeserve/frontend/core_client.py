@@ -31,8 +31,8 @@ from moeserve.errors import (USER_ERRORS, AdapterPathError, EngineDeadError, Eng
                              InvalidAdapterNameError, QueueFullError, RequestError, UnknownAdapterError)
 from moeserve.frontend.output_processor import OutputProcessor, RequestState
 from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
-from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, LoadLoRA, LoRAVersions, Shutdown,
-                               StartupFailed, Stats, StepOutputs, UnloadLoRA)
+from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, CoreInfo, EngineStats, LoadLoRA,
+                               LoRAVersions, Shutdown, StartupFailed, Stats, StatsReply, StepOutputs, UnloadLoRA)
 from moeserve.models.tokenizer import load_tokenizer
 from moeserve.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
@@ -198,7 +198,7 @@ class EngineClient:
     def __init__(self, config: EngineConfig, log_level: str = "INFO"):
         self.config = config
         self.log_level = log_level
-        self.info: dict = {}
+        self.info: CoreInfo | None = None  # the core's, once it is ready
         self.tokenizer = None
         self.limits: RequestLimits | None = None
         self.max_prompt_chars: int | None = None  # longer texts are refused without tokenizing
@@ -251,14 +251,14 @@ class EngineClient:
                     raise msg.error
                 raise EngineStartError(str(msg.error)) from msg.error
             self.info = msg.info
-            self.limits = RequestLimits(self.info["vocab_size"], self.info["max_model_len"], self.info["block_size"],
-                                        self.info["num_kv_blocks"])
-            self.lora_versions = {name: 1 for name in self.info["lora_names"]}  # loaded at start: first versions
-            self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info["tokenizer"],
-                                                        self.info["vocab_size"])
+            self.limits = RequestLimits(self.info.vocab_size, self.info.max_model_len, self.info.block_size,
+                                        self.info.num_kv_blocks)
+            self.lora_versions = {name: 1 for name in self.info.lora_names}  # loaded at start: first versions
+            self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info.tokenizer,
+                                                        self.info.vocab_size)
             if self.tokenizer is not None:
                 per_token = await loop.run_in_executor(self._prep, max_token_bytes, self.tokenizer)
-                self.max_prompt_chars = self.info["max_model_len"] * max(per_token, 1)
+                self.max_prompt_chars = self.info.max_model_len * max(per_token, 1)
         except BaseException:  # a failed start, or one abandoned (the server was told to stop)
             first.cancel()
             self.dead = "the engine core failed to start"
@@ -358,7 +358,7 @@ class EngineClient:
                 logger.exception("failed to process a message from the engine core")
 
     def _dispatch(self, msg) -> None:
-        handler = {StepOutputs: self._on_step, CallReply: self._on_reply}.get(type(msg))
+        handler = {StepOutputs: self._on_step, CallReply: self._on_reply, StatsReply: self._on_reply}.get(type(msg))
         if handler is None:
             raise TypeError(f"unexpected {type(msg).__name__} message from the engine core")
         handler(msg)
@@ -415,10 +415,10 @@ class EngineClient:
     def queue_room(self) -> int:
         """How many more requests may wait: those sent but not yet running count as waiting, and so do places
         reserved by requests still being tokenized (else a burst would all tokenize before any was refused)."""
-        return self.info["max_queue_len"] - (len(self.streams) - self.counts["num_running"]) - self.reserved
+        return self.info.max_queue_len - (len(self.streams) - self.counts["num_running"]) - self.reserved
 
     def queue_full_error(self) -> QueueFullError:
-        return QueueFullError(f"queue is full ({self.info['max_queue_len']} waiting requests); retry later")
+        return QueueFullError(f"queue is full ({self.info.max_queue_len} waiting requests); retry later")
 
     def reserve(self, n: int = 1) -> "QueueReservation":
         """Hold n queue places for requests about to be prepared and submitted (QueueFullError if there is no
@@ -431,7 +431,7 @@ class EngineClient:
 
     def check_prompt_size(self, prompt) -> None:
         """Refuse, without tokenizing, a prompt too long to ever fit max_model_len (RequestError)."""
-        limit = self.info["max_model_len"]
+        limit = self.info.max_model_len
         if isinstance(prompt, str):
             chars = len(prompt)
         elif isinstance(prompt, ChatPrompt):
@@ -588,5 +588,5 @@ class EngineClient:
         raise UnknownAdapterError(f"unknown LoRA adapter {name!r}: it is not loaded, and no adapter by that name "
                                   "could be loaded from the server's --lora-dir")
 
-    async def stats(self) -> dict:
+    async def stats(self) -> EngineStats:
         return await self.call(Stats())

@@ -15,6 +15,7 @@ from moeserve.engine.core import EngineCore
 from moeserve.errors import EngineShutdownError, RequestError, UnknownAdapterError
 from moeserve.frontend.output_processor import OutputProcessor, RequestState
 from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
+from moeserve.messages import EngineStats
 from moeserve.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams
 
@@ -150,7 +151,7 @@ class Engine:
     def list_loras(self) -> list[str]:
         return self.core.list_loras()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.core.stats()
 
     # ---- lifetime -------------------------------------------------------------------------------

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from moeserve import module_tree
-from moeserve.errors import InvalidAdapterNameError, LoRAAdapterError
-from moeserve.lora.pattern_keys import MAX_PATTERN_KEY_LEN, MAX_PATTERN_KEYS, PatternKeyError, PatternTable
+from moeserve.errors import InvalidAdapterNameError, LoRAAdapterError, PatternKeyError
+from moeserve.lora.pattern_keys import MAX_PATTERN_KEY_LEN, MAX_PATTERN_KEYS, PatternTable
 from moeserve.model_spec import ModelSpec
 
 CONFIG_FILE = "adapter_config.json"

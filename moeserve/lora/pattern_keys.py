@@ -10,6 +10,8 @@ import time
 
 import re2
 
+from moeserve.errors import PatternKeyError
+
 MAX_PATTERN_KEYS = 1024  # entries of rank_pattern / alpha_pattern / target_modules ...
 MAX_PATTERN_KEY_LEN = 256
 
@@ -24,15 +26,6 @@ _RE2_LACKS = ("RE2 matches in linear time, so it has no backreferences, lookarou
 
 class _BadKey(Exception):
     """A pattern key that cannot be matched as PEFT matches it; the message says why."""
-
-
-class PatternKeyError(ValueError):
-    """A pattern table that cannot be used as PEFT would use it. `about_names`: the adapter's module names
-    (its weights file) are at fault rather than the table's keys (its config)."""
-
-    def __init__(self, message: str, about_names: bool = False):
-        super().__init__(message)
-        self.about_names = about_names
 
 
 class PatternTable:

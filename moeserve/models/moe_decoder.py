@@ -90,20 +90,26 @@ class MoEForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, options)
         self.lm_head = None if spec.tie_word_embeddings else nn.Parameter(
             torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # bound by the model runner
+        self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the runner's, see bind_kv_caches
         self.packed_logits = cpu_linear.PackedWeight()  # float32 on the CPU: the output weight packed for oneDNN
+
+    def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Run on these (k, v) caches, one pair per layer in order; [] unbinds them. The model runner allocates,
+        resizes and frees them (worker/model_runner.py); the model only reads and writes their blocks."""
+        if caches and len(caches) != len(self.layers):  # zip would silently run fewer layers
+            raise ValueError(f"KV caches given for {len(caches)} of {len(self.layers)} layers")
+        self._kv_caches = list(caches)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, H] after the final norm (logits are computed outside, per selected row)."""
-        if len(self.kv_caches) != len(self.layers):  # zip would silently run fewer layers
-            raise RuntimeError(f"KV caches bound for {len(self.kv_caches)} of {len(self.layers)} layers "
-                               "(allocate the KV cache before running the model)")
+        if not self._kv_caches:
+            raise RuntimeError("no KV caches bound (allocate the KV cache before running the model)")
         if self.tp is not None:
             x = vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.vocab_start, self.tp)
         else:
             x = F.embedding(batch.input_ids, self.embed_tokens)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, self.kv_caches):
+        for layer, (k_cache, v_cache) in zip(self.layers, self._kv_caches):
             x, residual = layer(x, residual, batch, k_cache, v_cache)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 

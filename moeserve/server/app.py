@@ -170,7 +170,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     async def list_models():
         # OpenAI's card, with vLLM's max_model_len, and vocab_size: the token ids a prompt may hold ([0, vocab_size)),
         # which a client sending token ids (bench serve's random prompts) needs
-        shape = {"max_model_len": state.max_model_len, "vocab_size": engine.info["vocab_size"]}
+        shape = {"max_model_len": state.max_model_len, "vocab_size": engine.info.vocab_size}
         base = {"id": served_model_name, "object": "model", "created": state.created, "owned_by": "moeserve",
                 "root": served_model_name, "parent": None, **shape}
         # "version": 1 at an adapter's first load, +1 per reload under its name (load_inplace)
@@ -258,7 +258,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
         try:
             stats = await engine.stats()
         except EngineDeadError:
-            stats = {}
+            stats = None
         return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
@@ -368,7 +368,7 @@ async def _serve(config, sock, host, served_model_name, api_key, log_level, on_s
             return 0
         drain = None
         try:
-            name = served_model_name or Path(client.info["model"]).name
+            name = served_model_name or Path(client.info.model).name
             app = create_app(client, name, api_key=api_key, max_request_body_bytes=limits.max_request_body_bytes)
             # keep-alive (default 75 s) longer than a client's pause between requests: a connection closed by the
             # server exactly as the client reuses it is a dropped request. The connection cap is enforced by the
@@ -393,7 +393,7 @@ async def _serve(config, sock, host, served_model_name, api_key, log_level, on_s
                 adapters = ", ".join(client.lora_names) or "none"
                 port = server.servers[0].sockets[0].getsockname()[1]
                 print(f"moeserve: serving model {name!r} (adapters: {adapters}) at http://{host}:{port}/v1 "
-                      f"(engine core pid {client.proc.pid}, {client.info['device']}, {client.info['dtype']})",
+                      f"(engine core pid {client.proc.pid}, {client.info.device}, {client.info.dtype})",
                       flush=True)
                 if on_start is not None:
                     on_start(server, client)

@@ -27,8 +27,8 @@ class ServerState:
         self.api_key = api_key
         self.metrics = ServerMetrics()
         self.created = int(time.time())
-        self.max_model_len = engine.info["max_model_len"]
-        self.max_queue_len = engine.info["max_queue_len"]
+        self.max_model_len = engine.info.max_model_len
+        self.max_queue_len = engine.info.max_queue_len
         self.tokenizer = engine.tokenizer
         self._token_strs: dict[int, str] = {}
         self._ids = random.Random()  # seeded once from the OS: ids need only be unique, not secret

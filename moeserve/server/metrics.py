@@ -1,15 +1,19 @@
-"""Prometheus metrics: request latencies measured by the server, everything else read from engine.stats().
+"""Prometheus metrics: request latencies measured by the server, everything else read from engine.stats() (an
+EngineStats record, moeserve/messages.py).
 
 Each app has its own CollectorRegistry, so several servers (tests) in one process never share
 counters. Engine numbers are not copied into prometheus objects: a collector turns the stats
-dict fetched for this scrape into metric families.
+fetched for this scrape into metric families, one per field (a field that is None is left out).
 """
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from moeserve.messages import EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
@@ -17,7 +21,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
                 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
 
-# engine.stats() key -> (metric name, kind, help)
+# EngineStats field -> (metric name, kind, help)
 _KNOWN = {
     "requests_total": ("moeserve_engine_requests", "counter", "Requests accepted by the engine"),
     "requests_rejected": ("moeserve_engine_requests_rejected", "counter", "Requests the engine refused"),
@@ -70,17 +74,19 @@ def parse_graph_key(key) -> tuple[str, str]:
 
 
 class EngineStatsCollector:
-    """Turns the last engine.stats() dict into metric families at collect time."""
+    """Turns the last engine.stats() into metric families at collect time."""
 
     def __init__(self):
-        self.stats: dict = {}
+        self.stats: EngineStats | None = None  # None: the engine is not running
 
     def describe(self):
         return []  # dynamic families: nothing to check at registration
 
     def collect(self):
-        stats = self.stats
-        for key, value in stats.items():
+        if self.stats is None:
+            return
+        for f in fields(self.stats):
+            key, value = f.name, getattr(self.stats, f.name)
             if key == "graph_replays" and isinstance(value, dict):
                 fam = CounterMetricFamily("moeserve_graph_replays", "CUDA-graph replays per decode graph",
                                           labels=["batch_size", "variant"])
@@ -140,6 +146,6 @@ class ServerMetrics:
                 self.tpot.observe((finished - first_token) / (num_tokens - 1))
         self.e2e.observe(finished - arrival)
 
-    def render(self, stats: dict) -> bytes:
+    def render(self, stats: EngineStats | None) -> bytes:
         self.engine.stats = stats
         return generate_latest(self.registry)

@@ -56,7 +56,7 @@ async def submit_all(engine: EngineClient, jobs: list[tuple], lora: str | None, 
                      prompt_param: str) -> list[RequestStream]:
     """Submit every (prompt, params) job at once (one engine step takes them all); on any refusal abort those
     already accepted. Each distinct prompt is tokenized once, however many choices share it."""
-    limit = engine.info["max_queue_len"]
+    limit = engine.info.max_queue_len
     if len(jobs) > limit:  # could never be queued at once: not a "retry later"
         raise OpenAIError(400, f"this request asks for {len(jobs)} completions (prompts x n); at most {limit} "
                           "can be queued at once", param="n", code="invalid_value")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import EngineConfig
+from moeserve.errors import InsufficientMemoryError
 from moeserve.layers.batch import AttentionMetadata, ForwardBatch, LoRABatch
 from moeserve.layers.sampler import SamplingTensors, compute_logprobs, row_key, sample
 from moeserve.lora.slot_pool import describe_by_target, format_bytes
@@ -34,11 +35,6 @@ GiB = 1 << 30
 # device memory kept out of the KV cache for activations, sampling and CUDA graphs
 ACTIVATION_HEADROOM = 2 * GiB
 CPU_KV_CAP = 2 * GiB  # CPU without a device_memory_bytes budget: no limit to plan against, so a cap
-
-
-class InsufficientMemoryError(ValueError):
-    """The weights, the LoRA slot pool and the smallest useful KV cache do not fit the device; the message
-    gives the accounting and names the flags that change it."""
 
 
 @dataclass
@@ -73,6 +69,9 @@ class ModelRunner:
             seed=config.seed)
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        # one (k, v) pair per layer; allocated, resized and freed here only, the model is handed them (bind_kv_caches)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_kv_blocks = 0
         self.lora_pool = None  # set by the engine when LoRA is enabled (before graph capture)
         self.graph_runner = None
         self.pin = self.device.type == "cuda"  # host buffers of async copies must be pinned
@@ -121,11 +120,28 @@ class ModelRunner:
             raise ValueError(f"KV cache budget too small: {num_blocks} blocks of {per_block} bytes (one is "
                              "reserved for padded rows); raise num_kv_blocks (--num-kv-blocks) or "
                              "kv_cache_memory_bytes (--kv-cache-memory-bytes)")
-        self.model.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
+        self._allocate_blocks(num_blocks)
+        return num_blocks
+
+    def _allocate_blocks(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
+        self.model.bind_kv_caches(self.kv_caches)
+        self.num_kv_blocks = num_blocks
+        per_block = kv_bytes_per_block(self.spec, self.block_size, self.dtype)
         pool = f", LoRA slot pool {format_bytes(self.lora_pool.nbytes)}" if self.lora_pool is not None else ""
         logger.info("KV cache: %d blocks x %d tokens (%s) beside weights %s%s", num_blocks, self.block_size,
                     format_bytes(num_blocks * per_block), format_bytes(self.weight_bytes()), pool)
-        return num_blocks
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Reallocate the cache with num_blocks blocks (tensor parallelism: every rank takes the smallest count);
+        the old cache is freed first, so both never need room at once."""
+        if num_blocks == self.num_kv_blocks:
+            return
+        self.model.bind_kv_caches([])
+        self.kv_caches, self.num_kv_blocks = [], 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._allocate_blocks(num_blocks)
 
     def _check_fits(self, num_blocks: int, per_block: int, free: int, budget: int) -> None:
         """Refuse to start unless the KV cache sized from device memory holds one max_model_len sequence

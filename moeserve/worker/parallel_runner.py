@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.config import EngineConfig
-from moeserve.distributed.parallel_state import (ParallelState, RankFailure, abort_parallel_state,
-                                                 destroy_parallel_state, init_parallel_state, rendezvous_store)
+from moeserve.distributed.parallel_state import (ParallelState, abort_parallel_state, destroy_parallel_state,
+                                                 init_parallel_state, rendezvous_store)
 from moeserve.distributed.sharding import TensorSharding, rank_spec, shard_adapter
-from moeserve.lora.adapter import LoRAAdapterError
+from moeserve.errors import LoRAAdapterError, RankFailure
 from moeserve.model_spec import ModelSpec
 from moeserve.models.loader import load_model
 from moeserve.worker.model_runner import InFlightStep, ModelRunner, StepResult
@@ -190,11 +190,11 @@ class ParallelModelRunner(ModelRunner):
         return out
 
     def _expect_ok(self, what: str) -> dict[int, object]:
-        """Every worker's reply value; RuntimeError naming the first rank that failed."""
+        """Every worker's reply value; the first failed rank's error raised again, of its own class, naming the rank."""
         replies = self.worker_replies(what)
         for rank, reply in sorted(replies.items()):
             if reply.error is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed {what}: {reply.error}")
+                raise reply.raised_on(rank, what)
         return {rank: reply.value for rank, reply in replies.items()}
 
     def _check_workers(self, wait_s: float = 0.0) -> None:
@@ -242,11 +242,7 @@ class ParallelModelRunner(ModelRunner):
         counts = self._expect_ok("allocating its KV cache")
         least = min(mine, *counts.values())
         self.send_to_workers(ResizeKVCache(least))
-        if mine != least:
-            self.model.kv_caches = []
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            super().allocate_kv_cache(least)
+        self.resize_kv_cache(least)
         self._expect_ok("resizing its KV cache")
         return least
 
@@ -373,8 +369,8 @@ class ShardedLoRAPool:
             self.pool.load(slot, shard_adapter(adapter, self.runner.sharding))
         except Exception as e:  # noqa: BLE001 - rolled back below, on every rank
             errors[0] = f"{type(e).__name__}: {e}"
-        errors.update({r: reply.error for r, reply in self.runner.worker_replies("loading an adapter").items()
-                       if reply.error is not None})
+        replies = self.runner.worker_replies("loading an adapter")
+        errors.update({r: "{}: {}".format(*reply.error) for r, reply in replies.items() if reply.error is not None})
         if errors:
             self.clear(slot)
             rank, err = min(errors.items())

@@ -4,7 +4,8 @@ typed record each, and their codec.
 Transport: one multiprocessing pipe per worker, each message pickled (the step's batch travels as numpy arrays, an
 adapter as its tensors). A worker runs the handler registered for the message's type, in order; a message that is
 `answered` gets one WorkerReply (rank 0 waits for it from every worker), the others none (a failing step breaks the
-collectives instead, and rank 0 names the rank).
+collectives instead, and rank 0 names the rank). A worker's failure travels by type, as the frontend boundary carries
+errors (moeserve/messages.py): rank 0 raises it again as the same class.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pickle
 from dataclasses import dataclass
 from typing import ClassVar
 
+from moeserve.messages import error_from_wire, error_to_wire
 from moeserve.worker.graph_runner import GraphKey
 
 
@@ -97,9 +99,18 @@ class StopWorker:
 
 @dataclass
 class WorkerReply:
-    """A worker's answer: the value asked for, or what failed ("Type: message", for rank 0's error)."""
+    """A worker's answer: the value asked for, or what failed as (its class's tag, its message)."""
     value: object = None
-    error: str | None = None
+    error: tuple[str, str] | None = None
+
+    @classmethod
+    def failed(cls, e: BaseException) -> WorkerReply:
+        return cls(error=error_to_wire(e))
+
+    def raised_on(self, rank: int, what: str) -> Exception:
+        """The worker's failure again, of its own class, its message naming the rank and what it was doing."""
+        tag, message = self.error
+        return error_from_wire(tag, f"tensor-parallel rank {rank} failed {what}: {message}")
 
 
 WORKER_MESSAGES = (StepPlan, AllocateKVCache, ResizeKVCache, CreateLoRAPool, LoadLoRASlot, ClearLoRASlot,

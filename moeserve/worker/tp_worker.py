@@ -78,12 +78,7 @@ class Worker:
         return self.runner.allocate_kv_cache(msg.num_blocks)
 
     def resize_kv_cache(self, msg: ResizeKVCache) -> None:
-        runner = self.runner
-        if msg.num_blocks != runner.model.kv_caches[0][0].shape[0]:
-            runner.model.kv_caches = []
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            runner.allocate_kv_cache(msg.num_blocks)
+        self.runner.resize_kv_cache(msg.num_blocks)
 
     def lora_pool(self, msg: CreateLoRAPool) -> None:
         self.runner.lora_pool = LoRASlotPool(self.spec, self.runner.model, msg.max_loras, msg.max_rank,
@@ -113,7 +108,7 @@ class Worker:
 
 def worker_main(rank: int, world_size: int, store_port: int, config, spec, model_dir, conn) -> None:
     """Process entry point: load this rank's shard, then run rank 0's messages in order, replying to those rank 0
-    waits on (WorkerReply: the value, or the error as text)."""
+    waits on (WorkerReply: the value, or the error by type)."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s [tp rank {rank}]: %(message)s")
 
     def attempt(fn, *args) -> WorkerReply:
@@ -121,7 +116,7 @@ def worker_main(rank: int, world_size: int, store_port: int, config, spec, model
             return WorkerReply(fn(*args))
         except Exception as e:  # noqa: BLE001 - reported to rank 0, which decides
             logger.error("%s", traceback.format_exc())
-            return WorkerReply(error=f"{type(e).__name__}: {e}")
+            return WorkerReply.failed(e)
 
     worker = Worker(rank, world_size, store_port, config, spec, model_dir)
     loaded = attempt(worker.load)
