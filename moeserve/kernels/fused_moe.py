@@ -512,7 +512,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     fused_act = plan.fused_act and not apart
     act = gu
     if apart:
-        act = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile, pdl=pdl)
+        act = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile,
+                              num_warps=plan.lora_apart_warps, pdl=pdl)
     elif not fused_act:
         act = silu_mul_rows(gu, pdl)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=dev)
@@ -529,7 +530,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
     if apart:
         lora_expand_down(y, topk_weights, shrunk_h, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile,
-                         pdl=pdl)
+                         num_warps=plan.lora_apart_warps, pdl=pdl)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 

@@ -437,7 +437,8 @@ def _expand_tile(block_m: int, tile: tuple[int, int], n: int) -> tuple[int, int]
 
 
 def lora_expand_act(gu: torch.Tensor, shrunk: torch.Tensor, aligned: AlignedBlocks, lora, top_k: int,
-                    *, items: int = 0, tile: tuple[int, int] = (64, 128), pdl: bool = False) -> torch.Tensor:
+                    *, items: int = 0, tile: tuple[int, int] = (64, 128), num_warps: int = 4,
+                    pdl: bool = False) -> torch.Tensor:
     """h [pairs, I] = silu(g + dG) * (u + dU) from the plain gate_up GEMM's gu [pairs, 2I] and the gate_up
     block shrink `shrunk` (lora_block_shrink of x; [2, splits, rows, R] with the up halves of separate
     slots). Rows of unrouted pairs are left unwritten, as the activation kernel leaves them."""
@@ -457,12 +458,12 @@ def lora_expand_act(gu: torch.Tensor, shrunk: torch.Tensor, aligned: AlignedBloc
         h.stride(0), shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3], shrunk.stride(0) if up_half else 0,
         BLOCK_M=block_m, SUB_M=sub_m, BLOCK_N=block_n, K_SPLITS=shrunk.shape[-3], RANK_STEP=RANK_STEP,
         UP_HALF=up_half,
-        ITEMS=0 if up_half else items, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+        ITEMS=0 if up_half else items, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
     return h
 
 
 def lora_expand_down(y: torch.Tensor, topk_weights: torch.Tensor, shrunk: torch.Tensor, aligned: AlignedBlocks,
-                     lora, top_k: int, *, items: int = 0, tile: tuple[int, int] = (64, 128),
+                     lora, top_k: int, *, items: int = 0, tile: tuple[int, int] = (64, 128), num_warps: int = 4,
                      pdl: bool = False) -> torch.Tensor:
     """y [pairs, H] += w * dD in place, for the pairs with an adapter; `shrunk`: lora_block_shrink of h."""
     num_pairs, hidden = y.shape
@@ -476,7 +477,7 @@ def lora_expand_down(y: torch.Tensor, topk_weights: torch.Tensor, shrunk: torch.
         y, topk_weights, aligned.sorted_ids, aligned.block_groups, lora.token_slots, lora.slot_ranks, b, shrunk,
         num_pairs, top_k, hidden, y.stride(0), shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3],
         BLOCK_M=block_m, SUB_M=sub_m, BLOCK_N=block_n, K_SPLITS=shrunk.shape[-3], RANK_STEP=RANK_STEP,
-        ITEMS=items, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+        ITEMS=items, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
     return y
 
 

@@ -67,6 +67,7 @@ class MoEPlan:
     # 128-row tiles need, whose accumulators leave no registers for an epilogue
     lora_epilogue: bool = True
     lora_apart_tile: tuple[int, int] = (64, 128)  # (rows, columns) of an apart expand program
+    lora_apart_warps: int = 4  # warps of an apart expand program
 
 
 @dataclass(frozen=True)
