@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
+from moeserve.engine.warmup import compile_details
 from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe
 from moeserve.layers.batch import LoRABatch
 from moeserve.layers.moe import ExpertLoRABuffers, moe_experts_torch
@@ -68,8 +69,7 @@ def _count_compiles():
     previous = knobs.runtime.jit_cache_hook
 
     def hook(*args, **kwargs):
-        seen.append(f"{kwargs.get('repr') or kwargs.get('key')} constants={kwargs.get('constants')} "
-                    f"attrs={kwargs.get('configs')}")
+        seen.append(f"{kwargs.get('repr')} key={kwargs.get('key')} {compile_details(kwargs)}")
         return previous(*args, **kwargs) if previous else False  # the engine's own watch too; then compile
     knobs.runtime.jit_cache_hook = hook
     return seen, lambda: setattr(knobs.runtime, "jit_cache_hook", previous)
@@ -109,7 +109,7 @@ def test_gpu_no_request_compiles_a_kernel_and_none_fails(tmp_path, family, dtype
 
 
 def _variant(key) -> str:
-    return " ".join(str(key).split())[:600]
+    return " ".join(str(key).split())[:3000]
 
 
 def test_gpu_served_shape_traffic_with_four_adapters_compiles_nothing(tmp_path):

@@ -120,6 +120,13 @@ def warm_up(runner, token_counts: list[int], with_lora: bool, block_size: int,
     return seconds
 
 
+def compile_details(hook_kwargs: dict) -> str:
+    """The constants and specialization attributes Triton's cache hook was given (top-level in recent Triton
+    releases, under "compile" in earlier ones)."""
+    details = hook_kwargs.get("compile") if isinstance(hook_kwargs.get("compile"), dict) else hook_kwargs
+    return f"constants={details.get('constants')} attrs={details.get('configs')}"
+
+
 class CompileWatch:
     """After start-up: counts, and logs by name, every Triton kernel variant first launched on the request path
     (compiled, or loaded from Triton's on-disk cache), which the requests of that step waited for: a shape the
@@ -140,7 +147,7 @@ class CompileWatch:
         name = spec.split("[")[0].split("(")[0]
         # the compile-time constants and the specialization attributes (which arguments were 1, or multiples of
         # 16): what tells one variant from another; on one line, so a log grep keeps all of it
-        spec = " ".join(f"{spec} constants={kwargs.get('constants')} attrs={kwargs.get('configs')}".split())
+        spec = " ".join(f"{spec} key={kwargs.get('key')} {compile_details(kwargs)}".split())
         logger.warning("kernel %s compiled on the request path: the start-up warm-up did not reach this variant "
                        "(%d so far): %s", name, self.count, spec[:4000])
         return self._previous(*args, **kwargs) if self._previous else None
