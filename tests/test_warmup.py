@@ -16,11 +16,22 @@ from peft_fixtures import make_peft_adapter, save_base_checkpoint
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def test_token_counts_cover_both_specializations_and_stay_within_limits():
-    counts = warmup_token_counts(300, 4096)
+def test_token_counts_cover_both_specializations_and_stay_within_the_step_budget():
+    counts = warmup_token_counts(300)
     assert counts[-1] == 300 and max(counts) <= 300
     assert any(c % 16 == 0 for c in counts) and any(c % 2 for c in counts)
-    assert warmup_token_counts(8192, 100)[-1] == 99  # a prompt leaves room for one token
+
+
+def test_a_count_beyond_one_sequence_runs_over_several_prompts():
+    """A step holds many prompts, so its token count may exceed the longest sequence (session 11: a served model
+    with max_model_len 4,096 and 8,192-token steps compiled the 4,097..8,192 variants inside requests): every
+    count runs, and no warm-up sequence is longer than the cap."""
+    batches = warmup_batches([8192, 99, 150, 5], [-1, 0], block_size=16, max_seq_tokens=99)
+    for b in batches:
+        assert all(s.num_prompt_tokens <= 99 for s in b.seqs)
+        assert all(s.num_computed_tokens + n == s.num_prompt_tokens for s, n in zip(b.seqs, b.num_new_tokens))
+    assert {(sum(b.num_new_tokens), b.seqs[0].lora_slot) for b in batches} == {
+        (n, slot) for n in (8192, 99, 150, 5) for slot in (-1, 0)}
 
 
 def test_token_counts_reach_every_compile_time_variant_a_step_can_take():
@@ -37,7 +48,7 @@ def test_token_counts_reach_every_compile_time_variant_a_step_can_take():
 
     assert tuned_edges  # the shipped table has rows
     for top_k, limit in ((8, 8192), (6, 8192), (2, 3000), (4, 700)):
-        counts = warmup_token_counts(limit, 1 << 20, top_k)
+        counts = warmup_token_counts(limit, top_k)
         missing = {variant(t, top_k) for t in range(1, limit + 1)} - {variant(t, top_k) for t in counts}
         assert not missing, (top_k, limit, missing)
 

@@ -152,7 +152,7 @@ class EngineCore:
         """Compile and run every eager shape now (engine/warmup.py): prefill chunks, and decode steps larger than
         the largest graph (every decode step without graphs) with each split count of the decode attention."""
         cfg = self.config
-        counts = warmup_token_counts(cfg.max_num_batched_tokens, cfg.max_model_len, self.spec.top_k)
+        counts = warmup_token_counts(cfg.max_num_batched_tokens, self.spec.top_k)
         graphs = self.runner.graph_runner
         low = max(graphs.sizes) if graphs is not None else 0
         shapes = [(b, 1) for b in eager_decode_sizes(cfg.max_num_seqs, low or None)]
@@ -165,7 +165,8 @@ class EngineCore:
             max_blocks = min(self.runner.max_blocks_per_seq, -(-MAX_DECODE_SPLITS * DECODE_BLOCK_N // cfg.block_size))
             shapes += decode_split_shapes(range(low + 1, cfg.max_num_seqs + 1), max_blocks, lambda b, blocks:
                                           default_num_splits(b, n_kv, blocks, cfg.block_size, self.runner.device))
-        warm_up(self.runner, counts, self.lora_manager is not None, cfg.block_size, sorted(set(shapes)))
+        warm_up(self.runner, counts, self.lora_manager is not None, cfg.block_size, sorted(set(shapes)),
+                max_seq_tokens=cfg.max_model_len - 1)
 
     def info(self) -> CoreInfo:
         """What a frontend needs to know about this core (sent once, at start)."""

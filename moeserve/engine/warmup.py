@@ -37,14 +37,14 @@ def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def warmup_token_counts(max_batched_tokens: int, max_model_len: int, top_k: int = 1) -> list[int]:
+def warmup_token_counts(max_batched_tokens: int, top_k: int = 1) -> list[int]:
     """Token counts of the warm-up prefills: WARM_TOKENS, the smallest count of every `_variant_key` (for a
-    model routing each token to `top_k` experts), and the largest step, all that fit a step and a sequence."""
-    limit = min(max_batched_tokens, max_model_len - 1)
+    model routing each token to `top_k` experts), and the largest step, all within the step's token budget (a
+    step batches several prompts, so its count is not bounded by one sequence's length)."""
     firsts: dict[tuple, int] = {}
-    for t in range(1, limit + 1):
+    for t in range(1, max_batched_tokens + 1):
         firsts.setdefault(_variant_key(t, top_k), t)
-    return sorted({t for t in WARM_TOKENS if t <= limit} | set(firsts.values()) | {limit})
+    return sorted({t for t in WARM_TOKENS if t <= max_batched_tokens} | set(firsts.values()) | {max_batched_tokens})
 
 
 def _sequence(num_tokens: int, context: int, lora_slot: int, block_size: int) -> Sequence:
@@ -57,23 +57,37 @@ def _sequence(num_tokens: int, context: int, lora_slot: int, block_size: int) ->
 
 
 def _split(num_tokens: int, parts: int) -> list[int]:
-    return [num_tokens // parts] * (parts - 1) + [num_tokens - num_tokens // parts * (parts - 1)]
+    """`parts` counts summing to num_tokens, none more than one above another."""
+    q, r = divmod(num_tokens, parts)
+    return [q + 1] * r + [q] * (parts - r)
 
 
-def warmup_batches(token_counts: list[int], lora_slots: list[int], block_size: int) -> list[ScheduledBatch]:
+def warmup_batches(token_counts: list[int], lora_slots: list[int], block_size: int,
+                   max_seq_tokens: int | None = None) -> list[ScheduledBatch]:
     """For each count and LoRA slot (-1: none): one fresh prompt; from 2 tokens, two prompts of which the second
     continues a cached prefix of one block (a prefix-cache hit or a later prefill chunk); from 32 tokens, 16
-    prompts (sequence counts specialize like token counts)."""
+    prompts (sequence counts specialize like token counts). No sequence holds more than `max_seq_tokens` tokens
+    (with its cached prefix): a count that fits none of those shapes runs as that many tokens over the fewest
+    prompts that hold it."""
+    cap = max_seq_tokens or max(token_counts, default=1) + block_size
     batches = []
     for slot in lora_slots:
         for n in token_counts:
-            batches.append(ScheduledBatch([_sequence(n, 0, slot, block_size)], [n], False))
-            if n >= 2:
+            shapes = 0
+            if n <= cap:
+                batches.append(ScheduledBatch([_sequence(n, 0, slot, block_size)], [n], False))
+                shapes += 1
+            if n >= 2 and -(-n // 2) + block_size <= cap:
                 first, second = _split(n, 2)
                 seqs = [_sequence(first, 0, slot, block_size), _sequence(second, block_size, slot, block_size)]
                 batches.append(ScheduledBatch(seqs, [first, second], False))
-            if n >= 32:
+                shapes += 1
+            if n >= 32 and -(-n // 16) <= cap:
                 sizes = _split(n, 16)
+                batches.append(ScheduledBatch([_sequence(k, 0, slot, block_size) for k in sizes], sizes, False))
+                shapes += 1
+            if not shapes:
+                sizes = _split(n, -(-n // cap))
                 batches.append(ScheduledBatch([_sequence(k, 0, slot, block_size) for k in sizes], sizes, False))
     return batches
 
@@ -103,14 +117,14 @@ def decode_batches(shapes: list[tuple[int, int]], lora_slots: list[int], block_s
 
 
 def warm_up(runner, token_counts: list[int], with_lora: bool, block_size: int,
-            decode_shapes: list[tuple[int, int]] = ()) -> float:
+            decode_shapes: list[tuple[int, int]] = (), max_seq_tokens: int | None = None) -> float:
     """Run the warm-up batches through `runner` (launch and collect, as a step does): prefills of `token_counts`
     tokens and eager decode steps of `decode_shapes` (batch, context blocks); seconds taken. LoRA batches use
     slot 0 whatever it holds: the kernels compile the same for an empty slot (rank 0)."""
     t0 = time.perf_counter()
     slots = [-1, 0] if with_lora else [-1]
-    for batch in warmup_batches(token_counts, slots, block_size) + decode_batches(list(decode_shapes), slots,
-                                                                                  block_size):
+    for batch in (warmup_batches(token_counts, slots, block_size, max_seq_tokens)
+                  + decode_batches(list(decode_shapes), slots, block_size)):
         runner.collect(runner.launch(batch))
     runner.prev_tokens = None
     seconds = time.perf_counter() - t0
