@@ -140,6 +140,28 @@ def checkpoint_slices(name: str, shape: tuple[int, ...], sh: TensorSharding):
     return None  # norms, router, shared-expert gate
 
 
+def scale_slices(name: str, shape: tuple[int, ...], how, block: tuple[int, int], size: int):
+    """How a rank reads the block scales (scale_inv) of weight `name` of full `shape` that it reads by `how`
+    (checkpoint_slices): the same pieces in block units. A piece of the last two dims must start and end on a block
+    boundary (or at the dim's end): else its blocks would be shared with another rank's piece, and a ValueError names
+    the weight and the boundary. The expert dim of a 3-D weight (expert parallelism) maps one to one."""
+    if how is None:
+        return None
+    dim, ranges = how
+    ndim = len(shape)
+    if dim < ndim - 2:
+        return how
+    bs = block[dim - (ndim - 2)]
+    n = shape[dim]
+    for a, b in ranges:
+        for edge in (a, b):
+            if edge % bs and edge != n:
+                raise ValueError(f"FP8 weight {name!r}: tensor_parallel_size {size} splits its dim {dim} (size {n}) at "
+                                 f"{edge}, not on a multiple of the {bs}-wide scale block; serve it with a "
+                                 "tensor_parallel_size that splits every projection on 128 boundaries (or unquantized)")
+    return dim, [(a // bs, -(-b // bs)) for a, b in ranges]
+
+
 # ---- LoRA adapters --------------------------------------------------------------------------------------
 
 def shard_adapter(adapter, sh: TensorSharding):
