@@ -375,3 +375,19 @@ def test_gpu_lora_apart_on_fp8_gemms_bf16():
     tile = GemmTile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
     _check_lora_recipe(256, 128, 2048, 768, 8, torch.bfloat16, "cuda",
                        MoEPlan(False, tile, tile, fused_act=False, y_fp32=False, lora_epilogue=False))
+
+
+@pytest.mark.parametrize("num_tokens", [3, 9])
+def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens):
+    """fused_moe_fp8(lora=...): the adapter rows as fused_moe's fp32 reference with LoRA on the dequantized weights,
+    the others bitwise the call without LoRA (whichever path that takes at this token count)."""
+    problem = _problem(num_tokens, 4, 256, 128, 2, seed=11)
+    x, q13, s13, q2, s2, weights, ids = problem
+    lora = _lora_args(num_tokens, 4, 256, 128, torch.Generator(device=DEV).manual_seed(12))
+    w13, w2 = dequantize_w13_fp8(q13, s13), dequantize_block_fp8(q2, s2)
+    ref = fused_moe_ref(x.float(), w13, w2, weights, ids, lora).float()
+    out = fused_moe_fp8(*problem, act_quant=False, lora=lora)
+    base = fused_moe_fp8(*problem, act_quant=False)
+    no_adapter = lora.token_slots < 0
+    assert no_adapter.any() and torch.equal(out[no_adapter], base[no_adapter])
+    assert _rel(out, ref) < 1e-5
