@@ -80,16 +80,17 @@ class _Tensors:
         self.used.add(name)
         return t
 
-    def weight(self, name: str, shape: tuple[int, ...], blocked: bool = False):
+    def weight(self, name: str, shape: tuple[int, ...], blocked: bool = False, halves: bool = False):
         """(tensor, its float32 scale_inv) of a weight stored FP8, (tensor, None) of a plain one; uncast. `blocked`:
-        the module it goes to holds FP8 blocks (a sharded read must then fall on block boundaries)."""
+        the module it goes to holds FP8 blocks (a sharded read must then fall on block boundaries); `halves`: its
+        out rows are two parts blocked apart (a fused gate_up)."""
         t = self.get(name, shape)
         if self.dtypes[name] != FP8_SAFETENSORS_DTYPE:
             return t, None
         scale_name = name + "_scale_inv"
         if scale_name not in self.where:
             raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r} in the checkpoint")
-        return t, self.get(scale_name, scale_shape(shape))
+        return t, self.get(scale_name, scale_shape(shape, halves))
 
     def plain(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in `dtype`: cast, or dequantized where the checkpoint stores it FP8."""
@@ -100,10 +101,12 @@ FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 FP8_BLOCK = (128, 128)
 
 
-def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The scale_inv shape of an FP8 weight of `shape` [..., out, in]: one per 128 x 128 block."""
+def scale_shape(shape: tuple[int, ...], halves: bool = False) -> tuple[int, ...]:
+    """The scale_inv shape of an FP8 weight of `shape` [..., out, in]: one per 128 x 128 block (of each half where
+    the out rows are two parts blocked apart)."""
     *lead, n, k = shape
-    return (*lead, -(-n // FP8_BLOCK[0]), -(-k // FP8_BLOCK[1]))
+    rows = 2 * -(-(n // 2) // FP8_BLOCK[0]) if halves else -(-n // FP8_BLOCK[0])
+    return (*lead, rows, -(-k // FP8_BLOCK[1]))
 
 
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
@@ -141,18 +144,19 @@ class _ShardedTensors(_Tensors):
             t = torch.cat([t, t.new_zeros(self.sharding.vocab_per_rank - t.shape[0], *t.shape[1:])])
         return t
 
-    def weight(self, name: str, shape: tuple[int, ...], blocked: bool = False):
+    def weight(self, name: str, shape: tuple[int, ...], blocked: bool = False, halves: bool = False):
         how = checkpoint_slices(name, tuple(shape), self.sharding)
         fp8 = name in self.where and self.dtypes[name] == FP8_SAFETENSORS_DTYPE
         # the scale blocks of this rank's slice (checked to fall on block boundaries wherever blocks are kept)
-        scale_how = scale_slices(name, tuple(shape), how, FP8_BLOCK, self.sharding.size) if fp8 or blocked else None
+        scale_how = (scale_slices(name, tuple(shape), how, FP8_BLOCK, self.sharding.size, halves)
+                     if fp8 or blocked else None)
         t = self.get(name, shape, how)
         if not fp8:
             return t, None
         scale_name = name + "_scale_inv"
         if scale_name not in self.where:
             raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r} in the checkpoint")
-        return t, self.get(scale_name, scale_shape(shape), scale_how)
+        return t, self.get(scale_name, scale_shape(shape, halves), scale_how)
 
 
 def random_model(spec: ModelSpec, options: ExecOptions = TORCH_CPU, seed: int = 0,
@@ -308,7 +312,7 @@ def _load_experts(moe, tensors: _Tensors, spec: ModelSpec, layer: int):
     fused = [names for names in fused if tensors.has(names[0])]
     if fused:
         gate_up, down = fused[0]
-        w, s = tensors.weight(gate_up, (E, 2 * inter, H), blocked)
+        w, s = tensors.weight(gate_up, (E, 2 * inter, H), blocked, halves=True)
         held = w.shape[1] // 2
         if s is None:
             parts = [(w[:, :held], None), (w[:, held:], None)]

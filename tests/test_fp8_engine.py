@@ -1,0 +1,204 @@
+"""FP8 base weights in the engine (issue 25): block-wise FP8 checkpoints in the published layout, `--quantization fp8`
+at load, LoRA on an FP8 base, tensor-parallel scale sharding.
+
+References are independent of the engine's FP8 code: transformers (and PEFT) in float32 on the checkpoint's weights
+dequantized by the published rule (fp8 x scale_inv per 128 x 128 block) and saved as a plain checkpoint. The engine
+multiplies those same dequantized values (weight-only, fp32 serving dtype), so the bound is the one of the plain fp32
+parity tests (tests/test_engine.py): 1e-4 absolute on logits of magnitude ~1, i.e. fp32 summation order only; no
+FP8 rounding enters either side.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file, save_file
+
+from moeserve import Engine, EngineConfig, SamplingParams
+from moeserve.kernels.fp8 import dequantize_block_fp8
+from moeserve.models.tiny import FP8_QUANTIZATION_CONFIG, TINY_FAMILIES, fp8_state, make_tiny
+
+from engine_probe import prompt_logits
+from peft_fixtures import make_peft_adapter, save_base_checkpoint
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+TOL = 1e-4
+
+
+def engine_for(path, **kw) -> Engine:
+    kw.setdefault("block_size", 4)
+    return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", **kw))
+
+
+def hf_model(path):
+    return tf.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
+
+
+def prompt_ids(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+def _weights_file(folder):
+    (weights,) = folder.glob("*.safetensors")
+    return weights
+
+
+def dequantized_copy(src, dst):
+    """The FP8 checkpoint `src` as a plain float32 one: every `<name>` with a `<name>_scale_inv` dequantized by the
+    published rule (a fused gate_up's scale rows: gate's, then up's), quantization_config dropped."""
+    shutil.copytree(src, dst)
+    tensors = load_file(_weights_file(dst))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        s = tensors.get(name + "_scale_inv")
+        if s is None:
+            out[name] = t
+        elif name.endswith("gate_up_proj"):
+            half, srows = t.shape[1] // 2, s.shape[1] // 2
+            out[name] = torch.cat([dequantize_block_fp8(t[:, :half], s[:, :srows]),
+                                   dequantize_block_fp8(t[:, half:], s[:, srows:])], 1)
+        else:
+            out[name] = dequantize_block_fp8(t, s)
+    save_file(out, str(_weights_file(dst)))
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def fp8_copy(src, dst):
+    """A plain checkpoint written as a block-wise FP8 one (tiny.fp8_state: the published layout)."""
+    shutil.copytree(src, dst)
+    weights = _weights_file(dst)
+    save_file(fp8_state(load_file(weights)), str(weights))
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": FP8_QUANTIZATION_CONFIG}))
+    return dst
+
+
+@pytest.mark.parametrize("family,layout", [(f, "per_expert") for f in TINY_FAMILIES] + [("qwen3_moe", "fused")])
+def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path, family, layout):
+    fp8 = make_tiny(family, tmp_path / "fp8", quantization="fp8", expert_layout=layout, seed=5)
+    tensors = load_file(_weights_file(fp8))
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"].dtype == torch.float32
+    assert tensors["model.embed_tokens.weight"].dtype == torch.float32
+    engine = engine_for(fp8)
+    assert engine.runner.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    ref = hf_model(dequantized_copy(fp8, tmp_path / "deq"))
+    ids = prompt_ids(23, seed=1)
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0].float()
+    assert (prompt_logits(engine, ids) - theirs).abs().max().item() <= TOL
+    prompt = prompt_ids(9, seed=2)
+    out = engine.generate([prompt], SamplingParams(max_tokens=16, **GREEDY))[0]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out.token_ids == want[0, len(prompt):].tolist()
+
+
+def test_quantization_at_load_equals_the_fp8_checkpoint_of_the_same_weights(tmp_path):
+    """--quantization fp8 on a bf16 checkpoint loads the bytes an FP8 checkpoint written from it holds; the weights
+    take half the bytes of the bf16 engine's, and the logits stay near bf16's."""
+    plain = make_tiny("qwen2_moe", tmp_path / "bf16", dtype="bfloat16", seed=7)
+    fp8 = make_tiny("qwen2_moe", tmp_path / "fp8", dtype="bfloat16", seed=7, quantization="fp8")
+    ids = prompt_ids(17, seed=3)
+    at_load = engine_for(plain, quantization="fp8")
+    from_ckpt = engine_for(fp8)
+    assert from_ckpt.config.quantization == "fp8"  # declared by the checkpoint, flag unset
+    assert torch.equal(prompt_logits(at_load, ids), prompt_logits(from_ckpt, ids))
+    same = engine_for(fp8, quantization="fp8")  # the flag agreeing with the checkpoint
+    assert torch.equal(prompt_logits(same, ids), prompt_logits(from_ckpt, ids))
+    experts = at_load.runner.model.layers[0].mlp
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale_inv.dtype == torch.float32
+
+
+def test_dummy_load_format_with_quantization_draws_fp8_weights(tmp_path):
+    plain = make_tiny("mixtral", tmp_path / "m", seed=1)
+    engine = engine_for(plain, quantization="fp8", load_format="dummy")
+    moe = engine.runner.model.layers[0].mlp
+    assert moe.w13.dtype == torch.float8_e4m3fn and moe.w13_scale_inv.abs().sum() > 0
+    out = engine.generate([prompt_ids(5, 0)], SamplingParams(max_tokens=4, **GREEDY))[0]
+    assert len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("family,kind", [("qwen3_moe", "attn+experts"), ("qwen2_moe", "shared-expert"),
+                                         ("mixtral", "all-linear+router")])
+def test_lora_on_fp8_base_matches_peft_on_the_dequantized_base(tmp_path, family, kind):
+    base = save_base_checkpoint(family, tmp_path / "base")
+    fp8 = fp8_copy(base, tmp_path / "fp8")
+    path, _ = make_peft_adapter(family, tmp_path / "ad", kind=kind, rank=4, seed=1)
+    from peft import PeftModel
+
+    pm = PeftModel.from_pretrained(hf_model(dequantized_copy(fp8, tmp_path / "deq")), str(path)).eval()
+    engine = engine_for(fp8, lora_modules={"ad": str(path)}, max_lora_rank=8)
+    prompt = prompt_ids(13, seed=2)
+    with torch.no_grad():
+        theirs = pm(input_ids=torch.tensor([prompt])).logits[0].float()
+    assert (prompt_logits(engine, prompt, "ad") - theirs).abs().max().item() <= TOL
+    # a mixed batch: the row without an adapter is bitwise the LoRA-disabled FP8 engine's
+    plain = engine_for(fp8)
+    params = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
+    mixed = engine.generate([prompt, prompt], params, lora=["ad", None])
+    alone = plain.generate([prompt], params)[0]
+    assert mixed[1].token_ids == alone.token_ids
+    assert [lp.logprob for lp in mixed[1].logprobs] == [lp.logprob for lp in alone.logprobs]
+
+
+# qwen3_moe with every tensor-parallel split on a 128 boundary: q 4 x 128, kv 2 x 128, experts and dense MLP 256
+TP_DIMS = dict(hidden_size=128, head_dim=128, moe_intermediate_size=256, intermediate_size=256)
+
+
+def test_tp2_shards_the_scales_with_the_weights(tmp_path):
+    """Two ranks (gloo) each reading their slices of the fp8 weights and of their scale blocks give the single
+    rank's tokens and logprobs."""
+    from test_tensor_parallel import GREEDY as TP_GREEDY, assert_same, config
+
+    fp8 = make_tiny("qwen3_moe", tmp_path / "fp8", quantization="fp8", seed=2, **TP_DIMS)
+    prompts = [prompt_ids(11, seed=4), prompt_ids(5, seed=5)]
+    params = SamplingParams(max_tokens=6, **TP_GREEDY)
+    one = Engine(config(fp8)).generate(prompts, params)
+    two_engine = Engine(config(fp8, tensor_parallel_size=2))
+    try:
+        assert two_engine.runner.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        two = two_engine.generate(prompts, params)
+    finally:
+        two_engine.runner.shutdown()
+    assert_same(two, one)
+
+
+def test_tp2_split_off_a_128_boundary_is_refused_naming_the_weight(tmp_path):
+    fp8 = make_tiny("qwen3_moe", tmp_path / "fp8", quantization="fp8", seed=2)  # q 64 rows: 32 per rank
+    with pytest.raises(ValueError, match=r"FP8 weight 'model\.layers\.0\.self_attn\.q_proj\.weight': "
+                                         r"tensor_parallel_size 2 splits its dim 0 .* not on a multiple of the 128"):
+        Engine(EngineConfig(model=str(fp8), device="cpu", dtype="float32", tensor_parallel_size=2, num_kv_blocks=32,
+                            dist_timeout=60))
+
+
+@pytest.mark.slow
+def test_demo_model_perplexity_in_fp8_within_one_percent_of_bf16(demo_dir):
+    """The demo model (SmolLM2 upcycled) quantized at load: the perplexity of a held text within 1 % of the plain
+    engine's (bf16 weights on CPU serve in float32: the plain engine is the unquantized model)."""
+    text = ("The forest is a complex ecosystem consisting mainly of trees that buffer the earth and support a "
+            "myriad of life forms. The trees help create a special environment which, in turn, affects the kinds "
+            "of animals and plants that can exist in the forest. Trees are an important component of the "
+            "environment. They clean the air, cool it on hot days, conserve heat at night, and act as excellent "
+            "sound absorbers.")
+    plain = Engine(EngineConfig(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=256))
+    ids = plain.tokenizer.encode(text)
+
+    def perplexity(engine):
+        logits = prompt_logits(engine, ids)[:-1]
+        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+        return nll.exp().item()
+
+    base = perplexity(plain)
+    fp8 = perplexity(Engine(EngineConfig(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=256,
+                                         quantization="fp8")))
+    assert abs(fp8 - base) / base <= 0.01, (fp8, base)
