@@ -181,24 +181,54 @@ def test_tp2_split_off_a_128_boundary_is_refused_naming_the_weight(tmp_path):
                             dist_timeout=60))
 
 
+# a held text of about 600 tokens: perplexity over a short text moves by percents when one token's probability does
+HELD_TEXT = """\
+Rivers have shaped the places where people live for as long as there have been settlements. A river brings fresh
+water for drinking and for fields, it carries boats and the goods they hold, and its floods leave behind the rich
+soil that farmers depend on. Many of the oldest cities in the world grew up on the banks of great rivers, and their
+names are still tied to the water that made them possible.
+
+A river begins as rain or melting snow high in the hills. Small streams gather in valleys and join one another,
+growing wider and slower as the land flattens out. Along the way the water wears away rock and carries sand, clay
+and stones downstream. Where the river finally meets the sea, it drops what it carried and builds a delta, a wide
+fan of land crossed by many channels. Deltas are some of the most fertile places on earth, and some of the most
+crowded.
+
+People have always tried to control rivers. They built walls of earth to keep floods away from their homes, dug
+canals to carry water to dry land, and raised dams to store water for the summer and to turn wheels that ground
+grain. In the last century, large dams began to produce electricity for whole regions. These works brought great
+benefits, but they also changed the rivers themselves. A dam holds back the sand that would have fed the delta, and
+the fish that once swam upstream to lay their eggs may no longer reach the places where they were born.
+
+Today many cities are learning to live with their rivers again. Instead of hiding the water behind concrete, they
+open the banks to parks and paths, give floods room to spread across meadows, and clean the water so that fish and
+birds return. Children who grow up beside a living river learn that it is more than a line on a map. It is a
+neighbour that changes with the seasons, rising in spring and shrinking in late summer, and it asks to be treated
+with patience and respect.
+
+Scientists who study rivers measure how fast the water flows, how much sediment it carries and how the shape of the
+channel changes from year to year. Their work helps engineers plan bridges that will stand for a century, and it
+helps farmers know when to plant. It also reminds everyone that a river is a system: what happens upstream, in a
+forest or a town, is felt by everyone who lives further down.
+"""
+
+
 @pytest.mark.slow
 def test_demo_model_perplexity_in_fp8_within_one_percent_of_bf16(demo_dir):
-    """The demo model (SmolLM2 upcycled) quantized at load: the perplexity of a held text within 1 % of the plain
-    engine's (bf16 weights on CPU serve in float32: the plain engine is the unquantized model)."""
-    text = ("The forest is a complex ecosystem consisting mainly of trees that buffer the earth and support a "
-            "myriad of life forms. The trees help create a special environment which, in turn, affects the kinds "
-            "of animals and plants that can exist in the forest. Trees are an important component of the "
-            "environment. They clean the air, cool it on hot days, conserve heat at night, and act as excellent "
-            "sound absorbers.")
-    plain = Engine(EngineConfig(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=256))
-    ids = plain.tokenizer.encode(text)
+    """The demo model (SmolLM2 upcycled) quantized at load (--quantization fp8): the perplexity of a held text
+    within 1 % of the unquantized engine's (its bf16 checkpoint served in float32 on the CPU; measured: 19.18 ->
+    19.33, +0.8 %, over its 504 tokens). About 100 s on 2 CPU cores with the demo model built: marked slow."""
+    def engine(**kw):
+        return Engine(EngineConfig(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=1024, **kw))
 
-    def perplexity(engine):
-        logits = prompt_logits(engine, ids)[:-1]
-        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
-        return nll.exp().item()
+    plain = engine()
+    ids = plain.tokenizer.encode(HELD_TEXT)
+    assert len(ids) > 400
+
+    def perplexity(e):
+        logits = prompt_logits(e, ids)[:-1]
+        return torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).exp().item()
 
     base = perplexity(plain)
-    fp8 = perplexity(Engine(EngineConfig(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=256,
-                                         quantization="fp8")))
+    fp8 = perplexity(engine(quantization="fp8"))
     assert abs(fp8 - base) / base <= 0.01, (fp8, base)
