@@ -103,6 +103,38 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path
     assert out.token_ids == want[0, len(prompt):].tolist()
 
 
+def test_modules_to_not_convert_stay_as_stored(tmp_path):
+    """A checkpoint's modules_to_not_convert (HF) / ignored_layers (vLLM) are stored plain and served plain: here
+    layer 0's attention and layer 1's dense MLP; every other projection is FP8. Logits as transformers' on the
+    checkpoint dequantized."""
+    plain = make_tiny("qwen3_moe", tmp_path / "plain", seed=4)
+    fp8 = fp8_copy(plain, tmp_path / "fp8")
+    weights = _weights_file(fp8)
+    tensors, originals = load_file(weights), load_file(_weights_file(plain))
+    kept = ("model.layers.0.self_attn.", "model.layers.1.mlp.")
+    for name in list(tensors):
+        if name.startswith(kept):
+            tensors.pop(name)
+            if not name.endswith("_scale_inv"):
+                tensors[name] = originals[name]
+    save_file(tensors, str(weights))
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.0.self_attn"]
+    cfg["quantization_config"]["ignored_layers"] = ["model.layers.1.mlp"]
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    engine = engine_for(fp8)
+    layers = engine.runner.model.layers
+    assert layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
+    assert layers[1].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+    assert layers[0].mlp.w13.dtype == torch.float8_e4m3fn
+    ref = hf_model(dequantized_copy(fp8, tmp_path / "deq"))
+    ids = prompt_ids(19, seed=6)
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0].float()
+    assert (prompt_logits(engine, ids) - theirs).abs().max().item() <= TOL
+
+
 def test_quantization_at_load_equals_the_fp8_checkpoint_of_the_same_weights(tmp_path):
     """--quantization fp8 on a bf16 checkpoint loads the bytes an FP8 checkpoint written from it holds; the weights
     take half the bytes of the bf16 engine's, and the logits stay near bf16's."""

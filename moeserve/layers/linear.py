@@ -73,7 +73,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         with_lora = lora is not None and self.lora_a is not None
         if self.weights.quantized:
-            y = self._fp8_forward(x)
+            y = self.weights.linear(self, x, self.fp8_backend, self.pdl)
             if with_lora:
                 self.add_lora(x, lora, y)
             return y
@@ -84,22 +84,6 @@ class LoRALinear(nn.Module):
         if with_lora:
             self.add_lora(x, lora, y)
         return y
-
-    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The base product on the FP8 weight: the Triton kernel, or the dequantized weight (the kernel's twin)."""
-        fmt = self.weights.format
-        if self.fp8_backend == "triton":
-            from moeserve.kernels.fp8_linear import fp8_linear
-
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, act_quant=fmt.act_quant,
-                              block=self.weight_block, backend="triton", pdl=self.pdl)
-        if fmt.act_quant:
-            from moeserve.kernels.fp8_linear import fp8_linear_ref
-
-            return fp8_linear_ref(x, self.weight, self.weight_scale_inv, self.bias, act_quant=True,
-                                  block=self.weight_block).to(x.dtype)
-        w = self.weights.dequantized(self, "weight", x.dtype)
-        return cpu_linear.linear(x, w, self.packed.get(w), self.bias)
 
     def _gemv_forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         if lora is None:

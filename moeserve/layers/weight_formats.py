@@ -1,13 +1,17 @@
 """How a base weight is stored, loaded and multiplied, per weight format (exec_options.WeightFormat): the one place
 a quantized format plugs into. A layer asks `weight_method(options.weight_format(names))` once at construction and
-keeps the answer; its hooks:
+keeps the answer (one per module); its hooks:
 
   create(module, attr, shape, parts)   the parameter(s) holding the weight `attr` of `shape` [..., out, in], its
                                        out rows made of `parts` (a fused module's slices: q|k|v, gate|up)
   load(module, attr, parts, index)     write the checkpoint's parts of the weight: (tensor, scale_inv or None) each,
-                                       stacked along out (into module.<attr>[index] for one expert of a 3-D weight)
+                                       stacked along out (into module.<attr>[index] for one expert of a 3-D weight);
+                                       the loader reads the parts, the tensor-parallel slices included
   dequantized(module, attr, dtype)     the weight in `dtype` (the plain-torch paths multiply that)
-  linear(module, x)                    the base product x @ W^T (+ bias), LoRA aside
+  linear(module, x)                    a dense module's base product x @ W^T (+ bias), LoRA aside
+
+The routed experts' product is the MoE block's (layers/moe.py: the fused kernel of the format, or the plain path on
+the dequantized weights), as the plain one is.
 
 Plain ("activation dtype"): the weight in the serving dtype, as before. A checkpoint part stored in FP8 (a module a
 checkpoint quantized while the engine keeps it plain) is dequantized at load.
@@ -68,6 +72,9 @@ class Fp8BlockWeights:
     def __init__(self, fmt: WeightFormat):
         self.format = fmt
         self.block = tuple(fmt.block)
+        # on the CPU, attr -> (what it was made from, the dequantized weight): the weights do not change between
+        # steps, so the plain path multiplies one copy (remade when the parameters are replaced)
+        self._dequantized: dict[str, tuple] = {}
 
     def row_block(self, parts: tuple[int, ...], experts: bool) -> int:
         """Rows per scale row: the format's block, or 1 where a dense module's parts break the 128-row grid (the
@@ -121,11 +128,24 @@ class Fp8BlockWeights:
         block = getattr(module, attr + "_block")
         if weight.device.type != "cpu":
             return dequantize(weight, scale, block, getattr(module, attr + "_parts"), dtype)
-        cache = module.__dict__.setdefault("_dequantized", {})
-        key = (attr, dtype, cpu_linear.identity(weight, scale))
-        if cache.get(attr, (None,))[0] != key:
-            cache[attr] = (key, dequantize(weight, scale, block, getattr(module, attr + "_parts"), dtype))
-        return cache[attr][1]
+        key = (dtype, cpu_linear.identity(weight, scale))
+        if self._dequantized.get(attr, (None,))[0] != key:
+            self._dequantized[attr] = (key, dequantize(weight, scale, block, getattr(module, attr + "_parts"), dtype))
+        return self._dequantized[attr][1]
+
+    def linear(self, module: nn.Module, x: torch.Tensor, backend: str, pdl: bool = False) -> torch.Tensor:
+        """x @ W^T (+ bias) in x's dtype: kernels/fp8_linear on the "triton" backend; else the dequantized weight
+        (oneDNN-packed on the CPU) through the plain product, or the W8A8 twin where activations are quantized."""
+        from moeserve.kernels import fp8_linear
+
+        w, s, block = module.weight, module.weight_scale_inv, module.weight_block
+        if backend == "triton":
+            return fp8_linear.fp8_linear(x, w, s, module.bias, act_quant=self.format.act_quant, block=block,
+                                         backend="triton", pdl=pdl)
+        if self.format.act_quant:
+            return fp8_linear.fp8_linear_ref(x, w, s, module.bias, act_quant=True, block=block).to(x.dtype)
+        plain = self.dequantized(module, "weight", x.dtype)
+        return cpu_linear.linear(x, plain, module.packed.get(plain), module.bias)
 
     def bytes(self, module: nn.Module, attr: str) -> int:
         return sum(p.numel() * p.element_size() for p in (getattr(module, attr), getattr(module, attr + "_scale_inv")))
