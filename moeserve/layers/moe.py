@@ -214,9 +214,12 @@ class MoEBlock(nn.Module):
             self.register_buffer("router_counters", torch.zeros(
                 router_kernels.counter_slots(max(gemm_topk_max_tokens, 1)), dtype=torch.int32), persistent=False)
 
-    def _packed_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | None:
-        """The experts packed for the CPU path, made at the first forward and again when the weights change
-        (cpu_linear.identity; the loader writes them before the first forward)."""
+    def _packed_experts(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> PackedExperts | None:
+        """The experts (w13, w2: the parameters, or their dequantized copies for FP8) packed for the CPU path, made at
+        the first forward and again when the weights change (cpu_linear.identity; the loader writes them before the
+        first forward)."""
+        if w13 is None:
+            w13, w2 = self.w13, self.w2
         if w13.device.type != "cpu":
             return None
         key = cpu_linear.identity(w13, w2)
@@ -270,7 +273,7 @@ class MoEBlock(nn.Module):
             out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args, pdl=self.pdl)
         else:
             out = moe_experts_torch(x, self.w13, self.w2, topk_w, topk_ids, lora, self.lora_bufs if use_lora else None,
-                                    self._packed_experts(self.w13, self.w2))
+                                    self._packed_experts())
         if self.shared_expert is not None:
             shared = self.shared_expert(x, lora)
             out = out + torch.sigmoid(self.shared_expert_gate(x, lora)) * shared
