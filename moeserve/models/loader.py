@@ -265,7 +265,9 @@ def load_model(model_dir: str | Path, spec: ModelSpec, options: ExecOptions = TO
 def _log_weights(model: MoEForCausalLM, how: str) -> None:
     """The start-up log's line on weight memory (FP8 halves the quantized weights' bytes)."""
     fmt = model.options.weights
-    logger.info("weights %s: %.2f GiB on %s (%s)", how, weight_bytes(model) / 2**30, model.options.device,
+    n = weight_bytes(model)
+    shown = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+    logger.info("weights %s: %s on %s (%s)", how, shown, model.options.device,
                 f"{fmt.method} base weights, {'W8A8' if fmt.act_quant else 'weight-only'}" if fmt.quantized
                 else f"{str(model.options.dtype).removeprefix('torch.')} base weights")
 
