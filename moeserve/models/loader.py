@@ -71,7 +71,8 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], how=None) -> torch.Tensor:
+        """Tensor `name` of `shape`, whole (`how`: a sharded read's slicing, unused here)."""
         if name not in self.where:
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
         t = self.handles[self.where[name]].get_tensor(name)
@@ -84,13 +85,24 @@ class _Tensors:
         """(tensor, its float32 scale_inv) of a weight stored FP8, (tensor, None) of a plain one; uncast. `blocked`:
         the module it goes to holds FP8 blocks (a sharded read must then fall on block boundaries); `halves`: its
         out rows are two parts blocked apart (a fused gate_up)."""
-        t = self.get(name, shape)
-        if self.dtypes[name] != FP8_SAFETENSORS_DTYPE:
+        how = self.slicing(name, shape)
+        fp8 = name in self.where and self.dtypes[name] == FP8_SAFETENSORS_DTYPE
+        scale_how = self.scale_slicing(name, shape, how, halves) if fp8 or blocked else None
+        t = self.get(name, shape, how)
+        if not fp8:
             return t, None
         scale_name = name + "_scale_inv"
         if scale_name not in self.where:
             raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r} in the checkpoint")
-        return t, self.get(scale_name, scale_shape(shape, halves))
+        return t, self.get(scale_name, scale_shape(shape, halves), scale_how)
+
+    def slicing(self, name: str, shape: tuple[int, ...]):
+        """How this reader slices tensor `name` (None: whole)."""
+        return None
+
+    def scale_slicing(self, name: str, shape: tuple[int, ...], how, halves: bool):
+        """How it slices the scales of weight `name` read by `how` (checked to fall on block boundaries)."""
+        return None
 
     def plain(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in `dtype`: cast, or dequantized where the checkpoint stores it FP8."""
@@ -144,19 +156,11 @@ class _ShardedTensors(_Tensors):
             t = torch.cat([t, t.new_zeros(self.sharding.vocab_per_rank - t.shape[0], *t.shape[1:])])
         return t
 
-    def weight(self, name: str, shape: tuple[int, ...], blocked: bool = False, halves: bool = False):
-        how = checkpoint_slices(name, tuple(shape), self.sharding)
-        fp8 = name in self.where and self.dtypes[name] == FP8_SAFETENSORS_DTYPE
-        # the scale blocks of this rank's slice (checked to fall on block boundaries wherever blocks are kept)
-        scale_how = (scale_slices(name, tuple(shape), how, FP8_BLOCK, self.sharding.size, halves)
-                     if fp8 or blocked else None)
-        t = self.get(name, shape, how)
-        if not fp8:
-            return t, None
-        scale_name = name + "_scale_inv"
-        if scale_name not in self.where:
-            raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r} in the checkpoint")
-        return t, self.get(scale_name, scale_shape(shape, halves), scale_how)
+    def slicing(self, name: str, shape: tuple[int, ...]):
+        return checkpoint_slices(name, tuple(shape), self.sharding)
+
+    def scale_slicing(self, name: str, shape: tuple[int, ...], how, halves: bool):
+        return scale_slices(name, tuple(shape), how, FP8_BLOCK, self.sharding.size, halves)
 
 
 def random_model(spec: ModelSpec, options: ExecOptions = TORCH_CPU, seed: int = 0,
