@@ -189,16 +189,19 @@ TP_DIMS = dict(hidden_size=128, head_dim=128, moe_intermediate_size=256, interme
 
 def test_tp2_shards_the_scales_with_the_weights(tmp_path):
     """Two ranks (gloo) each reading their slices of the fp8 weights and of their scale blocks give the single
-    rank's tokens and logprobs; so do two ranks quantizing their slices of the plain checkpoint at load, and two
-    expert-parallel ranks (whole experts each, with their scales)."""
+    rank's tokens and logprobs; so do two ranks quantizing their slices of the plain checkpoint at load, two ranks
+    reading the fused expert layout (gate's and up's scale rows apart), and two expert-parallel ranks (whole
+    experts each, with their scales)."""
     from test_tensor_parallel import GREEDY as TP_GREEDY, assert_same, config
 
     plain = make_tiny("qwen3_moe", tmp_path / "plain", seed=2, **TP_DIMS)
     fp8 = make_tiny("qwen3_moe", tmp_path / "fp8", quantization="fp8", seed=2, **TP_DIMS)
+    fused = make_tiny("qwen3_moe", tmp_path / "fused", quantization="fp8", seed=2, expert_layout="fused", **TP_DIMS)
     prompts = [prompt_ids(11, seed=4), prompt_ids(5, seed=5)]
     params = SamplingParams(max_tokens=6, **TP_GREEDY)
     one = Engine(config(fp8)).generate(prompts, params)
-    for model, kw in ((fp8, {}), (plain, dict(quantization="fp8")), (fp8, dict(enable_expert_parallel=True))):
+    for model, kw in ((fp8, {}), (plain, dict(quantization="fp8")), (fused, {}), (fused, dict(enable_expert_parallel=True)),
+                      (fp8, dict(enable_expert_parallel=True))):
         two_engine = Engine(config(model, tensor_parallel_size=2, **kw))
         try:
             assert two_engine.runner.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn

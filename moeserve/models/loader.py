@@ -71,8 +71,7 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str, shape: tuple[int, ...], how=None) -> torch.Tensor:
-        """Tensor `name` of `shape`, whole (`how`: a sharded read's slicing, unused here)."""
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.where:
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
         t = self.handles[self.where[name]].get_tensor(name)
@@ -81,28 +80,25 @@ class _Tensors:
         self.used.add(name)
         return t
 
-    def weight(self, name: str, shape: tuple[int, ...], blocked: bool = False, halves: bool = False):
+    def weight(self, name: str, shape: tuple[int, ...], blocked: bool = False):
         """(tensor, its float32 scale_inv) of a weight stored FP8, (tensor, None) of a plain one; uncast. `blocked`:
-        the module it goes to holds FP8 blocks (a sharded read must then fall on block boundaries); `halves`: its
-        out rows are two parts blocked apart (a fused gate_up)."""
-        how = self.slicing(name, shape)
+        the module it goes to holds FP8 blocks (a sharded read must then fall on block boundaries). A fused
+        gate_up's scale rows are gate's blocks, then up's."""
+        halves = _two_parts(name)
         fp8 = name in self.where and self.dtypes[name] == FP8_SAFETENSORS_DTYPE
-        scale_how = self.scale_slicing(name, shape, how, halves) if fp8 or blocked else None
-        t = self.get(name, shape, how)
+        if fp8 or blocked:
+            self.check_blocks(name, shape, halves)
+        t = self.get(name, shape)
         if not fp8:
             return t, None
-        scale_name = name + "_scale_inv"
+        scale_name = name + SCALE_SUFFIX
         if scale_name not in self.where:
             raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r} in the checkpoint")
-        return t, self.get(scale_name, scale_shape(shape, halves), scale_how)
+        return t, self.get(scale_name, scale_shape(shape, halves))
 
-    def slicing(self, name: str, shape: tuple[int, ...]):
-        """How this reader slices tensor `name` (None: whole)."""
-        return None
-
-    def scale_slicing(self, name: str, shape: tuple[int, ...], how, halves: bool):
-        """How it slices the scales of weight `name` read by `how` (checked to fall on block boundaries)."""
-        return None
+    def check_blocks(self, name: str, shape: tuple[int, ...], halves: bool) -> None:
+        """Raise where this reader's slice of weight `name` would cut a 128 x 128 scale block (a whole read never
+        does)."""
 
     def plain(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in `dtype`: cast, or dequantized where the checkpoint stores it FP8."""
@@ -111,6 +107,12 @@ class _Tensors:
 
 FP8_SAFETENSORS_DTYPE = "F8_E4M3"
 FP8_BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's scales: `<weight name>_scale_inv` (`...weight_scale_inv`)
+
+
+def _two_parts(name: str) -> bool:
+    """A fused gate_up [E, 2I, H]: its out rows are gate's and up's, blocked apart."""
+    return name.endswith(".experts." + module_tree.FUSED_EXPERT_NAMES["gate_up"])
 
 
 def scale_shape(shape: tuple[int, ...], halves: bool = False) -> tuple[int, ...]:
@@ -135,16 +137,14 @@ class _ShardedTensors(_Tensors):
             e0, e1 = sharding.expert_range()
             self.used |= {n for n in self.where if (m := _EXPERT_INDEX.search(n)) and not e0 <= int(m.group(1)) < e1}
 
-    def get(self, name: str, shape: tuple[int, ...], how=None) -> torch.Tensor:
-        """This rank's slice of tensor `name`; `how`: the slicing to read (checkpoint_slices of `name` by default)."""
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self.where:
             raise CheckpointError(f"checkpoint is missing tensor {name!r}")
         sl = self.handles[self.where[name]].get_slice(name)
         if tuple(sl.get_shape()) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(sl.get_shape())}, expected {tuple(shape)}")
         self.used.add(name)
-        if how is None:
-            how = checkpoint_slices(name, tuple(shape), self.sharding)
+        how = self._slicing(name, tuple(shape))
         if how is None:
             return sl[:]
         if how == ZERO:
@@ -156,11 +156,20 @@ class _ShardedTensors(_Tensors):
             t = torch.cat([t, t.new_zeros(self.sharding.vocab_per_rank - t.shape[0], *t.shape[1:])])
         return t
 
-    def slicing(self, name: str, shape: tuple[int, ...]):
-        return checkpoint_slices(name, tuple(shape), self.sharding)
+    def _slicing(self, name: str, shape: tuple[int, ...]):
+        """checkpoint_slices of a tensor; a scale_inv follows its weight's slice in block units."""
+        if not name.endswith(SCALE_SUFFIX):
+            return checkpoint_slices(name, shape, self.sharding)
+        weight = name[:-len(SCALE_SUFFIX)]
+        if weight not in self.where:
+            return None
+        full = tuple(self.handles[self.where[weight]].get_slice(weight).get_shape())
+        return scale_slices(weight, full, checkpoint_slices(weight, full, self.sharding), FP8_BLOCK,
+                            self.sharding.size, _two_parts(weight))
 
-    def scale_slicing(self, name: str, shape: tuple[int, ...], how, halves: bool):
-        return scale_slices(name, tuple(shape), how, FP8_BLOCK, self.sharding.size, halves)
+    def check_blocks(self, name: str, shape: tuple[int, ...], halves: bool) -> None:
+        scale_slices(name, tuple(shape), checkpoint_slices(name, tuple(shape), self.sharding), FP8_BLOCK,
+                     self.sharding.size, halves)
 
 
 def random_model(spec: ModelSpec, options: ExecOptions = TORCH_CPU, seed: int = 0,
@@ -318,7 +327,7 @@ def _load_experts(moe, tensors: _Tensors, spec: ModelSpec, layer: int):
     fused = [names for names in fused if tensors.has(names[0])]
     if fused:
         gate_up, down = fused[0]
-        w, s = tensors.weight(gate_up, (E, 2 * inter, H), blocked, halves=True)
+        w, s = tensors.weight(gate_up, (E, 2 * inter, H), blocked)
         held = w.shape[1] // 2
         if s is None:
             parts = [(w[:, :held], None), (w[:, held:], None)]
