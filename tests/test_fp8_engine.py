@@ -135,6 +135,22 @@ def test_modules_to_not_convert_stay_as_stored(tmp_path):
     assert (prompt_logits(engine, ids) - theirs).abs().max().item() <= TOL
 
 
+def test_make_tiny_command_writes_the_published_fp8_layout(tmp_path):
+    from moeserve.cli import main as cli_main
+
+    out = tmp_path / "olmoe-fp8"
+    assert cli_main(["make-tiny", "--family", "olmoe", "--out", str(out), "--quantization", "fp8"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]}
+    tensors = load_file(_weights_file(out))
+    w, s = tensors["model.layers.0.mlp.experts.3.down_proj.weight"], tensors[
+        "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"]
+    assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and tuple(s.shape) == (1, 1)  # [64, 48]
+    for plain in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.0.mlp.gate.weight"):
+        assert tensors[plain].dtype == torch.float32 and plain + "_scale_inv" not in tensors
+
+
 def test_quantization_at_load_equals_the_fp8_checkpoint_of_the_same_weights(tmp_path):
     """--quantization fp8 on a bf16 checkpoint loads the bytes an FP8 checkpoint written from it holds; the weights
     take half the bytes of the bf16 engine's, and the logits stay near bf16's."""
