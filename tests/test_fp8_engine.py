@@ -286,3 +286,31 @@ def test_demo_model_perplexity_in_fp8_within_one_percent_of_bf16(demo_dir):
     base = perplexity(plain)
     fp8 = perplexity(engine(quantization="fp8"))
     assert abs(fp8 - base) / base <= 0.01, (fp8, base)
+
+
+def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_path):
+    """The FP8 engine on the Triton backends (kernels/fp8_linear, kernels/fused_moe_fp8 with its LoRA, run by
+    Triton's interpreter in fp32) against the torch backends on the dequantized weights: same tokens, logprobs to
+    fp32 rounding, in one batch with no adapter, a fused gate_up expert adapter and one with separate gate_proj /
+    up_proj LoRAs (the up A's); the row without an adapter bitwise the LoRA-disabled Triton FP8 engine's."""
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base")
+    fp8 = fp8_copy(base, tmp_path / "fp8")
+    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=1)
+    b, _ = make_peft_adapter(family, tmp_path / "b", rank=4, seed=2, expert_format="per-expert", separate_gate_up=True)
+    kw = dict(model=str(fp8), device="cpu", dtype="float32", max_lora_rank=4, block_size=16)
+    lora = dict(lora_modules={"A": str(a), "B": str(b)}, max_loras=2)
+    triton = dict(moe_backend="triton", attention_backend="triton")
+    tri = Engine(EngineConfig(**triton, **lora, **kw))
+    ref = Engine(EngineConfig(moe_backend="torch", attention_backend="torch", **lora, **kw))
+    plain = Engine(EngineConfig(**triton, **kw))
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 7)]
+    sp = SamplingParams(max_tokens=4, logprobs=0, **GREEDY)
+    loras = [None, "A", "B"]
+    got = tri.generate(prompts, sp, lora=loras)
+    for g, w in zip(got, ref.generate(prompts, sp, lora=loras)):
+        assert g.token_ids == w.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(g.logprobs, w.logprobs)) < 1e-4
+    alone = plain.generate(prompts, sp)[0]  # the same batch shape: the kernels' path depends on the token count
+    assert got[0].token_ids == alone.token_ids
+    assert [x.logprob for x in got[0].logprobs] == [x.logprob for x in alone.logprobs]
