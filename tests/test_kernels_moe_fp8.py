@@ -377,13 +377,20 @@ def test_gpu_lora_apart_on_fp8_gemms_bf16():
                        MoEPlan(False, tile, tile, fused_act=False, y_fp32=False, lora_epilogue=False))
 
 
-@pytest.mark.parametrize("num_tokens", [3, 9])
-def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens):
+@pytest.mark.parametrize("num_tokens", [3, 40])  # 6 pairs: the GEMV path; 80: the sorted path
+@pytest.mark.parametrize("separate_up", [False, True])
+def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, separate_up):
     """fused_moe_fp8(lora=...): the adapter rows as fused_moe's fp32 reference with LoRA on the dequantized weights,
-    the others bitwise the call without LoRA (whichever path that takes at this token count)."""
+    the others bitwise the call without LoRA, on either path; `separate_up`: slot 0 has its own up A (a pool with
+    lora_separate_gate_up)."""
     problem = _problem(num_tokens, 4, 256, 128, 2, seed=11)
     x, q13, s13, q2, s2, weights, ids = problem
-    lora = _lora_args(num_tokens, 4, 256, 128, torch.Generator(device=DEV).manual_seed(12))
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    lora = _lora_args(num_tokens, 4, 256, 128, gen)
+    if separate_up:
+        up_a = torch.randn(lora.gate_up_a.shape, generator=gen, device=DEV) * 0.1
+        up_a[0, :, 8:] = up_a[2, :, 4:] = 0
+        lora = replace(lora, up_a=up_a, gate_up_separate=torch.tensor([1, 0, 0], dtype=torch.int32, device=DEV))
     w13, w2 = dequantize_w13_fp8(q13, s13), dequantize_block_fp8(q2, s2)
     ref = fused_moe_ref(x.float(), w13, w2, weights, ids, lora).float()
     out = fused_moe_fp8(*problem, act_quant=False, lora=lora)
@@ -391,3 +398,8 @@ def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num
     no_adapter = lora.token_slots < 0
     assert no_adapter.any() and torch.equal(out[no_adapter], base[no_adapter])
     assert _rel(out, ref) < 1e-5
+    assert _rel(out - base, ref - fused_moe_ref(x.float(), w13, w2, weights, ids).float()) < 1e-4  # the deltas
+    # W8A8: the same for the rows without an adapter; the others within the activation-quantization error
+    out, base = fused_moe_fp8(*problem, act_quant=True, lora=lora), fused_moe_fp8(*problem, act_quant=True)
+    assert torch.equal(out[no_adapter], base[no_adapter])
+    assert _rel(out, ref) < 0.08
