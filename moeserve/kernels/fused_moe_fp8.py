@@ -314,7 +314,7 @@ def _pair_lora(topk_ids, lora):
     """Per (token, k) pair: (live [P] bool: its token has an adapter of rank > 0 and its expert is this rank's,
     rank mask [P, R], slot [P], expert [P]) for the decode path's LoRA."""
     num_experts, max_rank = lora.gate_up_a.shape[1], lora.gate_up_a.shape[2]
-    slots = lora.token_slots.long().repeat_interleave(topk_ids.shape[1])
+    slots = lora.token_slots.long()[:, None].expand(topk_ids.shape).reshape(-1)  # sync-free (graph capture)
     experts = topk_ids.flatten().long()
     slot = slots.clamp(min=0)
     ranks = lora.slot_ranks.long()[slot]
