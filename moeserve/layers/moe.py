@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve import module_tree
 from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.layers import cpu_linear
 from moeserve.layers.backends import kernels
@@ -193,7 +194,10 @@ class MoEBlock(nn.Module):
         self.pdl = options.pdl
         E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
         self.router = LoRALinear(H, (E,), False, options, gemv=False)
-        self.weights = weight_method(options.weight_format(f"{prefix}.experts"))
+        # the block's checkpoint name is `mlp` or (Mixtral) `block_sparse_moe`: either may be named unconverted
+        layer = prefix.rpartition(".")[0]
+        names = [f"{layer}.{block}.experts" for block in module_tree.MOE_BLOCKS] if layer else [f"{prefix}.experts"]
+        self.weights = weight_method(options.weight_format(*names))
         experts = dict(experts=True) if self.weights.quantized else {}
         self.weights.create(self, "w13", (E, 2 * inter, H), (inter, inter), **experts)
         self.weights.create(self, "w2", (E, H, inter), (H,), **experts)
