@@ -198,9 +198,8 @@ class MoEBlock(nn.Module):
         layer = prefix.rpartition(".")[0]
         names = [f"{layer}.{block}.experts" for block in module_tree.MOE_BLOCKS] if layer else [f"{prefix}.experts"]
         self.weights = weight_method(options.weight_format(*names))
-        experts = dict(experts=True) if self.weights.quantized else {}
-        self.weights.create(self, "w13", (E, 2 * inter, H), (inter, inter), **experts)
-        self.weights.create(self, "w2", (E, H, inter), (H,), **experts)
+        self.weights.create(self, "w13", (E, 2 * inter, H), (inter, inter), experts=True)
+        self.weights.create(self, "w2", (E, H, inter), (H,), experts=True)
         self.lora_bufs: ExpertLoRABuffers | None = None  # set by the slot pool
         self._packed: tuple[tuple, PackedExperts | None] | None = None  # (weights' identity, packed), torch CPU
         self.shared_expert = None

@@ -2,8 +2,9 @@
 a quantized format plugs into. A layer asks `weight_method(options.weight_format(names))` once at construction and
 keeps the answer (one per module); its hooks:
 
-  create(module, attr, shape, parts)   the parameter(s) holding the weight `attr` of `shape` [..., out, in], its
-                                       out rows made of `parts` (a fused module's slices: q|k|v, gate|up)
+  create(module, attr, shape, parts,   the parameter(s) holding the weight `attr` of `shape` [..., out, in], its
+         experts)                      out rows made of `parts` (a fused module's slices: q|k|v, gate|up);
+                                       `experts`: the routed experts' stacked [E, out, in] weights
   load(module, attr, parts, index)     write the checkpoint's parts of the weight: (tensor, scale_inv or None) each,
                                        stacked along out (into module.<attr>[index] for one expert of a 3-D weight);
                                        the loader reads the parts, the tensor-parallel slices included
@@ -48,7 +49,8 @@ class PlainWeights:
     format = PLAIN_WEIGHTS
     quantized = False
 
-    def create(self, module: nn.Module, attr: str, shape: tuple[int, ...], parts: tuple[int, ...]) -> None:
+    def create(self, module: nn.Module, attr: str, shape: tuple[int, ...], parts: tuple[int, ...],
+               experts: bool = False) -> None:
         setattr(module, attr, nn.Parameter(torch.empty(shape), requires_grad=False))
 
     def load(self, module: nn.Module, attr: str, parts, index: int | None = None) -> None:
@@ -58,10 +60,6 @@ class PlainWeights:
 
     def dequantized(self, module: nn.Module, attr: str, dtype: torch.dtype) -> torch.Tensor:
         return getattr(module, attr)
-
-    def bytes(self, module: nn.Module, attr: str) -> int:
-        p = getattr(module, attr)
-        return p.numel() * p.element_size()
 
 
 class Fp8BlockWeights:
@@ -146,9 +144,6 @@ class Fp8BlockWeights:
             return fp8_linear.fp8_linear_ref(x, w, s, module.bias, act_quant=True, block=block).to(x.dtype)
         plain = self.dequantized(module, "weight", x.dtype)
         return cpu_linear.linear(x, plain, module.packed.get(plain), module.bias)
-
-    def bytes(self, module: nn.Module, attr: str) -> int:
-        return sum(p.numel() * p.element_size() for p in (getattr(module, attr), getattr(module, attr + "_scale_inv")))
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], parts: tuple[int, ...],
