@@ -88,7 +88,8 @@ def _generate(args) -> int:
 def _make_tiny(args) -> int:
     from moeserve.models.tiny import make_tiny
 
-    path = make_tiny(args.family, args.out, expert_layout=args.expert_layout, seed=args.seed, force=args.force)
+    path = make_tiny(args.family, args.out, expert_layout=args.expert_layout, seed=args.seed, force=args.force,
+                     quantization=args.quantization)
     print(f"wrote tiny {args.family} model to {path}")
     return 0
 
@@ -158,6 +159,9 @@ def build_parser(argv=None) -> argparse.ArgumentParser:
     p.add_argument("--expert-layout", default="per_expert", choices=("per_expert", "fused"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="overwrite a model (or replace a file) at --out")
+    p.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="write a block-wise FP8 checkpoint (float8_e4m3fn weights, float32 scale_inv per 128x128 "
+                        "block, quantization_config fp8), as Qwen and DeepSeek publish them")
     p.set_defaults(func=_make_tiny)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -10,7 +10,7 @@ import torch
 from moeserve.exec_options import ExecOptions, resolve_backend, resolve_linear_backend, resolve_pdl
 from moeserve.lora.adapter import validate_adapter_name
 from moeserve.module_tree import ALL_TARGETS
-from moeserve.models.quantization import checkpoint_quantization
+from moeserve.models.quantization import resolve_quantization, weight_format
 
 logger = logging.getLogger("moeserve")
 
@@ -36,6 +36,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on cuda, fp32 on cpu)
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json, for benchmarks)
     seed: int = 0
+    # base weights: None (unset) serves what the checkpoint declares (an fp8 quantization_config serves FP8);
+    # "fp8": block-wise FP8 (128 x 128 scales), a plain checkpoint quantized at load. LoRA stays in `dtype`
+    quantization: str | None = None
 
     # memory and batching
     max_model_len: int | None = None  # default min(max_position_embeddings, 4096)
@@ -169,8 +172,9 @@ class EngineConfig:
         if self.lora_modules and not self.enable_lora:
             logger.info("lora_modules (--lora-modules) given: enabling LoRA")
             self.enable_lora = True
-        if self.model is not None and os.path.isdir(self.model):  # a missing folder is reported by the engine
-            checkpoint_quantization(self.model)  # a quantization_config not implemented: refused before any load
+        model_dir = self.model if self.model is not None and os.path.isdir(self.model) else None  # a missing
+        # folder is reported by the engine; a quantization_config not implemented is refused here, before any load
+        self.quantization = resolve_quantization(self.quantization, model_dir)
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"{flag('lora_dir')} {self.lora_dir!r} is not a directory")
         if self.lora_modules:
@@ -205,9 +209,11 @@ class EngineConfig:
         and handed to the model; the rules deriving one choice from another are in exec_options.py."""
         if not self._resolved:
             raise ValueError("exec_options() needs a resolved config: call resolve() first")
+        weights, unquantized = weight_format(self.quantization, self.model)
         return ExecOptions(device=torch.device(self.device), dtype=self.torch_dtype,
                            attention_backend=self.attention_backend, moe_backend=self.moe_backend,
-                           linear_backend=self.linear_backend, pdl=self.pdl)
+                           linear_backend=self.linear_backend, pdl=self.pdl, weights=weights,
+                           unquantized_modules=unquantized)
 
     @property
     def torch_dtype(self) -> torch.dtype:

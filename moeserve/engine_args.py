@@ -79,6 +79,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--load-format", default=_default("load_format"), choices=LOAD_FORMATS,
                    help="auto/safetensors: the checkpoint's weights; dummy: random weights from config.json "
                         "alone (benchmarks without the checkpoint on disk)")
+    g.add_argument("--quantization", "-q", default=None, choices=("fp8",),
+                   help="base weights in block-wise FP8 (float8_e4m3fn, one scale per 128 x 128 block): a plain "
+                        "checkpoint is quantized at load (with --load-format dummy too); unset: what the "
+                        "checkpoint declares (an fp8 quantization_config serves FP8). LoRA stays in --dtype")
     g.add_argument("--seed", type=int, default=_default("seed"),
                    help="seed of the sampler for requests that give no seed of their own")
 

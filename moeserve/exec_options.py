@@ -38,11 +38,30 @@ def resolve_pdl(requested: bool | None, available: bool) -> bool:
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How a base weight is stored and multiplied. Today there is one format: stored in the activation dtype,
-    multiplied by F.linear / oneDNN / the Triton GEMV / the fused MoE. A quantized format (FP8 base weights: storage
-    dtype, scale granularity, the GEMM that reads it) is another value of this class, and ExecOptions.weight_format
-    is where a weight's format is chosen."""
-    storage: str = "activation_dtype"
+    """How a base weight is stored and multiplied (plain data; layers/weight_formats.py implements each method's
+    create / load / shard / apply hooks).
+
+    method None: stored in the activation dtype, multiplied by F.linear / oneDNN / the Triton GEMV / the fused MoE.
+    method "fp8": block-wise float8_e4m3fn with one float32 scale_inv per `block` (out x in) of the weight, as Qwen
+    and DeepSeek publish it (kernels/fp8.py); `act_quant` multiplies W8A8 (activations quantized per token-group of
+    block[1] at run time), else weight-only (the fp8 tile dequantized in the GEMM's K loop)."""
+    method: str | None = None
+    block: tuple[int, int] = (128, 128)
+    act_quant: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.method is not None
+
+
+PLAIN_WEIGHTS = WeightFormat()
+WEIGHT_METHODS = (None, "fp8")
+
+
+def module_matches(name: str, entry: str) -> bool:
+    """Whether `entry` of a checkpoint's modules_to_not_convert names module `name` ("model.layers.0.mlp.gate"):
+    the whole name, or a run of its dotted parts ("lm_head", "mlp.gate", "layers.0.self_attn")."""
+    return f".{entry.strip('.')}." in f".{name}."
 
 
 @dataclass(frozen=True)
@@ -59,7 +78,10 @@ class ExecOptions:
     # dense multi-LoRA shrink / expand; None: follows the MoE backend (the fused MoE carries the expert LoRA)
     lora_backend: str | None = None
     pdl: bool = False  # Triton kernels launch with programmatic dependent launch (kernels/pdl.py)
-    weights: WeightFormat = WeightFormat()
+    weights: WeightFormat = PLAIN_WEIGHTS  # how the quantizable base weights are stored (weight_format)
+    # checkpoint module names (or runs of their dotted parts) kept in the stored dtype whatever `weights` says: a
+    # checkpoint's modules_to_not_convert / ignored_layers
+    unquantized_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.norm_backend is None:
@@ -71,11 +93,20 @@ class ExecOptions:
                 raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {getattr(self, name)!r}")
         if self.pdl not in (True, False):
             raise ValueError(f"pdl must be a boolean, got {self.pdl!r}")
+        if self.weights.method not in WEIGHT_METHODS:
+            raise ValueError(f"weight format {self.weights.method!r} is not implemented (known: fp8)")
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
 
-    def weight_format(self, name: str) -> WeightFormat:
-        """How the base weight `name` (its checkpoint name) is stored and multiplied: one format for all today."""
+    def weight_format(self, *names: str) -> WeightFormat:
+        """How the base weight of a module is stored and multiplied, `names` its checkpoint module names (several
+        for a fused module: q|k|v, gate|up). Only quantizable weights ask (projections and routed experts; the
+        embeddings, lm_head, norms and router are stored as they are); a fused module any of whose parts the
+        checkpoint keeps unconverted stays plain (its fp8 parts, if any, are dequantized at load)."""
+        if not self.weights.quantized:
+            return PLAIN_WEIGHTS
+        if any(module_matches(n, m) for n in names for m in self.unquantized_modules):
+            return PLAIN_WEIGHTS
         return self.weights
 
     def on_device(self, device: torch.device | str) -> "ExecOptions":

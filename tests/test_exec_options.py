@@ -87,3 +87,23 @@ def test_model_layers_read_one_options_object(pdl):
     assert all(m.kernels is None for m in ref.modules() if isinstance(m, RMSNorm))
     assert all(m.lora_kernels is None and m.gemv_kernels is None for m in ref.modules() if isinstance(m, LoRALinear))
     assert ref.layers[0].mlp._fused is None and ref.layers[0].mlp._routing is None
+
+
+def test_weight_format_keeps_the_modules_a_checkpoint_names_unconverted():
+    """ExecOptions.weight_format: FP8 for every quantizable weight but the modules named in the checkpoint's
+    modules_to_not_convert / ignored_layers (a whole name or a run of its dotted parts); a fused module with any
+    part named stays plain; plain options answer plain for all."""
+    from moeserve.exec_options import PLAIN_WEIGHTS, WeightFormat
+
+    fp8 = WeightFormat(method="fp8")
+    options = ExecOptions(weights=fp8, unquantized_modules=("lm_head", "layers.0.self_attn.k_proj",
+                                                            "block_sparse_moe.experts"))
+    assert options.weight_format("model.layers.1.self_attn.o_proj") == fp8
+    qkv = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")
+    assert options.weight_format(*qkv) == PLAIN_WEIGHTS
+    assert options.weight_format("model.layers.0.self_attn.o_proj") == fp8
+    assert options.weight_format("model.layers.10.self_attn.k_proj") == fp8  # layers.0 is not layers.10
+    assert options.weight_format("model.layers.2.mlp.experts", "model.layers.2.block_sparse_moe.experts") == PLAIN_WEIGHTS
+    assert ExecOptions().weight_format("model.layers.0.self_attn.o_proj") == PLAIN_WEIGHTS
+    with pytest.raises(ValueError, match="weight format 'int4' is not implemented"):
+        ExecOptions(weights=WeightFormat(method="int4"))

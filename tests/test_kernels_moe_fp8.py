@@ -375,3 +375,61 @@ def test_gpu_lora_apart_on_fp8_gemms_bf16():
     tile = GemmTile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
     _check_lora_recipe(256, 128, 2048, 768, 8, torch.bfloat16, "cuda",
                        MoEPlan(False, tile, tile, fused_act=False, y_fp32=False, lora_epilogue=False))
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40])  # 6 pairs: the GEMV path; 80: the sorted path
+@pytest.mark.parametrize("separate_up", [False, True])
+def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, separate_up):
+    """fused_moe_fp8(lora=...): the adapter rows as fused_moe's fp32 reference with LoRA on the dequantized weights,
+    the others bitwise the call without LoRA, on either path; `separate_up`: slot 0 has its own up A (a pool with
+    lora_separate_gate_up)."""
+    problem = _problem(num_tokens, 4, 256, 128, 2, seed=11)
+    x, q13, s13, q2, s2, weights, ids = problem
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    lora = _lora_args(num_tokens, 4, 256, 128, gen)
+    if separate_up:
+        up_a = torch.randn(lora.gate_up_a.shape, generator=gen, device=DEV) * 0.1
+        up_a[0, :, 8:] = up_a[2, :, 4:] = 0
+        lora = replace(lora, up_a=up_a, gate_up_separate=torch.tensor([1, 0, 0], dtype=torch.int32, device=DEV))
+    w13, w2 = dequantize_w13_fp8(q13, s13), dequantize_block_fp8(q2, s2)
+    ref = fused_moe_ref(x.float(), w13, w2, weights, ids, lora).float()
+    out = fused_moe_fp8(*problem, act_quant=False, lora=lora)
+    base = fused_moe_fp8(*problem, act_quant=False)
+    no_adapter = lora.token_slots < 0
+    assert no_adapter.any() and torch.equal(out[no_adapter], base[no_adapter])
+    assert _rel(out, ref) < 1e-5
+    assert _rel(out - base, ref - fused_moe_ref(x.float(), w13, w2, weights, ids).float()) < 1e-4  # the deltas
+    # W8A8: the same for the rows without an adapter; the others within the activation-quantization error
+    out, base = fused_moe_fp8(*problem, act_quant=True, lora=lora), fused_moe_fp8(*problem, act_quant=True)
+    assert torch.equal(out[no_adapter], base[no_adapter])
+    assert _rel(out, ref) < 0.08
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [4, 256])  # 32 pairs: the GEMV path; 2,048: the sorted path
+def test_gpu_fused_moe_fp8_with_lora_bf16_qwen3_shapes(num_tokens):
+    """bf16 activations at Qwen3-30B-A3B expert shapes: the rows without an adapter bitwise the LoRA-free call, the
+    adapter deltas against fused_moe's fp32 reference on the dequantized weights; and the call replayed from a
+    CUDA graph equals eager."""
+    problem = _problem(num_tokens, 128, 2048, 768, 8, seed=21, dtype=torch.bfloat16, device="cuda")
+    x, q13, s13, q2, s2, weights, ids = problem
+    lora = _lora_args(num_tokens, 128, 2048, 768, torch.Generator(device="cuda").manual_seed(22), "cuda",
+                      torch.bfloat16)
+    out = fused_moe_fp8(*problem, act_quant=False, lora=lora)
+    base = fused_moe_fp8(*problem, act_quant=False)
+    no_adapter = lora.token_slots < 0
+    assert torch.equal(out[no_adapter], base[no_adapter])
+    n = min(num_tokens, 16)
+    w13, w2 = dequantize_w13_fp8(q13, s13), dequantize_block_fp8(q2, s2)
+    sub_lora = replace(lora, token_slots=lora.token_slots[:n])
+    ref = fused_moe_ref(x[:n].float(), w13, w2, weights[:n], ids[:n], sub_lora).float()
+    ref_base = fused_moe_ref(x[:n].float(), w13, w2, weights[:n], ids[:n]).float()
+    assert _rel(out[:n].float() - base[:n].float(), ref - ref_base) < 0.05
+    graph = torch.cuda.CUDAGraph()
+    fused_moe_fp8(*problem, act_quant=False, lora=lora)  # compiled outside the capture
+    with torch.cuda.graph(graph):
+        replayed = fused_moe_fp8(*problem, act_quant=False, lora=lora)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)

@@ -75,14 +75,15 @@ def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> fl
 class DecodeBench:
     def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
                  backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None,
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, quantization: str | None = None):
         self.spec, self.steps, self.device = spec, steps, torch.device(device)
         self.dtype, self.graph_factory = dtype, graph_factory
         self.max_len = PROMPT + steps + 16
         self.cfg = EngineConfig(model="random", device=device, dtype=str(dtype).split(".")[-1],
                                 max_model_len=self.max_len, max_num_seqs=max_bs, block_size=16,
                                 moe_backend=backend, attention_backend=backend,
-                                linear_backend=linear_backend or backend, pdl=pdl).resolve()
+                                linear_backend=linear_backend or backend, pdl=pdl,
+                                quantization=quantization).resolve()
         self.model = loader.random_model(spec, self.cfg.exec_options())
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
         blocks = max_bs * -(-self.max_len // 16) + 2
@@ -183,6 +184,8 @@ def main(argv=None) -> int:
                     help="dense projections: triton = the Triton GEMV at <= 8 rows (default), torch = cuBLAS")
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                     help="Triton kernels with programmatic dependent launch (default: the engine's, on for Hopper)")
+    ap.add_argument("--quantization", default=None, choices=("fp8",),
+                    help="base weights in block-wise FP8 (drawn, then quantized; LoRA stays bf16)")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--profile", action="store_true",
                     help="also print each batch size's per-layer kernel budget (time, bytes, share of the floor, "
@@ -193,7 +196,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",") if m]
     spec = preset_spec(args.preset, args.layers)
-    bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend, pdl=args.pdl)
+    bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend, pdl=args.pdl,
+                        quantization=args.quantization)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results: dict[str, dict[int, float]] = {m: {} for m in modes}
@@ -257,7 +261,7 @@ def main(argv=None) -> int:
                                               f"{rep['pool_bytes'][v] / 2**20:.0f} MiB" for v in rep["variants"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
+    payload = {"quantization": args.quantization, "preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
                "read_bandwidth": bw, "gpu": torch.cuda.get_device_name(), "rows": rows, "capture": capture,
                "layer_budget": budgets, "pdl": bench.cfg.pdl, "linear_backend": bench.cfg.linear_backend,
                "date": time.strftime("%Y-%m-%d")}

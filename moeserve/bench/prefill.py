@@ -99,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lora", action="store_true", help="also every prompt on one of 4 rank-16 adapters")
     ap.add_argument("--profile", action="store_true", help="per-region budget of one forward at --profile-tokens")
     ap.add_argument("--profile-tokens", default="2048,8192")
+    ap.add_argument("--quantization", default=None, choices=("fp8",),
+                    help="base weights in block-wise FP8 (drawn, then quantized; LoRA stays bf16)")
     ap.add_argument("--out", default="bench_out/")
     ap.add_argument("--tag", default="", help="a label for this tree in the JSON and the table")
     args = ap.parse_args(argv)
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
     # no decode graphs: every step here is a prefill (eager), and capturing them would only slow the start
     kw = dict(model=str(model), load_format="dummy", enable_prefix_caching=False, max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max(1024, args.input_len + 8),
-              enforce_eager=True)
+              enforce_eager=True, quantization=args.quantization)
     names = []
     if args.lora:
         adapters = {f"ad{i}": str(write_adapter(model, out / "prefill_adapters" / f"ad{i}", seed=i + 1))

@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None, help="served model name (default: first id of GET /v1/models)")
     g.add_argument("--launch-server", action="store_true",
                    help="start `moeserve serve` with the arguments after a literal `--`, on a free port")
+    g.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="with --launch-server: the server's --quantization (its base weights in block-wise FP8)")
     g.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for its /health")
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", default="random", choices=("random", "jsonl"))
@@ -457,6 +459,9 @@ def parse_with_server_argv(parser: argparse.ArgumentParser, argv: list[str] | No
     args = parser.parse_args(argv)
     if server_argv and not args.launch_server:
         parser.error("arguments after `--` need --launch-server")
+    if args.quantization and not args.launch_server:
+        parser.error("--quantization sets the launched server's weights: it needs --launch-server (a running "
+                     "server was started with its own --quantization)")
     return args, server_argv
 
 
@@ -468,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     proc = log = None
     if args.launch_server:
         try:
-            proc, log, base = launch_server(server_argv, args.server_timeout)
+            quantization = ["--quantization", args.quantization] if args.quantization else []
+            proc, log, base = launch_server([*server_argv, *quantization], args.server_timeout)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

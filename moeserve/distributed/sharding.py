@@ -140,6 +140,36 @@ def checkpoint_slices(name: str, shape: tuple[int, ...], sh: TensorSharding):
     return None  # norms, router, shared-expert gate
 
 
+def scale_slices(name: str, shape: tuple[int, ...], how, block: tuple[int, int], size: int, halves: bool = False):
+    """How a rank reads the block scales (scale_inv) of weight `name` of full `shape` that it reads by `how`
+    (checkpoint_slices): the same pieces in block units. A piece of the last two dims must start and end on a block
+    boundary (or at the end of the dim, or of its half): else its blocks would be shared with another rank's piece,
+    and a ValueError names the weight and the boundary. `halves`: the out rows are two parts blocked apart (a fused
+    gate_up: its scale rows gate's, then up's). The expert dim of a 3-D weight (expert parallelism) maps one to one."""
+    if how is None:
+        return None
+    dim, ranges = how
+    ndim = len(shape)
+    if dim < ndim - 2:
+        return how
+    bs = block[dim - (ndim - 2)]
+    n = shape[dim]
+    part = n // 2 if halves and dim == ndim - 2 else n  # rows of one separately blocked part
+    blocks_per_part = -(-part // bs)
+    out = []
+    for a, b in ranges:
+        first = a // part if part < n else 0
+        a, b = a - first * part, b - first * part
+        for edge in (a, b):
+            if edge % bs and edge != part:
+                raise ValueError(f"FP8 weight {name!r}: tensor_parallel_size {size} splits its dim {dim} (size {n}) at "
+                                 f"{edge + first * part}, not on a multiple of the {bs}-wide scale block; serve it "
+                                 "with a tensor_parallel_size that splits every projection on 128 boundaries (or "
+                                 "unquantized)")
+        out.append((first * blocks_per_part + a // bs, first * blocks_per_part + -(-b // bs)))
+    return dim, out
+
+
 # ---- LoRA adapters --------------------------------------------------------------------------------------
 
 def shard_adapter(adapter, sh: TensorSharding):

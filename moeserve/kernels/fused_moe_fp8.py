@@ -25,9 +25,18 @@ own block row of scale_inv, so any BLOCK_N works. w13's scale rows are the gate'
 on its own ([E, 2 * ceil(I/128), ceil(H/128)]), as a checkpoint stores gate_proj and up_proj; with I a multiple of
 128 that is the same as blocking the fused [2I, H] matrix.
 
-LoRA: the expands of this engine can run after plain GEMMs (MoEPlan.lora_epilogue=False: moe_lora.lora_expand_act
-on gu, lora_expand_down on y), which is how FP8 takes LoRA: the shrinks read x and the activated h in bf16, never
-the fp8 copies (W8A8 quantizes h after lora_expand_act added the gate_up deltas).
+LoRA (`lora`, MoELoRAArgs): the expands of this engine can run after plain GEMMs (MoEPlan.lora_epilogue=False:
+moe_lora.lora_expand_act on gu, lora_expand_down on y), which is how FP8 takes LoRA: the shrinks read x and the
+activated h in x's dtype, never the fp8 copies (W8A8 quantizes h after lora_expand_act added the gate_up deltas).
+Rows without an adapter must come out bitwise as in a call without LoRA:
+- decode (GEMV) path: the LoRA rides beside the base GEMVs: the per-pair shrinks (moe_lora.lora_shrink_pairs, of x
+  and of silu(g)*u read from gu) and their expands (the pair's B gathered, one batched product in fp32, at most
+  DECODE_MAX_PAIRS pairs) add each delta to gu (fp32, before the down GEMV applies SiLU*up) and to y (times the
+  routing weight, before the top-k sum) only where the pair's token has an adapter.
+- sorted path: the down GEMM reads gu with SiLU*up fused in, the LoRA-apart recipe reads h from lora_expand_act,
+  which may round differently; so a call with LoRA runs the LoRA-free forward for every row and the LoRA-apart one
+  for every row, and keeps the second's rows where the token has an adapter (sync-free, graph-safe). That costs a
+  second expert pass in prefill batches that carry adapters.
 """
 from __future__ import annotations
 
@@ -53,7 +62,13 @@ from moeserve.kernels.fp8 import (
 )
 from moeserve.kernels.fused_moe import _block_tile, _topk_sum, silu_mul_rows
 from moeserve.kernels.moe_align import moe_align
-from moeserve.kernels.moe_lora import silu_mul
+from moeserve.kernels.moe_lora import (
+    lora_block_shrink,
+    lora_expand_act,
+    lora_expand_down,
+    lora_shrink_pairs,
+    silu_mul,
+)
 from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan, fit_tile, smem_limit
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +310,54 @@ def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_
         USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product):
+def _pair_lora(topk_ids, lora):
+    """Per (token, k) pair: (live [P] bool: its token has an adapter of rank > 0 and its expert is this rank's,
+    rank mask [P, R], slot [P], expert [P]) for the decode path's LoRA."""
+    num_experts, max_rank = lora.gate_up_a.shape[1], lora.gate_up_a.shape[2]
+    slots = lora.token_slots.long()[:, None].expand(topk_ids.shape).reshape(-1)  # sync-free (graph capture)
+    experts = topk_ids.flatten().long()
+    slot = slots.clamp(min=0)
+    ranks = lora.slot_ranks.long()[slot]
+    live = (slots >= 0) & (ranks > 0) & (experts >= 0) & (experts < num_experts)
+    in_rank = torch.arange(max_rank, device=slots.device)[None, :] < ranks[:, None]
+    return live, live[:, None] & in_rank, slot, experts.clamp(0, num_experts - 1)
+
+
+def _expand_pairs(shrunk, b, keep, slot, expert):
+    """[P, N] = B[slot, expert] @ shrunk (fp32), shrunk's partials summed over splits and cut to the pool's rank;
+    entries outside the slot's rank (left unwritten by the shrink) read as zeros."""
+    s = torch.where(keep, shrunk.sum(-2)[..., :b.shape[-1]], 0.0)
+    return torch.bmm(b[slot, expert].float(), s.unsqueeze(-1)).squeeze(-1)
+
+
+def _add_gate_up_lora(gu, x, topk_ids, lora, pdl):
+    """gu [P, 2I] fp32 += the gate_up LoRA delta of each live pair (gate rows through the slot's A, up rows through
+    its up A where the slot has its own: lora.gate_up_separate)."""
+    live, keep, slot, expert = _pair_lora(topk_ids, lora)
+    inter = gu.shape[1] // 2
+    shrunk = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a, pdl=pdl)
+    b = lora.gate_up_b
+    if lora.up_a is None:
+        delta = _expand_pairs(shrunk, b, keep, slot, expert)
+    else:  # half 1 is written only for the slots flagged separate
+        separate = (lora.gate_up_separate.long()[slot] != 0)[:, None, None]
+        up_shrunk = torch.where(separate, shrunk[:, 1], shrunk[:, 0])
+        delta = torch.cat([_expand_pairs(shrunk[:, 0], b[:, :, :inter], keep, slot, expert),
+                           _expand_pairs(up_shrunk, b[:, :, inter:], keep, slot, expert)], dim=1)
+    return torch.where(live[:, None], gu + delta, gu)
+
+
+def _add_down_lora(y, gu, topk_weights, topk_ids, lora, pdl):
+    """y [P, H] fp32 (routing weight applied) += w * the down LoRA delta of each live pair, its shrink reading
+    silu(g) * u from gu (the gate_up deltas added, unquantized)."""
+    live, keep, slot, expert = _pair_lora(topk_ids, lora)
+    shrunk = lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True, pdl=pdl)
+    delta = _expand_pairs(shrunk, lora.down_b, keep, slot, expert) * topk_weights.flatten().float()[:, None]
+    return torch.where(live[:, None], y + delta, y)
+
+
+def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
+                    lora=None):
     del scale_product  # the GEMV multiplies dequantized weights in fp32: nothing is rounded either way
     num_tokens, hidden = x.shape
     inter = w2.shape[2]
@@ -308,6 +370,8 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     gu = torch.empty(num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
     _launch_gemv(a, a_scale, w13, s13, gu, topk_weights, topk_ids, top_k, 2 * inter, hidden, inter,
                  triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, pdl)
+    if lora is not None:
+        gu = _add_gate_up_lora(gu, x, topk_ids, lora, pdl)
     if act_quant:
         h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
     else:
@@ -315,16 +379,30 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _launch_gemv(h, h_scale, w2, s2, y, topk_weights, topk_ids, 1, hidden, inter, hidden, 0, plan.down, block,
                  act_quant, not act_quant, True, pdl)
+    if lora is not None:
+        y = _add_down_lora(y, gu, topk_weights, topk_ids, lora, pdl)
     return _topk_sum(y, topk_ids, w13.shape[0], x.dtype, pdl)
 
 
-def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product):
+def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
+                    lora=None, lora_plan: MoEPlan | None = None):
+    """The sorted path; with `lora` the LoRA runs apart (shrink of x, plain gate_up GEMM, lora_expand_act applying
+    the deltas and SiLU*up, shrink of h, plain down GEMM, lora_expand_down), `lora_plan` giving its options."""
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     aligned = moe_align(topk_ids, num_experts, plan.gate_up.block_m, pdl=pdl)
+    lp = lora_plan
+
+    def shrink(src, a, from_gate_up, splits):
+        return lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
+                                 block_k=lp.lora_shrink_block_k, splits=splits, lanes=lp.lora_shrink_lanes,
+                                 num_warps=lp.lora_shrink_warps, pdl=pdl, activated=from_gate_up,
+                                 up_a=lora.up_a if not from_gate_up else None)
+
+    shrunk_x = shrink(x, lora.gate_up_a, False, lp.lora_gate_up_splits) if lora is not None else None
     if act_quant:
         a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
     else:
@@ -333,8 +411,14 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     _launch(a, a_scale, w13, s13, gu, topk_weights, aligned, num_pairs, top_k, 2 * inter, hidden,
             inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, scale_product, pdl)
 
-    fused_act = plan.fused_act and not act_quant
-    if act_quant:
+    fused_act = plan.fused_act and not act_quant and lora is None
+    shrunk_h = None
+    if lora is not None:  # h with the gate_up deltas, in x's dtype: the down shrink reads it before any quantization
+        items = lp.lora_epilogue_items
+        h = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=items, tile=lp.lora_apart_tile, pdl=pdl)
+        shrunk_h = shrink(h, lora.down_a, True, lp.lora_down_splits)
+        h, h_scale = quantize_groups_fp8(h, block[1], pdl=pdl) if act_quant else (h, topk_weights)
+    elif act_quant:
         h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
     elif fused_act:
         h, h_scale = gu, topk_weights
@@ -343,6 +427,9 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
             hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl)
+    if lora is not None:
+        lora_expand_down(y, topk_weights, shrunk_h, aligned, lora, top_k, items=lp.lora_epilogue_items,
+                         tile=lp.lora_apart_tile, pdl=pdl)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
@@ -361,6 +448,7 @@ def fused_moe_fp8(
     pdl: bool = False,
     block: tuple[int, int] = WEIGHT_BLOCK,
     weight_scale: str = "tile",
+    lora=None,
 ) -> torch.Tensor:
     """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32
     scale_inv [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)],
@@ -380,8 +468,18 @@ def fused_moe_fp8(
         plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode)
     _check_plan(plan, block)
     forward = _decode_forward if plan.decode else _sorted_forward
-    return forward(x.contiguous(), w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights.contiguous(),
-                   topk_ids.contiguous(), act_quant, plan, block, pdl, weight_scale == "product")
+    x, topk_weights, topk_ids = x.contiguous(), topk_weights.contiguous(), topk_ids.contiguous()
+    args = (x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights, topk_ids, act_quant)
+    if plan.decode or lora is None:
+        return forward(*args, plan, block, pdl, weight_scale == "product", lora)
+    out = forward(*args, plan, block, pdl, weight_scale == "product")
+    # every row through the sorted path with the LoRA apart; the rows with an adapter keep that (module docstring)
+    problem = MoEProblem(w13_fp8.shape[0], hidden, w2_fp8.shape[2], topk_ids.shape[1], x.dtype, x.device)
+    lora_plan = default_plan(num_tokens, topk_ids.shape[1], decode=False, lora=True,
+                             problem=replace(problem, dtype=torch.bfloat16))
+    sorted_plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode=False)
+    with_lora = _sorted_forward(*args, sorted_plan, block, pdl, weight_scale == "product", lora, lora_plan)
+    return torch.where((lora.token_slots >= 0).unsqueeze(-1), with_lora, out)
 
 
 # ---------------------------------------------------------------------------------------------

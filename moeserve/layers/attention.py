@@ -85,20 +85,23 @@ def make_attention_backend(options: ExecOptions):
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, options: ExecOptions = TORCH_CPU,
-                 fused_prologue: bool | None = None):
+                 fused_prologue: bool | None = None, prefix: str = "self_attn"):
         """`rotary`: the model's one cos/sin table, shared by every layer (one per layer would cost
         max_position x head_dim x 2 per layer: ~1 GiB at Qwen3-30B-A3B's 48 layers x 40k positions).
         `options`: the attention backend, the projections' linear and LoRA backends, PDL (exec_options.py).
         `fused_prologue`: q/k norm + rotary + KV write as one Triton kernel (else the torch code below); None: where
-        the norm backend is Triton."""
+        the norm backend is Triton. `prefix`: the module's checkpoint name ("model.layers.3.self_attn"), which
+        options.weight_format reads to say how each projection's base weight is stored."""
         super().__init__()
         self.pdl = options.pdl
         self.spec = spec
         self.nh, self.nkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scale = self.d ** -0.5
         self.qkv_proj = LoRALinear(spec.hidden_size, (spec.q_size, spec.kv_size, spec.kv_size), spec.qkv_bias,
-                                   options)
-        self.o_proj = LoRALinear(spec.q_size, (spec.hidden_size,), spec.o_bias, options)
+                                   options, weights=options.weight_format(*(f"{prefix}.{n}" for n in
+                                                                           ("q_proj", "k_proj", "v_proj"))))
+        self.o_proj = LoRALinear(spec.q_size, (spec.hidden_size,), spec.o_bias, options,
+                                 weights=options.weight_format(f"{prefix}.o_proj"))
         if spec.qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(self.d, spec.rms_norm_eps), RMSNorm(self.d, spec.rms_norm_eps)
         elif spec.qk_norm == "full":

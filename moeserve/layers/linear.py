@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.exec_options import TORCH_CPU, ExecOptions
+from moeserve.exec_options import PLAIN_WEIGHTS, TORCH_CPU, ExecOptions, WeightFormat
 from moeserve.layers import cpu_linear
 from moeserve.layers.backends import kernels
 from moeserve.layers.batch import LoRABatch
+from moeserve.layers.weight_formats import weight_method
 
 
 def dense_lora_torch(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, slots=None) -> None:
@@ -42,16 +43,22 @@ class LoRALinear(nn.Module):
     cuBLAS): batches the Triton GEMV serves (kernels/gemv.serves: one row, or two where in > out) run it instead
     of cuBLAS, with the triton LoRA backend's expand fused into it. The choice depends on the row count, the
     shape and the options only, never on LoRA, so the LoRA and no-LoRA variants (eager or graph) share one base
-    path."""
+    path.
+
+    `weights`: how the base weight is stored (options.weight_format of the module's checkpoint names; plain by
+    default). FP8 (layers/weight_formats.py): the base product is kernels/fp8_linear on the linear backend
+    "triton", the dequantized weight elsewhere; the LoRA shrink reads x as it came (never an fp8 copy), and rows
+    without an adapter get the base product untouched."""
 
     def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool,
-                 options: ExecOptions = TORCH_CPU, gemv: bool = True):
+                 options: ExecOptions = TORCH_CPU, gemv: bool = True, weights: WeightFormat = PLAIN_WEIGHTS):
         super().__init__()
         self.pdl = options.pdl  # Triton launches with programmatic dependent launch (kernels/pdl.py)
         self.in_features = in_features
         self.slice_sizes = tuple(slice_sizes)
         self.out_features = sum(slice_sizes)
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.weights = weight_method(weights)
+        self.weights.create(self, "weight", (self.out_features, in_features), self.slice_sizes)
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.lora_a: torch.Tensor | None = None  # [L, S, R, in], set by the slot pool
         self.lora_b: torch.Tensor | None = None  # [L, N, R]
@@ -59,9 +66,17 @@ class LoRALinear(nn.Module):
         self.lora_kernels = kernels("lora", options.lora_backend)
         self.use_triton = self.lora_kernels is not None
         self.gemv_kernels = kernels("linear", options.linear_backend) if gemv else None
+        if self.weights.quantized:
+            self.gemv_kernels = None  # the GEMV reads plain weights; FP8 runs fp8_linear at every size
+            self.fp8_backend = "triton" if options.linear_backend == "triton" else "torch"
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         with_lora = lora is not None and self.lora_a is not None
+        if self.weights.quantized:
+            y = self.weights.linear(self, x, self.fp8_backend, self.pdl)
+            if with_lora:
+                self.add_lora(x, lora, y)
+            return y
         if self.gemv_kernels is not None and self.gemv_kernels.serves(x.shape[0], self.out_features,
                                                                       self.in_features):
             return self._gemv_forward(x, lora if with_lora else None)

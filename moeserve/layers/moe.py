@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve import module_tree
 from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.layers import cpu_linear
 from moeserve.layers.backends import kernels
 from moeserve.layers.linear import LoRALinear
+from moeserve.layers.weight_formats import weight_method
 from moeserve.model_spec import ModelSpec
 from moeserve.layers.batch import LoRABatch
 
@@ -161,11 +163,13 @@ def moe_experts_dense(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | None
 class DenseMLP(nn.Module):
     """SiLU-gated MLP (dense layers and the qwen2 shared expert)."""
 
-    def __init__(self, hidden: int, inter: int, options: ExecOptions = TORCH_CPU):
+    def __init__(self, hidden: int, inter: int, options: ExecOptions = TORCH_CPU, prefix: str = "mlp"):
+        """`prefix`: the module's checkpoint name ("model.layers.1.mlp"), for options.weight_format."""
         super().__init__()
         self.inter = inter
-        self.gate_up_proj = LoRALinear(hidden, (inter, inter), False, options)
-        self.down_proj = LoRALinear(inter, (hidden,), False, options)
+        self.gate_up_proj = LoRALinear(hidden, (inter, inter), False, options,
+                                       weights=options.weight_format(f"{prefix}.gate_proj", f"{prefix}.up_proj"))
+        self.down_proj = LoRALinear(inter, (hidden,), False, options, weights=options.weight_format(f"{prefix}.down_proj"))
 
     def forward(self, x, lora: LoRABatch | None):
         gu = self.gate_up_proj(x, lora)
@@ -176,21 +180,32 @@ class MoEBlock(nn.Module):
     """`options` (exec_options.py): the MoE backend (routing and experts), the shared expert's linear backend (the
     router and the shared-expert gate keep cuBLAS), the LoRA backend, PDL. `gemm_topk_max_tokens` (triton
     backend): batches of at most this many tokens run the router GEMM inside the routing kernel; larger ones run
-    the linear layer, then the routing kernel."""
+    the linear layer, then the routing kernel.
 
-    def __init__(self, spec: ModelSpec, options: ExecOptions = TORCH_CPU, gemm_topk_max_tokens: int | None = None):
+    `prefix`: the block's checkpoint name ("model.layers.0.mlp"), for options.weight_format of the routed experts and
+    the shared expert (the router and the shared-expert gate are stored as they are). FP8 experts
+    (layers/weight_formats.py): w13 / w2 float8_e4m3fn with w13_scale_inv / w2_scale_inv, multiplied by
+    kernels/fused_moe_fp8 on the triton backend, dequantized on the torch one."""
+
+    def __init__(self, spec: ModelSpec, options: ExecOptions = TORCH_CPU, gemm_topk_max_tokens: int | None = None,
+                 prefix: str = "mlp"):
         super().__init__()
         self.spec = spec
         self.pdl = options.pdl
         E, H, inter = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
         self.router = LoRALinear(H, (E,), False, options, gemv=False)
-        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
+        # the block's checkpoint name is `mlp` or (Mixtral) `block_sparse_moe`: either may be named unconverted
+        layer = prefix.rpartition(".")[0]
+        names = [f"{layer}.{block}.experts" for block in module_tree.MOE_BLOCKS] if layer else [f"{prefix}.experts"]
+        self.weights = weight_method(options.weight_format(*names))
+        self.weights.create(self, "w13", (E, 2 * inter, H), (inter, inter), experts=True)
+        self.weights.create(self, "w2", (E, H, inter), (H,), experts=True)
         self.lora_bufs: ExpertLoRABuffers | None = None  # set by the slot pool
         self._packed: tuple[tuple, PackedExperts | None] | None = None  # (weights' identity, packed), torch CPU
         self.shared_expert = None
         if spec.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, options)
+            self.shared_expert = DenseMLP(H, spec.shared_expert_intermediate_size, options,
+                                          prefix=f"{prefix}.shared_expert")
             self.shared_expert_gate = LoRALinear(H, (1,), False, options, gemv=False)
         self._fused = kernels("moe", options.moe_backend)
         self._routing = router_kernels = kernels("routing", options.moe_backend)  # router GEMM + softmax + top-k
@@ -202,14 +217,17 @@ class MoEBlock(nn.Module):
             self.register_buffer("router_counters", torch.zeros(
                 router_kernels.counter_slots(max(gemm_topk_max_tokens, 1)), dtype=torch.int32), persistent=False)
 
-    def _packed_experts(self) -> PackedExperts | None:
-        """The experts packed for the CPU path, made at the first forward and again when the parameters change
-        (cpu_linear.identity; the loader writes them before the first forward)."""
-        if self.w13.device.type != "cpu":
+    def _packed_experts(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> PackedExperts | None:
+        """The experts (w13, w2: the parameters, or their dequantized copies for FP8) packed for the CPU path, made at
+        the first forward and again when the weights change (cpu_linear.identity; the loader writes them before the
+        first forward)."""
+        if w13 is None:
+            w13, w2 = self.w13, self.w2
+        if w13.device.type != "cpu":
             return None
-        key = cpu_linear.identity(self.w13, self.w2)
+        key = cpu_linear.identity(w13, w2)
         if self._packed is None or self._packed[0] != key:
-            self._packed = (key, PackedExperts.of(self.w13, self.w2))
+            self._packed = (key, PackedExperts.of(w13, w2))
         return self._packed[1]
 
     def route(self, x, lora: LoRABatch | None):
@@ -247,7 +265,9 @@ class MoEBlock(nn.Module):
     def experts(self, x, topk_w, topk_ids, lora: LoRABatch | None) -> torch.Tensor:
         """The routed experts (and the shared expert) for routing already decided."""
         use_lora = lora is not None and self.lora_bufs is not None
-        if self._fused is not None:
+        if self.weights.quantized:
+            out = self._fp8_experts(x, topk_w, topk_ids, lora if use_lora else None)
+        elif self._fused is not None:
             args = None
             if use_lora:
                 b = self.lora_bufs
@@ -261,3 +281,30 @@ class MoEBlock(nn.Module):
             shared = self.shared_expert(x, lora)
             out = out + torch.sigmoid(self.shared_expert_gate(x, lora)) * shared
         return out
+
+    def _fp8_experts(self, x, topk_w, topk_ids, lora: LoRABatch | None) -> torch.Tensor:
+        """The routed experts on FP8 weights. Triton: kernels/fused_moe_fp8 (the LoRA, where the batch has one, on
+        the side: the base GEMMs as without it, the shrinks on the unquantized x and h, the expands apart); torch:
+        the dequantized weights through the plain path (its LoRA as the bf16 one's)."""
+        act_quant = self.weights.format.act_quant
+        if self._fused is not None:
+            from moeserve.kernels import fused_moe_fp8
+
+            args = None
+            if lora is not None:
+                b = self.lora_bufs
+                args = self._fused.MoELoRAArgs(lora.token_slots, lora.slot_ranks, b.gate_up_a, b.gate_up_b, b.down_a,
+                                               b.down_b, b.up_a, b.gate_up_separate)
+            return fused_moe_fp8.fused_moe_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, topk_w,
+                                               topk_ids, act_quant=act_quant, lora=args, pdl=self.pdl)
+        if act_quant:
+            from moeserve.kernels.fused_moe_fp8 import fused_moe_fp8_ref
+
+            if lora is not None:
+                raise NotImplementedError("W8A8 experts with LoRA on the torch MoE backend")
+            return fused_moe_fp8_ref(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, topk_w, topk_ids,
+                                     act_quant=True).to(x.dtype)
+        w13 = self.weights.dequantized(self, "w13", x.dtype)
+        w2 = self.weights.dequantized(self, "w2", x.dtype)
+        return moe_experts_torch(x, w13, w2, topk_w, topk_ids, lora, self.lora_bufs if lora is not None else None,
+                                 self._packed_experts(w13, w2))

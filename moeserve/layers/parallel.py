@@ -59,9 +59,9 @@ class ExpertParallelMoEBlock(MoEBlock):
     layer's all-reduce after the block then adds the ranks' parts — with the token activations already on every
     rank, that is the all-gather + reduce-scatter exchange in one collective."""
 
-    def __init__(self, spec: ModelSpec, options: ExecOptions, tp: ParallelState):
+    def __init__(self, spec: ModelSpec, options: ExecOptions, tp: ParallelState, prefix: str = "mlp"):
         num_local = spec.num_experts // tp.world_size
-        super().__init__(dataclasses.replace(spec, num_experts=num_local), options)
+        super().__init__(dataclasses.replace(spec, num_experts=num_local), options, prefix=prefix)
         self.spec = spec  # route() takes top-k over all experts
         self.router = LoRALinear(spec.hidden_size, (spec.num_experts,), False, options, gemv=False)  # all E experts
         self.expert_start, self.num_local = tp.rank * num_local, num_local

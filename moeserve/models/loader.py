@@ -3,8 +3,16 @@
 Checkpoint names map onto one internal layout: fused q|k|v, fused gate|up, and experts
 stacked as w13 [E, 2I, H] / w2 [E, H, I] whether the files store them per expert
 (`experts.N.gate_proj`, Mixtral `w1/w3/w2`) or fused (`experts.gate_up_proj`).
-A missing or mis-shaped tensor is an error that names it. A quantized checkpoint is refused by its method before
-any weight file is opened, and a quantized or integer tensor in a plain one by its name (models/quantization.py).
+A missing or mis-shaped tensor is an error that names it. A quantization method moeserve does not implement is
+refused before any weight file is opened, and a quantized or integer tensor in a plain checkpoint by its name
+(models/quantization.py).
+
+Block-wise FP8 (quantization_config fp8): a weight stored float8_e4m3fn comes with `<name>_scale_inv` (float32,
+one per 128 x 128 block); both are read uncast and handed to the module's weight format (layers/weight_formats.py),
+which keeps them (FP8 module), quantizes a plain part the same way (`--quantization fp8`), or dequantizes an FP8
+part into a plain module. Under tensor parallelism a rank reads the scale blocks of its slice of the weight; a
+slice that does not start and end on a 128 boundary is refused by name. Loading streams: a layer's tensors are
+read, converted and written into the model before the next layer's are read.
 """
 from __future__ import annotations
 
@@ -18,9 +26,10 @@ from safetensors import safe_open
 
 from moeserve import module_tree
 from moeserve.distributed.parallel_state import ParallelState
-from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices
+from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices, scale_slices
 from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.models.moe_decoder import MoEForCausalLM
+from moeserve.layers.weight_formats import cast_plain_weights, dequantize_part, weight_bytes
 from moeserve.models.quantization import check_tensor_dtype, checkpoint_quantization
 from moeserve.model_spec import ModelSpec
 
@@ -45,7 +54,7 @@ class _Tensors:
             if not files:
                 raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
             weight_map = None
-        self.handles, self.where = {}, {}
+        self.handles, self.where, self.dtypes = {}, {}, {}
         for f in files:
             try:
                 h = safe_open(str(model_dir / f), framework="pt", device="cpu")
@@ -53,8 +62,10 @@ class _Tensors:
                 raise CheckpointError(f"{model_dir / f}: cannot read safetensors ({e})") from e
             self.handles[f] = h
             for k in h.keys():
-                check_tensor_dtype(k, h.get_slice(k).get_dtype(), quant_method)  # the header only, no data read
+                dtype = h.get_slice(k).get_dtype()  # the header only, no data read
+                check_tensor_dtype(k, dtype, quant_method)
                 self.where[k] = f
+                self.dtypes[k] = dtype
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -68,6 +79,48 @@ class _Tensors:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         self.used.add(name)
         return t
+
+    def weight(self, name: str, shape: tuple[int, ...], blocked: bool = False):
+        """(tensor, its float32 scale_inv) of a weight stored FP8, (tensor, None) of a plain one; uncast. `blocked`:
+        the module it goes to holds FP8 blocks (a sharded read must then fall on block boundaries). A fused
+        gate_up's scale rows are gate's blocks, then up's."""
+        halves = _two_parts(name)
+        fp8 = name in self.where and self.dtypes[name] == FP8_SAFETENSORS_DTYPE
+        if fp8 or blocked:
+            self.check_blocks(name, shape, halves)
+        t = self.get(name, shape)
+        if not fp8:
+            return t, None
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in self.where:
+            raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r} in the checkpoint")
+        return t, self.get(scale_name, scale_shape(shape, halves))
+
+    def check_blocks(self, name: str, shape: tuple[int, ...], halves: bool) -> None:
+        """Raise where this reader's slice of weight `name` would cut a 128 x 128 scale block (a whole read never
+        does)."""
+
+    def plain(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor in `dtype`: cast, or dequantized where the checkpoint stores it FP8."""
+        return dequantize_part(*self.weight(name, shape), dtype)
+
+
+FP8_SAFETENSORS_DTYPE = "F8_E4M3"
+FP8_BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's scales: `<weight name>_scale_inv` (`...weight_scale_inv`)
+
+
+def _two_parts(name: str) -> bool:
+    """A fused gate_up [E, 2I, H]: its out rows are gate's and up's, blocked apart."""
+    return name.endswith(".experts." + module_tree.FUSED_EXPERT_NAMES["gate_up"])
+
+
+def scale_shape(shape: tuple[int, ...], halves: bool = False) -> tuple[int, ...]:
+    """The scale_inv shape of an FP8 weight of `shape` [..., out, in]: one per 128 x 128 block (of each half where
+    the out rows are two parts blocked apart)."""
+    *lead, n, k = shape
+    rows = 2 * -(-(n // 2) // FP8_BLOCK[0]) if halves else -(-n // FP8_BLOCK[0])
+    return (*lead, rows, -(-k // FP8_BLOCK[1]))
 
 
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
@@ -91,7 +144,7 @@ class _ShardedTensors(_Tensors):
         if tuple(sl.get_shape()) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(sl.get_shape())}, expected {tuple(shape)}")
         self.used.add(name)
-        how = checkpoint_slices(name, tuple(shape), self.sharding)
+        how = self._slicing(name, tuple(shape))
         if how is None:
             return sl[:]
         if how == ZERO:
@@ -103,26 +156,70 @@ class _ShardedTensors(_Tensors):
             t = torch.cat([t, t.new_zeros(self.sharding.vocab_per_rank - t.shape[0], *t.shape[1:])])
         return t
 
+    def _slicing(self, name: str, shape: tuple[int, ...]):
+        """checkpoint_slices of a tensor; a scale_inv follows its weight's slice in block units."""
+        if not name.endswith(SCALE_SUFFIX):
+            return checkpoint_slices(name, shape, self.sharding)
+        weight = name[:-len(SCALE_SUFFIX)]
+        if weight not in self.where:
+            return None
+        full = tuple(self.handles[self.where[weight]].get_slice(weight).get_shape())
+        return scale_slices(weight, full, checkpoint_slices(weight, full, self.sharding), FP8_BLOCK,
+                            self.sharding.size, _two_parts(weight))
+
+    def check_blocks(self, name: str, shape: tuple[int, ...], halves: bool) -> None:
+        scale_slices(name, tuple(shape), checkpoint_slices(name, tuple(shape), self.sharding), FP8_BLOCK,
+                     self.sharding.size, halves)
+
 
 def random_model(spec: ModelSpec, options: ExecOptions = TORCH_CPU, seed: int = 0,
                  tp: ParallelState | None = None) -> MoEForCausalLM:
     """Random weights in the real shapes, built directly on options.device in options.dtype (`--load-format dummy`,
     benchmarks): N(0, 0.02) from a seeded generator, norms 1. Under tensor parallelism each rank draws its own
     shard, and the replicated router and shared-expert gate are drawn alike on every rank (ranks must route
-    alike)."""
+    alike). FP8 weights (options.weight_format) are drawn in float32 and quantized as a checkpoint's are, one
+    expert at a time."""
     gen = torch.Generator(device=options.device).manual_seed(seed)
     with torch.device(options.device):
-        model = MoEForCausalLM(spec, options, tp=tp).to(options.dtype)
+        model = cast_plain_weights(MoEForCausalLM(spec, options, tp=tp), options.dtype)
+    quantized = {}  # FP8 parameter -> (its module, attribute): drawn plain, then quantized through the module
+    for module in model.modules():
+        method = getattr(module, "weights", None)
+        if getattr(method, "quantized", False):
+            for attr in ("weight", "w13", "w2"):
+                if hasattr(module, attr + "_scale_inv"):
+                    quantized[id(getattr(module, attr))] = (module, attr)
     with torch.no_grad():
         for i, (name, p) in enumerate(model.named_parameters()):
+            if name.endswith("_scale_inv"):
+                continue
             if model.tp is not None:
                 replicated = name.endswith(tuple(m + ".weight" for m in module_tree.REPLICATED_MODULES))
                 gen.manual_seed(seed + 1_000_003 * i + (0 if replicated else 7919 * (model.tp.rank + 1)))
-            if "norm" in name:
+            if id(p) in quantized:
+                _random_fp8(*quantized[id(p)], gen)
+            elif "norm" in name:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+    _log_weights(model, "drawn at random")
     return model
+
+
+def _random_fp8(module, attr: str, gen: torch.Generator) -> None:
+    """N(0, 0.02) for an FP8 weight, quantized part by part (one expert at a time for a 3-D one)."""
+    p = getattr(module, attr)
+    parts = getattr(module, attr + "_parts")
+
+    def draw():
+        w = torch.empty(p.shape[-2:], dtype=torch.float32, device=p.device).normal_(0.0, 0.02, generator=gen)
+        return [(part, None) for part in w.split(parts, dim=0)]
+
+    if p.dim() == 2:
+        module.weights.load(module, attr, draw())
+    else:
+        for e in range(p.shape[0]):
+            module.weights.load(module, attr, draw(), e)
 
 
 def load_model(model_dir: str | Path, spec: ModelSpec, options: ExecOptions = TORCH_CPU, progress: bool = False,
@@ -140,16 +237,16 @@ def load_model(model_dir: str | Path, spec: ModelSpec, options: ExecOptions = TO
                               quant_method) if sharded else _Tensors(model_dir, quant_method)
     dtype = options.dtype
     with torch.device(options.device):
-        model = MoEForCausalLM(spec, options, tp=tp).to(dtype)
+        model = cast_plain_weights(MoEForCausalLM(spec, options, tp=tp), dtype)
     H = spec.hidden_size
 
-    def put(param: torch.Tensor, value: torch.Tensor):
-        param.data.copy_(value.to(dtype))
+    def put(param: torch.Tensor, name: str, shape: tuple[int, ...]):
+        param.data.copy_(tensors.plain(name, shape, dtype))
 
-    put(model.embed_tokens, tensors.get("model.embed_tokens.weight", (spec.vocab_size, H)))
-    put(model.norm.weight, tensors.get("model.norm.weight", (H,)))
+    put(model.embed_tokens, "model.embed_tokens.weight", (spec.vocab_size, H))
+    put(model.norm.weight, "model.norm.weight", (H,))
     if model.lm_head is not None:
-        put(model.lm_head, tensors.get("lm_head.weight", (spec.vocab_size, H)))
+        put(model.lm_head, "lm_head.weight", (spec.vocab_size, H))
 
     layers = model.layers
     if progress:
@@ -160,21 +257,32 @@ def load_model(model_dir: str | Path, spec: ModelSpec, options: ExecOptions = TO
         i = layer.layer_idx
         p = module_tree.layer_prefix(i)
         for norm in module_tree.LAYER_NORMS:
-            put(getattr(layer, norm).weight, tensors.get(p + norm + ".weight", (H,)))
+            put(getattr(layer, norm).weight, p + norm + ".weight", (H,))
         attn = layer.self_attn
         if attn.q_norm is not None:
             full = spec.qk_norm == "full"  # the checkpoint's shapes (a rank's norm may hold a slice)
             q_name, k_name = (f"{p}self_attn.{n}.weight" for n in module_tree.QK_NORMS)
-            put(attn.q_norm.weight, tensors.get(q_name, (spec.q_size if full else spec.head_dim,)))
-            put(attn.k_norm.weight, tensors.get(k_name, (spec.kv_size if full else spec.head_dim,)))
+            put(attn.q_norm.weight, q_name, (spec.q_size if full else spec.head_dim,))
+            put(attn.k_norm.weight, k_name, (spec.kv_size if full else spec.head_dim,))
         _load_projections(layer, tensors, spec, put)
         if layer.is_sparse:
-            _load_experts(layer.mlp, tensors, spec, i, put)
+            _load_experts(layer.mlp, tensors, spec, i)
 
     unused = set(tensors.where) - tensors.used
     if unused:
         logger.warning("checkpoint has %d tensors moeserve does not use, e.g. %s", len(unused), sorted(unused)[:3])
+    _log_weights(model, "loaded")
     return model
+
+
+def _log_weights(model: MoEForCausalLM, how: str) -> None:
+    """The start-up log's line on weight memory (FP8 halves the quantized weights' bytes)."""
+    fmt = model.options.weights
+    n = weight_bytes(model)
+    shown = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+    logger.info("weights %s: %s on %s (%s)", how, shown, model.options.device,
+                f"{fmt.method} base weights, {'W8A8' if fmt.act_quant else 'weight-only'}" if fmt.quantized
+                else f"{str(model.options.dtype).removeprefix('torch.')} base weights")
 
 
 def _load_projections(layer, tensors: _Tensors, spec: ModelSpec, put):
@@ -191,13 +299,12 @@ def _load_projections(layer, tensors: _Tensors, spec: ModelSpec, put):
         linear = module_tree.submodule(layer, path)
         names = [module_tree.checkpoint_name(i, q, moe_block) for q in projs]
         outs = [module_tree.projection_dims(spec, q.target) for q in projs]
-        put(linear.weight, _cat([tensors.get(n + ".weight", (out, fan_in)) for n, (fan_in, out) in zip(names, outs)]))
+        blocked = linear.weights.quantized
+        linear.weights.load(linear, "weight", [tensors.weight(n + ".weight", (out, fan_in), blocked)
+                                               for n, (fan_in, out) in zip(names, outs)])
         if linear.bias is not None:
-            put(linear.bias, _cat([tensors.get(n + ".bias", (out,)) for n, (_, out) in zip(names, outs)]))
-
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+            linear.bias.data.copy_(torch.cat([tensors.plain(n + ".bias", (out,), linear.bias.dtype)
+                                              for n, (_, out) in zip(names, outs)]))
 
 
 def _per_expert_names(tensors: _Tensors, layer: int, expert: int) -> tuple[str, str, str]:
@@ -211,19 +318,26 @@ def _per_expert_names(tensors: _Tensors, layer: int, expert: int) -> tuple[str, 
     return module_tree.per_expert_names(layer, expert, module_tree.MOE_BLOCKS[0])
 
 
-def _load_experts(moe, tensors: _Tensors, spec: ModelSpec, layer: int, put):
+def _load_experts(moe, tensors: _Tensors, spec: ModelSpec, layer: int):
+    """The routed experts into w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] through their weight format
+    (an FP8 one keeps gate's and up's scale blocks apart, as the checkpoint stores them)."""
     H, E, inter = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    fmt, blocked = moe.weights, moe.weights.quantized
     fused = [module_tree.fused_expert_names(layer, b) for b in module_tree.MOE_BLOCKS]
     fused = [names for names in fused if tensors.has(names[0])]
     if fused:
         gate_up, down = fused[0]
-        put(moe.w13, tensors.get(gate_up, (E, 2 * inter, H)))
-        put(moe.w2, tensors.get(down, (E, H, inter)))
+        w, s = tensors.weight(gate_up, (E, 2 * inter, H), blocked)
+        held = w.shape[1] // 2
+        if s is None:
+            parts = [(w[:, :held], None), (w[:, held:], None)]
+        else:  # the scale rows of gate, then of up
+            parts = [(w[:, :held], s[:, :s.shape[1] // 2]), (w[:, held:], s[:, s.shape[1] // 2:])]
+        fmt.load(moe, "w13", parts)
+        fmt.load(moe, "w2", [tensors.weight(down, (E, H, inter), blocked)])
         return
     e0 = getattr(moe, "expert_start", 0)  # expert parallelism: this rank holds experts e0 .. e0 + E_local - 1
-    held = moe.w13.shape[1] // 2  # this rank's rows of gate (and of up): inter / tensor_parallel_size
     for e in range(e0, e0 + moe.w13.shape[0]):
         g, u, d = _per_expert_names(tensors, layer, e)
-        moe.w13.data[e - e0, :held].copy_(tensors.get(g, (inter, H)))
-        moe.w13.data[e - e0, held:].copy_(tensors.get(u, (inter, H)))
-        moe.w2.data[e - e0].copy_(tensors.get(d, (H, inter)))
+        fmt.load(moe, "w13", [tensors.weight(g, (inter, H), blocked), tensors.weight(u, (inter, H), blocked)], e - e0)
+        fmt.load(moe, "w2", [tensors.weight(d, (H, inter), blocked)], e - e0)

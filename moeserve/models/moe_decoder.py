@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve import module_tree
 from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.layers import cpu_linear
 from moeserve.layers.attention import Attention
@@ -32,15 +33,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, options)
         # OLMoE's full-width q/k norms under TP need an all-reduce inside the norm: those keep the torch path
         sharded_qk_norm = tp is not None and spec.qk_norm == "full"
+        prefix = module_tree.layer_prefix(layer_idx)  # checkpoint names: options.weight_format reads them
         self.self_attn = Attention(spec, rotary, options,
-                                   fused_prologue=options.norm_backend == "triton" and not sharded_qk_norm)
+                                   fused_prologue=options.norm_backend == "triton" and not sharded_qk_norm,
+                                   prefix=prefix + "self_attn")
         self.is_sparse = spec.sparse_layers[layer_idx]
         if self.is_sparse and tp is not None and tp.expert_parallel:
-            self.mlp = ExpertParallelMoEBlock(spec, options, tp)
+            self.mlp = ExpertParallelMoEBlock(spec, options, tp, prefix=prefix + "mlp")
         elif self.is_sparse:
-            self.mlp = MoEBlock(spec, options)
+            self.mlp = MoEBlock(spec, options, prefix=prefix + "mlp")
         else:
-            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, options)
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, options, prefix=prefix + "mlp")
         if sharded_qk_norm:  # olmoe's q/k norms span all heads, now split across ranks
             attn = self.self_attn
             attn.q_norm = ShardedRMSNorm(spec.q_size, spec.rms_norm_eps, tp)

@@ -67,7 +67,7 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**1
 
 def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: int = 0,
               shard_size: str | int | None = None, dtype: str = "float32", force: bool = False,
-              **config_overrides) -> pathlib.Path:
+              quantization: str | None = None, **config_overrides) -> pathlib.Path:
     """Write a tiny random HF checkpoint of `family` into `out_dir` and return its path.
 
     The folder holds config.json, generation_config.json, safetensors weights (one file, or shards
@@ -79,6 +79,9 @@ def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: 
 
     `out_dir` may be missing or a folder without model files; an existing file or model there is
     refused (FileExistsError) unless `force`, which replaces it.
+
+    `quantization="fp8"`: a block-wise FP8 checkpoint in the published layout (fp8_state): the weights above, in
+    `dtype`, then quantized.
     """
     import torch
     import transformers as tf
@@ -92,6 +95,8 @@ def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: 
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16, float16")
     dtype = _DTYPES[dtype]
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"unknown quantization {quantization!r}; choose fp8 (or none)")
     shard_bytes = None if shard_size is None else _parse_size(shard_size)
     out = pathlib.Path(out_dir)
     _clear_out_dir(out, force)
@@ -112,10 +117,14 @@ def make_tiny(family: str, out_dir, *, expert_layout: str = "per_expert", seed: 
     else:
         state = _to_fused_names(state)
     state = {k: v.to(getattr(torch, dtype)).contiguous() for k, v in state.items()}
+    if quantization == "fp8":
+        state = fp8_state(state)
     _save_safetensors(state, out, shard_bytes)
 
     cfg.architectures = [type(model).__name__]
     cfg.dtype = dtype
+    if quantization == "fp8":
+        cfg.quantization_config = dict(FP8_QUANTIZATION_CONFIG)
     cfg.save_pretrained(out)
     tf.GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
                         pad_token_id=cfg.pad_token_id).save_pretrained(out)
@@ -161,6 +170,44 @@ def _redraw_weights(model, seed: int) -> dict:
             w = 0.02 * noise
         state[name] = w
     return state
+
+
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+
+
+def fp8_quantized(name: str) -> bool:
+    """Whether a block-wise FP8 checkpoint stores tensor `name` in FP8: the attention projections, dense and
+    shared-expert MLPs and the routed experts (per-expert and fused); not the embeddings, lm_head, norms, router
+    or shared-expert gate."""
+    if _fused_expert_tensor(name) is not None:
+        return True
+    leaf = name.rsplit(".", 2)
+    return name.endswith(".weight") and (leaf[-2].endswith("_proj") or leaf[-2] in ("w1", "w2", "w3"))
+
+
+def fp8_state(state: dict) -> dict:
+    """A state dict in the published block-wise FP8 layout: each quantized weight float8_e4m3fn with its float32
+    `<name>_scale_inv` per 128 x 128 block (a fused gate_up [E, 2I, H] blocked as gate and up apart, its scale rows
+    gate's then up's, as the loader reads them)."""
+    import torch
+
+    from moeserve.kernels.fp8 import quantize_block_fp8
+
+    out = {}
+    for name, w in state.items():
+        if not fp8_quantized(name):
+            out[name] = w
+            continue
+        hit = _fused_expert_tensor(name)
+        if hit is not None and hit[1] == "gate_up_proj":
+            inter = w.shape[1] // 2
+            (qg, sg), (qu, su) = quantize_block_fp8(w[:, :inter]), quantize_block_fp8(w[:, inter:])
+            q, s = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+        else:
+            q, s = quantize_block_fp8(w)
+        out[name], out[name + "_scale_inv"] = q.contiguous(), s.contiguous()
+    return out
 
 
 def _fused_expert_tensor(name: str) -> tuple[str, str] | None:

@@ -1,0 +1,137 @@
+"""Whole engine on the GPU with FP8 base weights (bf16 activations and LoRA, Triton backends: kernels/fp8_linear and
+kernels/fused_moe_fp8, CUDA graphs keyed by batch size and LoRA variant), modelled on tests/test_gpu_engine.py.
+
+Marked `gpu`: skipped without CUDA; run on the device machine."""
+import pytest
+import torch
+
+from moeserve import Engine, EngineConfig, SamplingParams
+from moeserve.worker.graph_runner import LORA, NOLORA, GraphKey
+from peft_fixtures import make_peft_adapter, save_base_checkpoint
+from test_fp8_engine import fp8_copy
+
+pytestmark = pytest.mark.gpu
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+FAMILY = "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_fp8")
+    base = save_base_checkpoint(FAMILY, root / "base")
+    fp8 = fp8_copy(base, root / "fp8")
+    adapters = {n: str(make_peft_adapter(FAMILY, root / n, rank=r, seed=s)[0]) for n, r, s in (("A", 4, 1), ("B", 8, 2))}
+    return base, fp8, adapters
+
+
+def make(model, **kw):
+    kw.setdefault("max_lora_rank", 16)
+    kw.setdefault("cuda_graph_bs", [1, 2, 4, 8])
+    kw.setdefault("block_size", 16)
+    kw.setdefault("kv_cache_memory_bytes", 256 << 20)
+    return Engine(EngineConfig(model=str(model), device="cuda", **kw))
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def lp_close(a, b, tol):
+    return max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) <= tol
+
+
+@pytest.fixture(scope="module")
+def engines(setup):
+    base, fp8, ads = setup
+    lora = {"A": ads["A"], "B": ads["B"]}
+    return {
+        "dual": make(fp8, lora_modules=lora, max_loras=2),
+        "eager": make(fp8, lora_modules=lora, max_loras=2, enforce_eager=True),
+        "plain": make(fp8),
+        "at_load": make(base, quantization="fp8"),
+        "torch": make(fp8, lora_modules=lora, max_loras=2, enforce_eager=True, moe_backend="torch",
+                      attention_backend="torch"),
+    }
+
+
+def test_fp8_weights_and_dual_capture(engines):
+    dual = engines["dual"]
+    layer = dual.runner.model.layers[0]
+    assert dual.config.quantization == "fp8" and dual.config.moe_backend == "triton"
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.w13.dtype == torch.float8_e4m3fn and layer.mlp.w13_scale_inv.dtype == torch.float32
+    assert dual.runner.model.lm_head.dtype == torch.bfloat16  # lm_head, embeddings, norms, router as stored
+    assert dual.runner.graph_runner.variants == [LORA, NOLORA]
+
+
+def test_fp8_triton_kernels_match_the_dequantized_torch_path(engines):
+    """Teacher-forced logprobs of the torch backend's tokens (dequantized weights) agree with the Triton FP8
+    kernels', with and without adapters (bf16 rounding differs between the two: the same bound as the bf16 test)."""
+    ps = prompts([9, 17, 5], seed=1)
+    sp = SamplingParams(max_tokens=12, logprobs=0, **GREEDY)
+    for loras in ([None, None, None], ["A", None, "B"]):
+        forced = [p + r.token_ids for p, r in zip(ps, engines["torch"].generate(ps, sp, lora=loras))]
+        score = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
+        tri = engines["eager"].generate(forced, score, lora=loras)
+        ref = engines["torch"].generate(forced, score, lora=loras)
+        for t, r in zip(tri, ref):
+            diffs = [abs(a.logprob - b.logprob) for a, b in zip(t.prompt_logprobs[1:], r.prompt_logprobs[1:])]
+            assert max(diffs) < 0.15 and sum(diffs) / len(diffs) < 0.03
+
+
+def test_fp8_graphs_equal_eager_under_alternating_traffic(engines):
+    """base -> lora -> mixed -> base, 3 rows on bucket 4 (one padded row)."""
+    dual, eager = engines["dual"], engines["eager"]
+    gr = dual.runner.graph_runner
+    ps = prompts([7, 12, 4], seed=2)
+    sp = SamplingParams(max_tokens=10, logprobs=0, **GREEDY)
+    for loras in ([None] * 3, ["A", "B", "A"], [None, "B", None], [None] * 3):
+        got = dual.generate(ps, sp, lora=loras)
+        want = eager.generate(ps, sp, lora=loras)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids
+            assert lp_close(g, w, 0.05)
+    assert gr.replays[GraphKey(4, NOLORA)] > 0 and gr.replays[GraphKey(4, LORA)] > 0
+
+
+def test_fp8_nolora_graph_is_bitwise_the_lora_disabled_engine(engines):
+    dual, plain = engines["dual"], engines["plain"]
+    ps = prompts([6, 10, 3], seed=3)
+    sp = SamplingParams(max_tokens=10, logprobs=2, **GREEDY)
+    before = dual.runner.graph_runner.replays[GraphKey(4, NOLORA)]
+    got = dual.generate(ps, sp)
+    want = plain.generate(ps, sp)
+    assert dual.runner.graph_runner.replays[GraphKey(4, NOLORA)] > before
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [(x.logprob, x.top) for x in g.logprobs] == [(x.logprob, x.top) for x in w.logprobs]
+    nk_dual = dual.runner.graph_runner.graphs[GraphKey(4, NOLORA)].num_kernels()
+    nk_plain = plain.runner.graph_runner.graphs[GraphKey(4, NOLORA)].num_kernels()
+    nk_lora = dual.runner.graph_runner.graphs[GraphKey(4, LORA)].num_kernels()
+    if nk_dual is None:
+        pytest.skip("cuda-python not available to count graph nodes")
+    assert nk_dual == nk_plain < nk_lora
+
+
+def test_fp8_rows_without_adapter_in_a_lora_batch_are_the_lora_disabled_engine(engines):
+    """A mixed batch replays the LoRA graph; its rows without an adapter are bitwise the LoRA-disabled FP8 engine's
+    (the fused MoE keeps the LoRA-free result for them, the dense LoRA adds exact zeros)."""
+    dual, plain = engines["dual"], engines["plain"]
+    ps = prompts([6, 10, 3], seed=4)
+    sp = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
+    got = dual.generate(ps, sp, lora=[None, "A", None])
+    want = plain.generate(ps, sp)
+    for i in (0, 2):
+        assert got[i].token_ids == want[i].token_ids
+        assert [x.logprob for x in got[i].logprobs] == [x.logprob for x in want[i].logprobs]
+
+
+def test_quantization_at_load_is_the_fp8_checkpoint(engines):
+    ps = prompts([9, 4], seed=5)
+    sp = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
+    got = engines["at_load"].generate(ps, sp)
+    want = engines["plain"].generate(ps, sp)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [x.logprob for x in g.logprobs] == [x.logprob for x in w.logprobs]
