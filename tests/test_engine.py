@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 
 from moeserve import Engine, EngineConfig, RequestError, SamplingParams
-from moeserve.models.loader import CheckpointError
+from moeserve.errors import CheckpointError
 from moeserve.errors import UnsupportedModelError
 from moeserve.models.tiny import TINY_FAMILIES, make_tiny
 from moeserve.frontend.detokenizer import detokenize_step

@@ -293,9 +293,7 @@ def _rank_failure(tmp_path):
 
 
 BELOW_THE_FLOOR = [
-    pytest.param(_checkpoint_error, errors.CheckpointError, id="CheckpointError", marks=pytest.mark.xfail(
-        strict=True, reason="models/loader.py still defines a CheckpointError of its own; it is to import "
-                            "moeserve.errors.CheckpointError (drop this mark then)")),
+    pytest.param(_checkpoint_error, errors.CheckpointError, id="CheckpointError"),
     pytest.param(_pattern_key_error, errors.PatternKeyError, id="PatternKeyError"),
     pytest.param(_insufficient_memory_error, errors.InsufficientMemoryError, id="InsufficientMemoryError"),
     pytest.param(_rank_failure, errors.RankFailure, id="RankFailure"),

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from moeserve import module_tree
 from moeserve.distributed.parallel_state import ParallelState
 from moeserve.distributed.sharding import ZERO, TensorSharding, checkpoint_slices, scale_slices
+from moeserve.errors import CheckpointError
 from moeserve.exec_options import TORCH_CPU, ExecOptions
 from moeserve.models.moe_decoder import MoEForCausalLM
 from moeserve.layers.weight_formats import cast_plain_weights, dequantize_part, weight_bytes
@@ -34,10 +35,6 @@ from moeserve.models.quantization import check_tensor_dtype, checkpoint_quantiza
 from moeserve.model_spec import ModelSpec
 
 logger = logging.getLogger("moeserve")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not match its config (missing tensor, wrong shape, unreadable file)."""
 
 
 class _Tensors:
