@@ -19,7 +19,7 @@ lane test_gpu_engine test_prefix_cache test_router_lora &
 lane test_gpu_first_request &
 lane test_kernels_moe test_kernels_moe_gate_up test_kernels_attention_lora test_layer_profile &
 lane test_kernels_router test_kernels_gemv test_kernels_norm_rotary test_kernels_moe_fp8 test_kernels_fp8_quant \
-  test_kernels_fp8_linear $FP8_TESTS &
+  test_kernels_fp8_linear test_gpu_fp8_engine &
 wait
 lane test_memory_fit
 grep -h -A6 "^FAILED\|^ERROR" $OUT/test_*.log | head -40 | cut -c1-300
