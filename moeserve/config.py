@@ -185,7 +185,8 @@ class EngineConfig:
                 raise ValueError(f"{flag('lora_target_modules')}: unsupported {bad}; supported: "
                                  f"{', '.join(ALL_TARGETS)}")
         if not _is_int(self.data_parallel_size) or self.data_parallel_size <= 0:
-            raise ValueError(f"{flag('data_parallel_size')} must be a positive integer, got {self.data_parallel_size!r}")
+            raise ValueError(f"{flag('data_parallel_size')} must be a positive integer, got "
+                             f"{self.data_parallel_size!r}")
         if on_cuda and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"{flag('tensor_parallel_size')} {self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible CUDA devices")

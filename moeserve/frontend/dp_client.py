@@ -148,8 +148,9 @@ class DataParallelClient(OnDemandAdapters):
     def where(self) -> str:
         """Where the engine runs, for the server's first line."""
         pids = ", ".join(str(c.proc.pid) for c in self.clients)
-        gpus = " | ".join(env["CUDA_VISIBLE_DEVICES"] for env in self.envs) if self.envs[0] else self.info.device
-        return (f"{len(self.clients)} engine cores (data parallel), pids {pids}, {gpus}, {self.info.dtype}")
+        where = ("GPUs " + " | ".join(env["CUDA_VISIBLE_DEVICES"] for env in self.envs) if self.envs[0]
+                 else self.info.device)
+        return f"{len(self.clients)} engine cores (data parallel), pids {pids}, {where}, {self.info.dtype}"
 
     @property
     def tokenizer(self):
@@ -262,16 +263,16 @@ class DataParallelClient(OnDemandAdapters):
 
     async def stats(self) -> EngineStats:
         """All cores' stats as one (sum_engine_stats), with this client's adapter versions."""
-        return dataclasses.replace(sum_engine_stats(await self.stats_per_core()), lora_versions=dict(self.lora_versions))
+        total = sum_engine_stats(await self.stats_per_core())
+        return dataclasses.replace(total, lora_versions=dict(self.lora_versions))
 
     # ---- adapters: on every core, or on none ---------------------------------------------------------
     async def load_lora(self, name: str, path: str, pinned: bool = False, replace: bool = False) -> None:
         """Load (or with `replace`, reload) an adapter on every live core. If any core fails, the load is undone on
         those where it landed and that core's error is raised, of its own class."""
-        async with self._lora_calls:
-            await asyncio.shield(self._load_everywhere(name, path, pinned, replace))
+        await asyncio.shield(self._one_at_a_time(self._load_on_every_core(name, path, pinned, replace)))
 
-    async def _load_everywhere(self, name: str, path: str, pinned: bool, replace: bool) -> None:
+    async def _load_on_every_core(self, name: str, path: str, pinned: bool, replace: bool) -> None:
         cores = self._live()
         results = await asyncio.gather(*(c.load_lora(name, path, pinned, replace) for c in cores),
                                        return_exceptions=True)
@@ -290,10 +291,15 @@ class DataParallelClient(OnDemandAdapters):
 
     async def unload_lora(self, name: str) -> None:
         """Unload an adapter on every live core; if one fails, it is loaded again where it was unloaded."""
-        async with self._lora_calls:
-            await asyncio.shield(self._unload_everywhere(name))
+        await asyncio.shield(self._one_at_a_time(self._unload_on_every_core(name)))
 
-    async def _unload_everywhere(self, name: str) -> None:
+    async def _one_at_a_time(self, change) -> None:
+        """Run an adapter change after those before it (shielded by the callers: one whose client is gone still
+        ends, in its turn)."""
+        async with self._lora_calls:
+            await change
+
+    async def _unload_on_every_core(self, name: str) -> None:
         cores = self._live()
         results = await asyncio.gather(*(c.unload_lora(name) for c in cores), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
