@@ -114,7 +114,6 @@ class DataParallelClient(OnDemandAdapters):
         self._lora_calls = asyncio.Lock()  # one load or unload at a time: every core sees them in the same order
         self._placing: set[str] = set()  # request ids being submitted to a core
         self._turns = itertools.count()  # ties between equally busy cores go in turn
-        self._tokenizer_turns = itertools.count()
         self.reserved = 0  # queue places held by requests still being prepared (see reserve())
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -202,9 +201,9 @@ class DataParallelClient(OnDemandAdapters):
         self.clients[0].check_prompt_size(prompt)
 
     async def prepare(self, prompt):
-        """Tokenize on some core's tokenizer thread (each client has one), in turn."""
-        live = self._live()
-        return await live[next(self._tokenizer_turns) % len(live)].prepare(prompt)
+        """Tokenize on the first core's client's thread, whichever core runs the request: one tokenizer thread, as
+        with one core (transformers imports parts of a tokenizer lazily, at first use, and not thread-safely)."""
+        return await self.clients[0].prepare(prompt)
 
     def _pick(self) -> EngineClient:
         """The live core with the fewest requests in flight (being added included); ties in turn."""
