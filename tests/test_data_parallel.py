@@ -223,6 +223,31 @@ def test_config_mistakes_are_named(model_dir, monkeypatch):
         core_environments(EngineConfig(device="cuda:1", data_parallel_size=2))
 
 
+def test_a_core_failing_to_start_or_a_stop_while_starting_stops_every_core(config):
+    two = dataclasses.replace(config, data_parallel_size=2)
+
+    async def one_fails():
+        dp = DataParallelClient(two)
+        dp.clients[1].config = dataclasses.replace(dp.clients[1].config, block_size=12)  # this core alone refuses
+        with pytest.raises(ValueError, match="--block-size"):
+            await dp._start()
+        return dp
+
+    async def stopped():
+        dp = DataParallelClient(two)
+        start = asyncio.ensure_future(dp._start())
+        while not all(getattr(c, "proc", None) is not None for c in dp.clients):
+            await asyncio.sleep(0.01)
+        start.cancel()  # what the server does at a stop signal
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        return dp
+
+    for run in (one_fails, stopped):
+        dp = asyncio.run(run())
+        assert [c.proc.exitcode is not None for c in dp.clients] == [True, True]  # both ended and reaped
+
+
 def test_a_killed_core_fails_only_its_requests_and_health_says_so(server, ref):
     """Last in this file: it leaves the shared server with one core."""
     dp = server.engine
