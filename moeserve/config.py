@@ -105,6 +105,9 @@ class EngineConfig:
     # activation all-reduces through NCCL only; by default (CUDA, several ranks) they go through a symmetric-memory
     # buffer where every rank can set one up (distributed/parallel_state.py), NCCL otherwise
     disable_custom_all_reduce: bool = False
+    # engine cores behind one frontend, each a whole copy of the model on its own GPUs (core i: GPUs i*TP..i*TP+TP-1);
+    # started by the server's DataParallelClient (frontend/dp_client.py), never by an engine core itself
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         self._resolved = False
@@ -185,6 +188,9 @@ class EngineConfig:
             if bad:
                 raise ValueError(f"{flag('lora_target_modules')}: unsupported {bad}; supported: "
                                  f"{', '.join(ALL_TARGETS)}")
+        if not _is_int(self.data_parallel_size) or self.data_parallel_size <= 0:
+            raise ValueError(f"{flag('data_parallel_size')} must be a positive integer, got "
+                             f"{self.data_parallel_size!r}")
         if on_cuda and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"{flag('tensor_parallel_size')} {self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible CUDA devices")

@@ -164,6 +164,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=_default("tensor_parallel_size"),
                    help="ranks (GPUs) the model is split across, one process each (default: %(default)s)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=_default("data_parallel_size"),
+                   help="engine cores behind one server, each a whole copy of the model on its own GPUs (core i: "
+                        "GPUs i*TP to i*TP+TP-1 of those visible); requests go to the least busy core (`serve` only; "
+                        "default: %(default)s)")
     g.add_argument("--enable-expert-parallel", action="store_true", default=_default("enable_expert_parallel"),
                    help="split routed experts whole across the --tensor-parallel-size ranks (E / N each) instead "
                         "of slicing every expert")

@@ -513,8 +513,8 @@ def test_graph_replay_metric_labels():
     col = EngineStatsCollector()
     assert list(col.collect()) == []  # no stats (the engine is not running): no engine metrics
     required = {f.name: 0 for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING}
-    col.stats = EngineStats(**dict(required, num_waiting=1), graph_replays={"bs8-nolora": 5, "bs8-lora": 2},
-                            lora_loads_total=3)
+    col.per_core = [EngineStats(**dict(required, num_waiting=1), graph_replays={"bs8-nolora": 5, "bs8-lora": 2},
+                                lora_loads_total=3)]
     fams = {f.name: f for f in col.collect()}
     replays = {(s.labels["batch_size"], s.labels["variant"]): s.value for s in fams["moeserve_graph_replays"].samples}
     assert replays == {("8", "nolora"): 5.0, ("8", "lora"): 2.0}

@@ -86,6 +86,9 @@ class EngineCore:
         self.config = (dataclasses.replace(config) if isinstance(config, EngineConfig)
                        else EngineConfig(**config)).resolve()
         cfg = self.config
+        if cfg.data_parallel_size != 1:  # the server's DataParallelClient starts one core per copy, each given 1
+            raise ValueError(f"--data-parallel-size {cfg.data_parallel_size}: an engine core (the offline Engine, "
+                             "`moeserve generate`) runs one copy of the model; `moeserve serve` runs several")
         if cfg.model is None:
             cfg.model = str(demo_model_path(progress=progress))
         model_dir = Path(cfg.model)

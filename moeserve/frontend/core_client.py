@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -194,10 +195,84 @@ class QueueReservation:
         self.release()
 
 
-class EngineClient:
-    def __init__(self, config: EngineConfig, log_level: str = "INFO"):
+class OnDemandAdapters:
+    """The adapters a client serves, by name, and their loading from --lora-dir at a name's first request. Shared by
+    EngineClient and DataParallelClient, which provide `config`, `lora_versions` (name -> version), `_on_demand`
+    (name -> its load in progress) and `load_lora`."""
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(self.lora_versions)
+
+    def check_model(self, lora: str | None) -> None:
+        if lora is not None and lora not in self.lora_names:
+            raise UnknownAdapterError(f"unknown LoRA adapter {lora!r}; loaded adapters: "
+                                      f"{sorted(self.lora_names) or 'none'}")
+
+    @property
+    def loads_on_demand(self) -> bool:
+        """Adapters not loaded are looked for in --lora-dir at first use (runtime loading on, a --lora-dir)."""
+        return bool(self.config.enable_lora and self.config.enable_lora_runtime_loading and self.config.lora_dir)
+
+    async def ensure_adapter(self, name: str) -> None:
+        """Make `name` servable: loaded already, or loaded now from --lora-dir/<name> (loads_on_demand). Concurrent
+        first requests for one name share one load. Raises UnknownAdapterError when the name is not loaded and
+        cannot be loaded from there; the answer is the same whether the folder is missing or unreadable or holds
+        an adapter that fails to load (the server's log says which)."""
+        if name in self.lora_versions:
+            return
+        if not self.loads_on_demand:
+            self.check_model(name)
+        load = self._on_demand.get(name)
+        if load is None:
+            load = asyncio.ensure_future(self._load_on_demand(name))
+            self._on_demand[name] = load
+            load.add_done_callback(lambda _: self._on_demand.pop(name, None))
+        await asyncio.shield(load)  # one waiter giving up (a client gone) does not cancel the others' load
+
+    async def _load_on_demand(self, name: str) -> None:
+        try:
+            validate_adapter_name(name)
+            path = await asyncio.get_running_loop().run_in_executor(None, resolve_adapter_path, name, None,
+                                                                    self.config.lora_dir)
+            await self.load_lora(name, path)
+            logger.info("loaded LoRA adapter %r from --lora-dir at its first request", name)
+            return
+        except EngineDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one answer to the client, the reason in the server's log
+            if name in self.lora_versions:  # loaded meanwhile by a load request
+                return
+            if not isinstance(e, (FileNotFoundError, InvalidAdapterNameError)):  # not a client's typo
+                logger.warning("could not load LoRA adapter %r from --lora-dir at its first request: %s", name, e)
+        raise UnknownAdapterError(f"unknown LoRA adapter {name!r}: it is not loaded, and no adapter by that name "
+                                  "could be loaded from the server's --lora-dir")
+
+
+@contextlib.contextmanager
+def child_environ(env: dict[str, str] | None):
+    """os.environ with `env` set, for a process started inside the block (a spawned process copies it then)."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class EngineClient(OnDemandAdapters):
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", env: dict[str, str] | None = None,
+                 tokenizer_lock: asyncio.Lock | None = None):
         self.config = config
         self.log_level = log_level
+        self.env = env  # set in the core's environment (data parallelism: CUDA_VISIBLE_DEVICES, its own GPUs)
+        # held while the tokenizer loads: clients starting together load one at a time (transformers' lazy imports
+        # are not thread-safe: two at once failed with "cannot import name 'AutoTokenizer'")
+        self.tokenizer_lock = tokenizer_lock or contextlib.nullcontext()
         self.info: CoreInfo | None = None  # the core's, once it is ready
         self.tokenizer = None
         self.limits: RequestLimits | None = None
@@ -218,8 +293,9 @@ class EngineClient:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @classmethod
-    async def start(cls, config: EngineConfig, log_level: str = "INFO") -> "EngineClient":
-        client = cls(config, log_level)
+    async def start(cls, config: EngineConfig, log_level: str = "INFO",
+                    env: dict[str, str] | None = None) -> "EngineClient":
+        client = cls(config, log_level, env)
         await client._start()
         return client
 
@@ -234,7 +310,8 @@ class EngineClient:
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(target=run_core, name="moeserve-engine-core", daemon=True,
                                args=(config_to_wire(self.config), inbox, outbox, os.getpid(), self.log_level))
-        self.proc.start()
+        with child_environ(self.env):
+            self.proc.start()
         atexit.register(self._kill_at_exit)
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
@@ -254,8 +331,9 @@ class EngineClient:
             self.limits = RequestLimits(self.info.vocab_size, self.info.max_model_len, self.info.block_size,
                                         self.info.num_kv_blocks)
             self.lora_versions = {name: 1 for name in self.info.lora_names}  # loaded at start: first versions
-            self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info.tokenizer,
-                                                        self.info.vocab_size)
+            async with self.tokenizer_lock:
+                self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info.tokenizer,
+                                                            self.info.vocab_size)
             if self.tokenizer is not None:
                 per_token = await loop.run_in_executor(self._prep, max_token_bytes, self.tokenizer)
                 self.max_prompt_chars = self.info.max_model_len * max(per_token, 1)
@@ -287,12 +365,12 @@ class EngineClient:
             os.kill(self.proc.pid, ABANDON_SIGNAL)
 
     @property
-    def lora_names(self) -> tuple[str, ...]:
-        return tuple(self.lora_versions)
-
-    @property
     def is_running(self) -> bool:
         return self.dead is None
+
+    def where(self) -> str:
+        """Where the engine runs, for the server's first line."""
+        return f"engine core pid {self.proc.pid}, {self.info.device}, {self.info.dtype}"
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core (requests still open end with EngineDeadError) and reap it; a second call does nothing."""
@@ -457,11 +535,6 @@ class EngineClient:
             return PreparedPrompt(list(prompt))
         raise RequestError("prompt must be a string or a list of token ids")
 
-    def check_model(self, lora: str | None) -> None:
-        if lora is not None and lora not in self.lora_names:
-            raise UnknownAdapterError(f"unknown LoRA adapter {lora!r}; loaded adapters: "
-                                      f"{sorted(self.lora_names) or 'none'}")
-
     async def submit(self, prompt: str | list[int] | ChatPrompt | PreparedPrompt, params: SamplingParams | None = None,
                      lora: str | None = None, request_id: str | None = None,
                      reservation: "QueueReservation | None" = None) -> RequestStream:
@@ -549,44 +622,8 @@ class EngineClient:
         if self.dead is None:
             self.lora_versions = dict(await self.call(LoRAVersions()))
 
-    @property
-    def loads_on_demand(self) -> bool:
-        """Adapters not loaded are looked for in --lora-dir at first use (runtime loading on, a --lora-dir)."""
-        return bool(self.config.enable_lora and self.config.enable_lora_runtime_loading and self.config.lora_dir)
-
-    async def ensure_adapter(self, name: str) -> None:
-        """Make `name` servable: loaded already, or loaded now from --lora-dir/<name> (loads_on_demand). Concurrent
-        first requests for one name share one load. Raises UnknownAdapterError when the name is not loaded and
-        cannot be loaded from there; the answer is the same whether the folder is missing or unreadable or holds
-        an adapter that fails to load (the server's log says which)."""
-        if name in self.lora_versions:
-            return
-        if not self.loads_on_demand:
-            self.check_model(name)
-        load = self._on_demand.get(name)
-        if load is None:
-            load = asyncio.ensure_future(self._load_on_demand(name))
-            self._on_demand[name] = load
-            load.add_done_callback(lambda _: self._on_demand.pop(name, None))
-        await asyncio.shield(load)  # one waiter giving up (a client gone) does not cancel the others' load
-
-    async def _load_on_demand(self, name: str) -> None:
-        try:
-            validate_adapter_name(name)
-            path = await asyncio.get_running_loop().run_in_executor(None, resolve_adapter_path, name, None,
-                                                                    self.config.lora_dir)
-            await self.load_lora(name, path)
-            logger.info("loaded LoRA adapter %r from --lora-dir at its first request", name)
-            return
-        except EngineDeadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - one answer to the client, the reason in the server's log
-            if name in self.lora_versions:  # loaded meanwhile by a load request
-                return
-            if not isinstance(e, (FileNotFoundError, InvalidAdapterNameError)):  # not a client's typo
-                logger.warning("could not load LoRA adapter %r from --lora-dir at its first request: %s", name, e)
-        raise UnknownAdapterError(f"unknown LoRA adapter {name!r}: it is not loaded, and no adapter by that name "
-                                  "could be loaded from the server's --lora-dir")
-
     async def stats(self) -> EngineStats:
         return await self.call(Stats())
+
+    async def stats_per_core(self) -> list[EngineStats]:
+        return [await self.stats()]

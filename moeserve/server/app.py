@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moeserve.engine_args import add_engine_args, engine_config_from_args
 from moeserve.errors import AdapterPathError, EngineDeadError, InvalidAdapterNameError, UnknownAdapterError
 from moeserve.frontend.core_client import EngineClient, resolve_adapter_path
+from moeserve.frontend.dp_client import DataParallelClient
 from moeserve.log_filter import filter_repeats
 from moeserve.lora.adapter import validate_adapter_name
 from moeserve.server.completions import ServerState, create_chat_completion, create_completion
@@ -256,7 +257,7 @@ def create_app(engine: EngineClient, served_model_name: str, api_key: str | None
     @app.get("/metrics")
     async def metrics():
         try:
-            stats = await engine.stats()
+            stats = await engine.stats_per_core()
         except EngineDeadError:
             stats = None
         return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -356,7 +357,9 @@ async def _serve(config, sock, host, served_model_name, api_key, log_level, on_s
                  shutdown_timeout: float) -> int:
     import uvicorn
 
-    starting = asyncio.ensure_future(EngineClient.start(config, log_level.upper()))
+    # --data-parallel-size N: N engine cores behind this one frontend
+    client_class = EngineClient if config.data_parallel_size == 1 else DataParallelClient
+    starting = asyncio.ensure_future(client_class.start(config, log_level.upper()))
     # a stop while the engine starts abandons the start (once: a second cancel would cut short its cleanup)
     with StopSignals(on_stop=lambda why, count: count == 1 and starting.cancel()) as signals:
         try:
@@ -393,7 +396,7 @@ async def _serve(config, sock, host, served_model_name, api_key, log_level, on_s
                 adapters = ", ".join(client.lora_names) or "none"
                 port = server.servers[0].sockets[0].getsockname()[1]
                 print(f"moeserve: serving model {name!r} (adapters: {adapters}) at http://{host}:{port}/v1 "
-                      f"(engine core pid {client.proc.pid}, {client.info.device}, {client.info.dtype})",
+                      f"({client.where()})",
                       flush=True)
                 if on_start is not None:
                     on_start(server, client)

@@ -1,5 +1,5 @@
-"""Prometheus metrics: request latencies measured by the server, everything else read from engine.stats() (an
-EngineStats record, moeserve/messages.py).
+"""Prometheus metrics: request latencies measured by the server, everything else read from engine.stats_per_core()
+(EngineStats records, moeserve/messages.py; one per engine core).
 
 Each app has its own CollectorRegistry, so several servers (tests) in one process never share
 counters. Engine numbers are not copied into prometheus objects: a collector turns the stats
@@ -13,6 +13,7 @@ from dataclasses import fields
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from moeserve.frontend.dp_client import PER_CORE_FIELDS, sum_engine_stats
 from moeserve.messages import EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -74,43 +75,76 @@ def parse_graph_key(key) -> tuple[str, str]:
 
 
 class EngineStatsCollector:
-    """Turns the last engine.stats() into metric families at collect time."""
+    """Turns the last engine.stats_per_core() into metric families at collect time: one core's stats as they are;
+    several cores' summed (sum_engine_stats), except the fields a sum would misstate (PER_CORE_FIELDS), which are
+    each core's own with an `engine` label ("0", "1", ...)."""
 
     def __init__(self):
-        self.stats: EngineStats | None = None  # None: the engine is not running
+        self.per_core: list[EngineStats] | None = None  # None: the engine is not running
 
     def describe(self):
         return []  # dynamic families: nothing to check at registration
 
     def collect(self):
-        if self.stats is None:
+        if not self.per_core:
             return
-        for f in fields(self.stats):
-            key, value = f.name, getattr(self.stats, f.name)
-            if key == "graph_replays" and isinstance(value, dict):
-                fam = CounterMetricFamily("moeserve_graph_replays", "CUDA-graph replays per decode graph",
-                                          labels=["batch_size", "variant"])
-                for gkey, count in sorted(value.items(), key=lambda kv: str(kv[0])):
-                    fam.add_metric(list(parse_graph_key(gkey)), float(count))
+        if len(self.per_core) == 1:
+            yield from _families(self.per_core[0])
+            return
+        yield from _families(sum_engine_stats(self.per_core), skip=PER_CORE_FIELDS)
+        for key in PER_CORE_FIELDS:
+            values = [getattr(s, key) for s in self.per_core]
+            if any(v is None for v in values):
+                continue
+            if isinstance(values[0], dict):
+                fam = GaugeMetricFamily(_metric_name(key), f"engine stat {key}", labels=["engine", "key"])
+                for core, value in enumerate(values):
+                    for k, v in value.items():
+                        fam.add_metric([str(core), str(k)], float(v))
+            else:
+                name, _, doc = _describe(key)
+                fam = GaugeMetricFamily(name, doc, labels=["engine"])
+                for core, value in enumerate(values):
+                    fam.add_metric([str(core)], float(value))
+            yield fam
+
+
+def _describe(key: str) -> tuple[str, str, str]:
+    """(metric name, kind, help) of an EngineStats field."""
+    known = _KNOWN.get(key)
+    if known is not None:
+        return known
+    # e.g. LoRA load / eviction counters: exported under their own names
+    counter = key.endswith("_total") and any(w in key for w in _COUNTER_WORDS)
+    return _metric_name(key[:-len("_total")] if counter else key), ("counter" if counter else "gauge"), \
+        f"engine stat {key}"
+
+
+def _families(stats: EngineStats, skip: tuple[str, ...] = ()):
+    for f in fields(stats):
+        key, value = f.name, getattr(stats, f.name)
+        if key in skip:
+            continue
+        if key == "graph_replays" and isinstance(value, dict):
+            fam = CounterMetricFamily("moeserve_graph_replays", "CUDA-graph replays per decode graph",
+                                      labels=["batch_size", "variant"])
+            for gkey, count in sorted(value.items(), key=lambda kv: str(kv[0])):
+                fam.add_metric(list(parse_graph_key(gkey)), float(count))
+            yield fam
+            continue
+        if isinstance(value, dict):  # other per-key numbers: one labelled gauge
+            items = [(str(k), v) for k, v in value.items() if _is_number(v)]
+            if items:
+                fam = GaugeMetricFamily(_metric_name(key), f"engine stat {key}", labels=["key"])
+                for k, v in items:
+                    fam.add_metric([k], float(v))
                 yield fam
-                continue
-            if isinstance(value, dict):  # other per-key numbers: one labelled gauge
-                items = [(str(k), v) for k, v in value.items() if _is_number(v)]
-                if items:
-                    fam = GaugeMetricFamily(_metric_name(key), f"engine stat {key}", labels=["key"])
-                    for k, v in items:
-                        fam.add_metric([k], float(v))
-                    yield fam
-                continue
-            if not _is_number(value):
-                continue
-            name, kind, doc = _KNOWN.get(key, (None, None, None))
-            if name is None:  # e.g. LoRA load / eviction counters: exported under their own names
-                counter = key.endswith("_total") and any(w in key for w in _COUNTER_WORDS)
-                name = _metric_name(key[:-len("_total")] if counter else key)
-                kind, doc = ("counter" if counter else "gauge"), f"engine stat {key}"
-            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            yield cls(name, doc, value=float(value))
+            continue
+        if not _is_number(value):
+            continue
+        name, kind, doc = _describe(key)
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        yield cls(name, doc, value=float(value))
 
 
 def _is_number(v) -> bool:
@@ -146,6 +180,7 @@ class ServerMetrics:
                 self.tpot.observe((finished - first_token) / (num_tokens - 1))
         self.e2e.observe(finished - arrival)
 
-    def render(self, stats: EngineStats | None) -> bytes:
-        self.engine.stats = stats
+    def render(self, per_core: list[EngineStats] | None) -> bytes:
+        """The metrics text; `per_core`: each engine core's stats (None: the engine is not running)."""
+        self.engine.per_core = per_core
         return generate_latest(self.registry)
