@@ -11,10 +11,10 @@ forward and back. Written next to the demo model (`<model>/adapters/<name>`) in 
 examples each was trained on (train.jsonl) and how (moeserve_build.json: settings, loss per epoch, and
 the sha256 of the base weights it was trained on).
 
-The trained adapters ship with the package (SHIPPED_DIR, in bfloat16: about 4 MB) and are copied next to the demo model
-at first use when its weights are the ones they were trained on; otherwise (the demo model's recipe or
-its source changed) they are trained there, about 2.5 minutes on 2 cores. Retrain the shipped ones after
-such a change with `python -m moeserve.demo_adapters`.
+The trained adapters ship with the package (SHIPPED_DIR, in bfloat16: about 4 MB) and are copied next to
+the demo model at first use when its weights are the ones they were trained on; otherwise (the demo
+model's recipe or its source changed) they are trained there, about 2.5 minutes on 2 cores. Retrain the
+shipped ones after such a change with `python -m moeserve.demo_adapters`.
 
 A 135M model writing in capitals is not at its best: caps keeps the gist of an answer, not every word.
 """
@@ -154,7 +154,7 @@ def base_weights_sha256(model_dir) -> str:
         for name in sorted(f.keys()):
             t = f.get_tensor(name)
             digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            digest.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(t.contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 

@@ -439,7 +439,7 @@ def test_shipped_demo_adapters_were_trained_on_the_demo_models_weights(demo_dir)
     weights = demo.base_weights_sha256(demo_dir)
     for name in demo.DEMO_ADAPTERS:
         assert demo.shipped_base_sha256(name) == weights, \
-            f"the demo model's weights changed: retrain the shipped adapters with `python -m moeserve.demo_adapters`"
+            "the demo model's weights changed: retrain the shipped adapters with `python -m moeserve.demo_adapters`"
 
 
 @needs_demo_source
