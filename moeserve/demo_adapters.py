@@ -3,18 +3,26 @@
   caps   answers in capital letters      (trained on the base model's own answers, upper-cased)
   brief  answers in one short sentence   (trained on its own answers cut to the first sentence)
 
-They are trained with PEFT at first use, on CPU, on text the demo model writes itself: the base model
-answers TRAIN_PROMPTS greedily (moeserve's engine), each adapter learns its rewrite of those answers.
-Rank 8 on q_proj/v_proj (caps also on the routed experts) of the top TRAIN_LAYERS layers only: the
-frozen layers below run once per example (their output is cached), so each training step runs a third
-of the model forward and back. About 2.5 minutes on 2 cores; written next to the demo model
-(`<model>/adapters/<name>`) in PEFT format, with the examples each was trained on (train.jsonl).
+They are trained with PEFT, on CPU, on text the demo model writes itself: the base model answers
+TRAIN_PROMPTS greedily (moeserve's engine), each adapter learns its rewrite of those answers. Rank 8 on
+q_proj/v_proj (caps also on the routed experts) of the top TRAIN_LAYERS layers only: the frozen layers
+below run once per example (their output is cached), so each training step runs a third of the model
+forward and back. Written next to the demo model (`<model>/adapters/<name>`) in PEFT format, with the
+examples each was trained on (train.jsonl) and how (moeserve_build.json: settings, loss per epoch, and
+the sha256 of the base weights it was trained on).
+
+The trained adapters ship with the package (SHIPPED_DIR, in bfloat16: about 4 MB) and are copied next to
+the demo model at first use when its weights are the ones they were trained on; otherwise (the demo
+model's recipe or its source changed) they are trained there, about 2.5 minutes on 2 cores. Retrain the
+shipped ones after such a change with `python -m moeserve.demo_adapters`.
 
 A 135M model writing in capitals is not at its best: caps keeps the gist of an answer, not every word.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,6 +37,10 @@ DEMO_ADAPTERS = {  # name -> what it does (printed beside its answers)
     "brief": "answers in one short sentence",
 }
 ADAPTERS_DIR = "adapters"
+SHIPPED_DIR = Path(__file__).parent / "data" / "demo_adapters"  # package data: <name>/ as trained
+BUILD_FILE = "moeserve_build.json"  # how an adapter was trained, and on which base weights
+
+logger = logging.getLogger(__name__)
 
 TRAIN_PROMPTS = [
     "What is the capital of France?", "Name three primary colors.", "Why is the sky blue?", "What do bees make?",
@@ -108,17 +120,56 @@ def adapter_target(name: str, answer: str, finished: bool) -> tuple[str, bool] |
 # ------------------------------------------------------------------------------------------------
 
 def demo_adapters(model_dir, progress: bool = True) -> dict[str, str]:
-    """name -> folder of the demo adapters of the demo model at `model_dir`, trained on first use."""
+    """name -> folder of the demo adapters of the demo model at `model_dir`, set up on first use: the shipped
+    ones copied when they were trained on these weights, else trained here."""
     root = Path(model_dir) / ADAPTERS_DIR
     missing = [name for name in DEMO_ADAPTERS if not _is_complete(root / name)]
     if missing:
-        build_demo_adapters(model_dir, names=missing, progress=progress)
+        weights = base_weights_sha256(model_dir)
+        copy = [name for name in missing if shipped_base_sha256(name) == weights]
+        train = [name for name in missing if name not in copy]
+        root.mkdir(parents=True, exist_ok=True)
+        for name in copy:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.copying.", dir=root))
+            try:
+                shutil.copytree(SHIPPED_DIR / name, tmp, dirs_exist_ok=True)
+                _move_into_place(tmp, root / name)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if train:
+            logger.warning("the shipped demo adapters %s were trained on other base weights than %s: training them "
+                           "(about 2.5 minutes on 2 cores)", ", ".join(train), model_dir)
+            build_demo_adapters(model_dir, names=train, progress=progress)
     return {name: str(root / name) for name in DEMO_ADAPTERS}
 
 
+def base_weights_sha256(model_dir) -> str:
+    """sha256 over the tensors of `<model_dir>/model.safetensors` (name, dtype, shape and bytes, in name order):
+    the weights an adapter was trained on, independent of how the file's header is laid out."""
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name)
+            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            digest.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def shipped_base_sha256(name: str) -> str | None:
+    """The base-weights sha256 the shipped adapter `name` was trained on (None: not shipped)."""
+    build = SHIPPED_DIR / name / BUILD_FILE
+    if not (_is_complete(SHIPPED_DIR / name) and build.is_file()):
+        return None
+    return json.loads(build.read_text()).get("base_weights_sha256")
+
+
 def build_demo_adapters(model_dir, *, names=tuple(DEMO_ADAPTERS), prompts=TRAIN_PROMPTS, epochs: int | None = None,
-                        train_layers: int = TRAIN_LAYERS, progress: bool = True) -> dict[str, Path]:
-    """Train the demo adapters for the model at `model_dir` and write them to `<model_dir>/adapters/<name>`.
+                        train_layers: int = TRAIN_LAYERS, progress: bool = True, out_dir=None) -> dict[str, Path]:
+    """Train the demo adapters for the model at `model_dir` and write them to `<out_dir>/<name>` (by default
+    `<model_dir>/adapters/<name>`).
 
     `epochs` overrides EPOCHS (tests). Each adapter is written to a temporary folder and renamed into place,
     so concurrent builders never leave a half-written adapter: the first rename wins, the others discard theirs.
@@ -128,7 +179,7 @@ def build_demo_adapters(model_dir, *, names=tuple(DEMO_ADAPTERS), prompts=TRAIN_
     from tqdm.auto import tqdm
 
     model_dir = Path(model_dir)
-    root = model_dir / ADAPTERS_DIR
+    root = Path(out_dir) if out_dir is not None else model_dir / ADAPTERS_DIR
     root.mkdir(parents=True, exist_ok=True)
     bar_was_on = tf.utils.logging.is_progress_bar_enabled()
     tf.utils.logging.disable_progress_bar()  # one bar for the whole build
@@ -147,6 +198,7 @@ def build_demo_adapters(model_dir, *, names=tuple(DEMO_ADAPTERS), prompts=TRAIN_
                     raise ValueError(f"demo adapter {name}: none of the base model's answers makes an example")
             bar.total = 1 + sum(1 + epochs_of[name] * -(-len(ex) // BATCH_SIZE) for name, ex in data.items())
             model, tokenizer = _load_for_training(model_dir)
+            weights = base_weights_sha256(model_dir)
             out = {}
             for name, examples in data.items():
                 tmp = Path(tempfile.mkdtemp(prefix=f".{name}.building.", dir=root))
@@ -154,23 +206,18 @@ def build_demo_adapters(model_dir, *, names=tuple(DEMO_ADAPTERS), prompts=TRAIN_
                     bar.set_postfix_str(f"{name}: encode {len(examples)} examples")
                     with warnings.catch_warnings():  # transformers deprecation notes PEFT triggers: not the user's
                         warnings.simplefilter("ignore", FutureWarning)
-                        model = _train_adapter(model, tokenizer, examples, tmp, epochs_of[name], train_layers, bar,
-                                               name, base_name=model_dir.name)
+                        model, losses = _train_adapter(model, tokenizer, examples, tmp, epochs_of[name],
+                                                       train_layers, bar, name, base_name=model_dir.name)
                     (tmp / "train.jsonl").write_text("".join(
                         json.dumps({"prompt": p, "target": t, "ends": e}, ensure_ascii=False) + "\n"
                         for p, (t, e) in examples))
-                    (tmp / "moeserve_build.json").write_text(json.dumps(dict(
+                    (tmp / BUILD_FILE).write_text(json.dumps(dict(
                         effect=DEMO_ADAPTERS[name], examples=len(examples), epochs=epochs_of[name],
                         batch_size=BATCH_SIZE, lr=LR, rank=RANK, alpha=ALPHA, target_modules=TARGET_MODULES,
-                        expert_targets=list(EXPERT_TARGETS[name]), train_layers=train_layers),
-                        indent=2) + "\n")
-                    if (root / name).exists() and not _is_complete(root / name):
-                        shutil.rmtree(root / name, ignore_errors=True)  # a broken leftover: replace it
-                    try:
-                        os.rename(tmp, root / name)
-                    except OSError:
-                        if not _is_complete(root / name):  # otherwise another builder got there first
-                            raise
+                        expert_targets=list(EXPERT_TARGETS[name]), train_layers=train_layers,
+                        epoch_mean_loss=[round(x, 4) for x in losses], base_model=model_dir.name,
+                        base_weights_sha256=weights), indent=2) + "\n")
+                    _move_into_place(tmp, root / name)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                 out[name] = root / name
@@ -202,7 +249,8 @@ def _load_for_training(model_dir: Path):
 
 def _train_adapter(model, tokenizer, examples, out: Path, epochs: int, train_layers: int, bar, name: str,
                    base_name: str):
-    """Train one LoRA on `examples` [(prompt, target)], save it to `out`; return the base model (LoRA removed)."""
+    """Train one LoRA on `examples` [(prompt, target)], save it to `out`; return the base model (LoRA removed)
+    and the mean training loss of each epoch."""
     import peft
     import torch
 
@@ -235,8 +283,10 @@ def _train_adapter(model, tokenizer, examples, out: Path, epochs: int, train_lay
     order = torch.Generator().manual_seed(0)
     pm.train()
     inner.layers = layers[first:]  # the adapted layers only, fed the cached hidden states
+    losses = []
     try:
         for epoch in range(epochs):
+            losses.append(0.0)
             for i in torch.randperm(len(batches), generator=order).tolist():
                 _, mask, labels = batches[i]
                 loss = answer_loss(model, cached[i], mask, labels)
@@ -244,6 +294,7 @@ def _train_adapter(model, tokenizer, examples, out: Path, epochs: int, train_lay
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
+                losses[-1] += loss.item() / len(batches)
                 bar.set_postfix_str(f"{name}: epoch {epoch + 1}/{epochs} loss {loss.item():.3f}")
                 bar.update()
     finally:
@@ -252,7 +303,7 @@ def _train_adapter(model, tokenizer, examples, out: Path, epochs: int, train_lay
     pm.peft_config["default"].base_model_name_or_path = base_name  # not the builder's local path
     pm.save_pretrained(out, save_embedding_layers=False)  # LoRA only; skips a look-up of the base by name
     (out / "README.md").unlink(missing_ok=True)  # PEFT's model-card template says nothing about this adapter
-    return pm.unload()
+    return pm.unload(), losses
 
 
 def answer_loss(model, inputs_embeds, attention_mask, labels):
@@ -295,5 +346,56 @@ def _batches(tokenizer, examples):
     return out
 
 
+def _move_into_place(tmp: Path, dest: Path) -> None:
+    """Rename the finished adapter folder `tmp` to `dest` in one step; a complete `dest` that another process put
+    there first is kept (and `tmp` left for the caller to discard), a broken leftover is replaced."""
+    if dest.exists() and not _is_complete(dest):
+        shutil.rmtree(dest, ignore_errors=True)
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if not _is_complete(dest):
+            raise
+
+
 def _is_complete(path: Path) -> bool:
     return (path / "adapter_config.json").is_file() and (path / "adapter_model.safetensors").is_file()
+
+
+def store_in_bfloat16(adapter_dir: Path) -> None:
+    """Rewrite the adapter's weights in bfloat16, the demo model's own storage dtype: half the size (caps adapts
+    the experts: 7 MB in fp32), and its effects stay (tested on the shipped files)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = Path(adapter_dir) / "adapter_model.safetensors"
+    save_file({k: t.to(torch.bfloat16) for k, t in load_file(str(weights)).items()}, str(weights),
+              metadata={"format": "pt"})
+    build = Path(adapter_dir) / BUILD_FILE
+    build.write_text(json.dumps({**json.loads(build.read_text()), "storage_dtype": "bfloat16"}, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    """Retrain the shipped demo adapters (SHIPPED_DIR) on the demo model, built in the cache if need be:
+    `python -m moeserve.demo_adapters`. Run it when the demo model's weights change (a test says so)."""
+    import argparse
+
+    from moeserve.models.upcycle import demo_model_path
+
+    parser = argparse.ArgumentParser(prog="python -m moeserve.demo_adapters", description=main.__doc__)
+    parser.add_argument("--out", type=Path, default=SHIPPED_DIR, help="where to write <name>/ (default: %(default)s)")
+    args = parser.parse_args(argv)
+    model = demo_model_path(progress=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.out) as tmp:
+        built = build_demo_adapters(model, out_dir=tmp, progress=True)
+        for name, path in built.items():
+            store_in_bfloat16(path)
+            shutil.rmtree(args.out / name, ignore_errors=True)
+            os.rename(path, args.out / name)
+            print(f"wrote {args.out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

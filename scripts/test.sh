@@ -4,8 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Two pytest-xdist workers, one a core: most tests run one thread at a time (the Triton interpreter, process
-# start-ups, servers waiting on requests). Each module's tests stay on one worker and the demo model's tests go
-# first on theirs (tests/conftest.py), in collection order (no reordering by test count).
+# start-ups, servers waiting on requests). A module whose tests share a module-scoped fixture stays on one worker,
+# as do the demo model's tests; other tests spread one by one; the longest units go first (tests/conftest.py,
+# group_for_workers), in that order (no reordering by test count).
 # Then the tests marked serial (latency bounds under a flood) alone, as a second worker would slow their server.
 export TRITON_INTERPRET=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 pytest=("${MOESERVE_VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider --durations=15)

@@ -31,16 +31,55 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def group_for_workers(items):
-    """A module's tests run on one worker, so its module-scoped servers and engines start once. The tests on the
-    demo model run on one worker too, so it is built once, and first: with its adapters trained, the longest unit of
-    work, which the other worker balances with everything else."""
-    def on_demo(item):
-        return "demo_dir" in getattr(item, "fixturenames", ())
+# Started first, longest first (their time on one worker of the 2-core CI machine, a group's or a test's): the short
+# units fill in at the end, so both workers finish together. Only the order depends on this list: a stale entry costs
+# balance, never a result.
+LONGEST_FIRST = (
+    "demo",  # ~75 s: the demo model's build, the engine against transformers, `moeserve demo`
+    "test_service_lifecycle.py",  # ~70 s
+    "test_server.py",  # ~55 s
+    "test_pdl_launches.py",  # two tests, ~40 s each
+    "test_first_hour.py",  # ~35 s
+    "test_fuzz_openapi.py",  # ~30 s
+    "test_tensor_parallel.py::test_triton_kernels_on_sharded_shapes_equal_tp1",  # ~18 s each
+    "test_bench_serve.py",  # ~20 s
+    "test_engine_client.py",  # ~17 s
+    "test_router_lora.py",  # ~15 s
+    "test_triton_engine_cpu.py",  # ~9 s each
+)
 
+
+def group_for_workers(items):
+    """The units the two workers share out. A module whose tests share a module-scoped fixture (a server, an engine)
+    is one unit, so that it starts once; the tests on the demo model are one unit too, so it is built once. Any other
+    test is a unit of its own, so that a long module of independent tests (the kernels') spreads over both workers.
+    The units in LONGEST_FIRST go first, in its order; the rest keep their collection order."""
+    def unit(item):
+        if "demo_dir" in getattr(item, "fixturenames", ()):
+            return "demo"
+        if item.path.name in shared_module_fixture:
+            return item.path.name
+        return None
+
+    shared_module_fixture = {item.path.name for item in items if uses_module_fixture(item)}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("demo" if on_demo(item) else item.path.name))
-    items.sort(key=lambda item: not on_demo(item))  # stable: the rest keep their order
+        name = unit(item)
+        if name is not None:
+            item.add_marker(pytest.mark.xdist_group(name))
+
+    def rank(item):  # an entry names a unit, a module (all its tests) or a test (`module::name`, any parameters)
+        test = f"{item.path.name}::{item.originalname}"
+        return next((i for i, entry in enumerate(LONGEST_FIRST) if entry in (unit(item), item.path.name, test)),
+                    len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
+def uses_module_fixture(item) -> bool:
+    """Whether the test uses a fixture set up once per module (or class) of tests."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope in ("module", "class", "package")
+                                    for defs in info.name2fixturedefs.values())
 
 
 @pytest.fixture(scope="session")

@@ -29,9 +29,10 @@ def test_every_triton_launch_carries_the_engine_pdl_setting(tmp_path, monkeypatc
                                  pdl=pdl_on))
     assert engine.config.pdl is pdl_on
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 4)]
-    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    # one decode step each: a second runs the same kernels again (Triton's interpreter: ~4 s a step)
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, sp, lora=["ad", None])  # prefill: 41 tokens x top-2 on the sorted path; decode: GEMVs
-    engine.generate(prompts[1:], sp)  # one row: the GEMV, the router GEMM + top-k, no LoRA
+    engine.generate(prompts[1:], sp)  # decode of one row: the GEMV, the router GEMM + top-k, no LoRA
     names = {name for name, _, _ in launches}
     for kernel in ("_gemv_kernel", "_rms_norm_kernel", "_qk_norm_rotary_kv_kernel", "_decode_split_kernel",
                    "_gemm_topk_kernel", "_gemv_gate_up_kernel", "_moe_gate_up_kernel", "_lora_shrink_pairs_kernel",

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -353,17 +354,110 @@ def _upper_fraction(text: str) -> float:
     return sum(c.isupper() for c in letters) / max(1, len(letters))
 
 
+def _canned_base_answers(monkeypatch):
+    """The demo trainer's base answers replaced by canned ones: a tiny random model's own answers are noise."""
+    from moeserve import demo_adapters as demo
+
+    canned = [("The sky is blue. It scatters light.", True), ("Paris is the capital. It is in France.", True)]
+    monkeypatch.setattr(demo, "_base_answers", lambda model_dir, prompts: canned[:len(prompts)])
+    return demo.TRAIN_PROMPTS[:len(canned)], canned
+
+
+def test_demo_adapter_training_lowers_the_loss_and_changes_the_answers(tmp_path, monkeypatch):
+    """The demo adapters' trainer on a tiny model (the shipped adapters are trained by the same code on the demo
+    model): its loss falls epoch by epoch, and the adapter it writes, served by the engine, answers the trained
+    prompts with the caps targets where the base model answers otherwise."""
+    from moeserve import Engine, EngineConfig, SamplingParams
+    from moeserve import demo_adapters as demo
+
+    prompts, canned = _canned_base_answers(monkeypatch)
+    # the tiny model's logits are small (a random lm_head of std 0.02 on normalized states): larger steps
+    monkeypatch.setattr(demo, "LR", 1e-2)
+    model = make_tiny("mixtral", tmp_path / "m")
+    built = demo.build_demo_adapters(model, names=["caps"], prompts=prompts, epochs=100, progress=False)
+    build = json.loads((built["caps"] / "moeserve_build.json").read_text())
+    losses = build["epoch_mean_loss"]
+    assert len(losses) == 100 and losses[-1] < losses[49] < losses[0] - 0.8, losses  # from ln(vocab): 6.2
+    assert build["base_weights_sha256"] == demo.base_weights_sha256(model)
+
+    engine = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                 lora_modules={"caps": str(built["caps"])}))
+    tok = tf.AutoTokenizer.from_pretrained(model)
+    chats = [engine.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    targets = [tok.encode(answer.upper(), add_special_tokens=False)[:12] for answer, _ in canned]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    base = engine.generate(chats, sp)
+    caps = engine.generate(chats, sp, lora="caps")
+    assert [o.token_ids for o in caps] == targets
+    assert all(b.token_ids != t for b, t in zip(base, targets))
+
+
+def test_demo_adapters_are_copied_when_trained_on_these_weights_else_trained(tmp_path, monkeypatch):
+    """demo_adapters: the shipped adapters are copied next to a model whose weights they were trained on (no
+    training); next to any other model they are trained there (the shipped ones would not fit it)."""
+    from moeserve import demo_adapters as demo
+
+    _canned_base_answers(monkeypatch)
+    real_build = demo.build_demo_adapters
+    model = make_tiny("mixtral", tmp_path / "other")
+    monkeypatch.setattr(demo, "build_demo_adapters", lambda *a, **k: real_build(*a, **k, epochs=1,
+                                                                                prompts=demo.TRAIN_PROMPTS[:2]))
+    trained = demo.demo_adapters(model, progress=False)
+    for name, path in trained.items():
+        build = json.loads((Path(path) / "moeserve_build.json").read_text())
+        assert build["base_weights_sha256"] == demo.base_weights_sha256(model) != demo.shipped_base_sha256(name)
+
+    model = make_tiny("mixtral", tmp_path / "demo")
+    monkeypatch.setattr(demo, "base_weights_sha256", lambda model_dir: demo.shipped_base_sha256("caps"))
+    monkeypatch.setattr(demo, "build_demo_adapters", lambda *a, **k: pytest.fail("trained the shipped adapters"))
+    copied = demo.demo_adapters(model, progress=False)
+    assert copied == {name: str(model / "adapters" / name) for name in demo.DEMO_ADAPTERS}
+    for name, path in copied.items():
+        for f in (demo.SHIPPED_DIR / name).iterdir():
+            assert (Path(path) / f.name).read_bytes() == f.read_bytes()
+    assert sorted(os.listdir(model / "adapters")) == sorted(demo.DEMO_ADAPTERS)  # no temporary folders left
+
+
+def test_shipped_demo_adapters_are_small_and_complete():
+    from moeserve import demo_adapters as demo
+
+    files = [f for name in demo.DEMO_ADAPTERS for f in (demo.SHIPPED_DIR / name).iterdir()]
+    assert sorted({f.name for f in files}) == ["adapter_config.json", "adapter_model.safetensors",
+                                               "moeserve_build.json", "train.jsonl"]
+    assert sum(f.stat().st_size for f in files) < 5 << 20
+    for name in demo.DEMO_ADAPTERS:
+        config = json.loads((demo.SHIPPED_DIR / name / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == upcycle.DEMO_MODEL_NAME and config["r"] == demo.RANK
+
+
+@needs_demo_source
+def test_shipped_demo_adapters_were_trained_on_the_demo_models_weights(demo_dir):
+    """The demo model built today has the weights the shipped adapters were trained on: when its recipe or source
+    changes, the shipped adapters must be retrained (at first use they would be trained on the user's machine)."""
+    from moeserve import demo_adapters as demo
+
+    weights = demo.base_weights_sha256(demo_dir)
+    for name in demo.DEMO_ADAPTERS:
+        assert demo.shipped_base_sha256(name) == weights, \
+            "the demo model's weights changed: retrain the shipped adapters with `python -m moeserve.demo_adapters`"
+
+
 @needs_demo_source
 @pytest.mark.slow
-def test_demo_adapters_have_their_effects(demo_dir):
-    """The trained demo adapters on prompts they were not trained on: caps answers in capitals, brief in
+def test_demo_adapters_have_their_effects(demo_dir, monkeypatch):
+    """The shipped demo adapters on prompts they were not trained on: caps answers in capitals, brief in
     one sentence, where the base model does neither."""
     from moeserve import Engine, EngineConfig, SamplingParams
+    from moeserve import demo_adapters as demo
     from moeserve.demo_adapters import HELD_OUT_PROMPTS, TRAIN_PROMPTS, demo_adapters
 
     assert not set(HELD_OUT_PROMPTS) & set(TRAIN_PROMPTS)
+    monkeypatch.setattr(demo, "build_demo_adapters", lambda *a, **k: pytest.fail("trained instead of the shipped"))
     adapters = demo_adapters(demo_dir, progress=False)
     assert set(adapters) == {"caps", "brief"}
+    for name, path in adapters.items():  # the shipped ones
+        shipped = demo.SHIPPED_DIR / name / "adapter_model.safetensors"
+        assert (Path(path) / "adapter_model.safetensors").read_bytes() == shipped.read_bytes()
     trained_on = [json.loads(line) for line in open(os.path.join(adapters["caps"], "train.jsonl"))]
     assert len(trained_on) > 20 and all(ex["target"] == ex["target"].upper() for ex in trained_on)
 
