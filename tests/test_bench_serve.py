@@ -75,6 +75,19 @@ def test_help_lists_flags(capsys):
         assert flag in out, flag
 
 
+def test_quantization_needs_a_launched_server(capsys):
+    """--quantization sets the launched server's weights; against a running server it is refused by name (and
+    the other benchmarks that share the `--` parsing, which have no such flag, still parse)."""
+    with pytest.raises(SystemExit):
+        bench.main(["--quantization", "fp8", "--num-prompts", "1"])
+    assert "--quantization" in capsys.readouterr().err
+    from moeserve.bench import churn
+
+    args, server_argv = bench.parse_with_server_argv(churn.build_parser(), ["--adapters", "a=/x", "--launch-server",
+                                                                            "--", "--model", "m"])
+    assert args.launch_server and server_argv == ["--model", "m"]
+
+
 def test_requests_and_percentiles():
     """Lengths, the shared prefix and adapter assignment are seeded; percentiles interpolate like numpy."""
     args = bench.build_parser().parse_args(

@@ -13,6 +13,7 @@ minutes; CI runs test.sh through .ci/run, which is checked to), `moeserve demo` 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -113,11 +114,12 @@ def test_make_tiny_and_generate_as_written(tmp_path, capsys):
     tiny = str(tmp_path / "tiny")
     cmds = [c.replace("/tmp/tiny", tiny) for c in bash_commands() if c.startswith(("moeserve make-tiny",
                                                                                         "moeserve generate"))]
-    assert len(cmds) == 2
+    assert [c.split()[1] for c in cmds] == ["make-tiny", "make-tiny", "generate"]  # plain, FP8, then generate
     for cmd in cmds:
         r = run(cmd, env)
         assert r.returncode == 0, (cmd, r.stderr)
     assert "--- the quick brown fox" in r.stdout
+    assert json.loads((tmp_path / "tiny-fp8" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
 
     # the same make-tiny again (in-process, as a subprocess costs seconds): refused by name, no traceback
     argv = shlex.split(cmds[0])[1:]

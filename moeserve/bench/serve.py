@@ -459,14 +459,15 @@ def parse_with_server_argv(parser: argparse.ArgumentParser, argv: list[str] | No
     args = parser.parse_args(argv)
     if server_argv and not args.launch_server:
         parser.error("arguments after `--` need --launch-server")
-    if args.quantization and not args.launch_server:
-        parser.error("--quantization sets the launched server's weights: it needs --launch-server (a running "
-                     "server was started with its own --quantization)")
     return args, server_argv
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, server_argv = parse_with_server_argv(build_parser(), argv)
+    parser = build_parser()
+    args, server_argv = parse_with_server_argv(parser, argv)
+    if args.quantization and not args.launch_server:
+        parser.error("--quantization sets the launched server's weights: it needs --launch-server (a running "
+                     "server was started with its own --quantization)")
     chat = args.endpoint.rstrip("/").endswith("/chat/completions")
     key = os.environ.get("OPENAI_API_KEY") or os.environ.get("MOESERVE_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
