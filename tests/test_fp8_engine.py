@@ -305,7 +305,7 @@ def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_p
     ref = Engine(EngineConfig(moe_backend="torch", attention_backend="torch", **lora, **kw))
     plain = Engine(EngineConfig(**triton, **kw))
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 7)]
-    sp = SamplingParams(max_tokens=4, logprobs=0, **GREEDY)
+    sp = SamplingParams(max_tokens=2, logprobs=0, **GREEDY)
     loras = [None, "A", "B"]
     got = tri.generate(prompts, sp, lora=loras)
     for g, w in zip(got, ref.generate(prompts, sp, lora=loras)):
