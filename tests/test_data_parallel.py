@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import os
+import re
 import signal
 import sys
 
@@ -294,6 +295,7 @@ def test_sigterm_stops_every_core_and_a_failed_start_is_one_error_line(model_dir
     assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2].replace(" ", "")
     text = log.read_text()
     assert "ERROR" not in text and "Traceback" not in text, text
+    assert {"[core 0]", "[core 1]"} <= set(re.findall(r"\[core \d\]", text)), text  # each core's lines named
     assert not leftovers() and not any(os.path.exists(f"/proc/{pid}") for pid in cores), (leftovers(), text)
     # a mistake every core finds: one line, both cores stopped
     err = _serve_fails(leftovers, "--model", str(model_dir), "--data-parallel-size", "2", "--lora-modules",

@@ -226,7 +226,8 @@ def _abandon_start(signum, frame):
     raise StartAbandoned()
 
 
-def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, log_level: str = "INFO") -> None:
+def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, log_level: str = "INFO",
+             name: str = "core") -> None:
     """Entry point of the engine-core process.
 
     Signals: SIGINT and SIGTERM are ignored, here and in the tensor-parallel workers started from here (which
@@ -236,7 +237,8 @@ def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, l
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(ABANDON_SIGNAL, _abandon_start)
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [core]: %(message)s")
+    # `name` tells the cores of a data-parallel server apart in the log ("core 0", "core 1")
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s [{name}]: %(message)s")
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(inbox_addr)

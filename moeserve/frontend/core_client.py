@@ -266,9 +266,10 @@ def child_environ(env: dict[str, str] | None):
 
 class EngineClient(OnDemandAdapters):
     def __init__(self, config: EngineConfig, log_level: str = "INFO", env: dict[str, str] | None = None,
-                 tokenizer_lock: asyncio.Lock | None = None):
+                 tokenizer_lock: asyncio.Lock | None = None, name: str = "core"):
         self.config = config
         self.log_level = log_level
+        self.name = name  # the core's name in its log lines ("core 0", "core 1" under data parallelism)
         self.env = env  # set in the core's environment (data parallelism: CUDA_VISIBLE_DEVICES, its own GPUs)
         # held while the tokenizer loads: clients starting together load one at a time (transformers' lazy imports
         # are not thread-safe: two at once failed with "cannot import name 'AutoTokenizer'")
@@ -309,7 +310,7 @@ class EngineClient(OnDemandAdapters):
         self._from_core.bind(outbox)
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(target=run_core, name="moeserve-engine-core", daemon=True,
-                               args=(config_to_wire(self.config), inbox, outbox, os.getpid(), self.log_level))
+                               args=(config_to_wire(self.config), inbox, outbox, os.getpid(), self.log_level, self.name))
         with child_environ(self.env):
             self.proc.start()
         atexit.register(self._kill_at_exit)
@@ -410,7 +411,7 @@ class EngineClient(OnDemandAdapters):
     def _on_exit(self) -> None:
         if self.dead is None:
             self.dead = f"the engine core process died (exit code {self.proc.exitcode})"
-            logger.error("%s; failing every open request, answering 503 from now on", self.dead)
+            logger.error("%s; failing its open requests", self.dead)  # what the server answers next is its own
         self._fail_all(EngineDeadError(self.dead))
 
     def _fail_all(self, error: Exception) -> None:

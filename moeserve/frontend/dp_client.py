@@ -105,7 +105,8 @@ class DataParallelClient(OnDemandAdapters):
         # each core is one copy (data_parallel_size 1); adapters are loaded at first use here, on every core at once
         core_config = dataclasses.replace(config, data_parallel_size=1, enable_lora_runtime_loading=False)
         tokenizer_lock = asyncio.Lock()
-        self.clients = [EngineClient(core_config, log_level, env, tokenizer_lock) for env in self.envs]
+        self.clients = [EngineClient(core_config, log_level, env, tokenizer_lock, name=f"core {i}")
+                        for i, env in enumerate(self.envs)]
         self.info = None
         self.lora_versions: dict[str, int] = {}  # adapters new requests may use -> version (1, +1 per reload)
         self._loads: dict[str, int] = {}  # name -> loads so far (a name unloaded and loaded again counts on)
