@@ -30,10 +30,11 @@ def _variant_key(t: int, top_k: int) -> tuple:
     """What a token count decides at compile time: kernels size tiles and program counts by the next power of two
     of the tokens or of the (token, expert) pairs (the MoE alignment's chunk and chunk count, the tuned tile
     table's rows), and Triton specializes integers on 1 and multiples of 16."""
-    return triton_next_pow2(t), triton_next_pow2(t * top_k), t == 1, t % 16 == 0
+    return _next_pow2(t), _next_pow2(t * top_k), t == 1, t % 16 == 0
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
+    # as triton.next_power_of_2, which the kernels size by; this module does not import triton (the CLI would pay)
     return 1 << (n - 1).bit_length()
 
 

@@ -415,7 +415,8 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     shrunk_h = None
     if lora is not None:  # h with the gate_up deltas, in x's dtype: the down shrink reads it before any quantization
         items = lp.lora_epilogue_items
-        h = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=items, tile=lp.lora_apart_tile, pdl=pdl)
+        h = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=items, tile=lp.lora_apart_tile,
+                            num_warps=lp.lora_apart_warps, pdl=pdl)
         shrunk_h = shrink(h, lora.down_a, True, lp.lora_down_splits)
         h, h_scale = quantize_groups_fp8(h, block[1], pdl=pdl) if act_quant else (h, topk_weights)
     elif act_quant:
@@ -429,7 +430,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
             hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl)
     if lora is not None:
         lora_expand_down(y, topk_weights, shrunk_h, aligned, lora, top_k, items=lp.lora_epilogue_items,
-                         tile=lp.lora_apart_tile, pdl=pdl)
+                         tile=lp.lora_apart_tile, num_warps=lp.lora_apart_warps, pdl=pdl)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
@@ -463,8 +464,8 @@ def fused_moe_fp8(
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return torch.empty_like(x)
+    problem = MoEProblem(w13_fp8.shape[0], hidden, w2_fp8.shape[2], topk_ids.shape[1], x.dtype, x.device)
     if plan is None:
-        problem = MoEProblem(w13_fp8.shape[0], hidden, w2_fp8.shape[2], topk_ids.shape[1], x.dtype, x.device)
         plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode)
     _check_plan(plan, block)
     forward = _decode_forward if plan.decode else _sorted_forward
@@ -474,7 +475,6 @@ def fused_moe_fp8(
         return forward(*args, plan, block, pdl, weight_scale == "product", lora)
     out = forward(*args, plan, block, pdl, weight_scale == "product")
     # every row through the sorted path with the LoRA apart; the rows with an adapter keep that (module docstring)
-    problem = MoEProblem(w13_fp8.shape[0], hidden, w2_fp8.shape[2], topk_ids.shape[1], x.dtype, x.device)
     lora_plan = default_plan(num_tokens, topk_ids.shape[1], decode=False, lora=True,
                              problem=replace(problem, dtype=torch.bfloat16))
     sorted_plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode=False)
