@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeserve.kernels import pdl as pdl_launch
 from moeserve.kernels.moe_align import moe_align
@@ -79,6 +80,20 @@ def _block_tile(pid, num_n, GROUP_M: tl.constexpr):
     return first_m + (pid % per_group) % rows, (pid % per_group) // rows
 
 
+@triton.jit
+def _weight_tile(b_ptrs, w_desc, row0, k0, K, offs_k, EVEN_K: tl.constexpr, W_TMA: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] weight tile of one K step: by pointers, or (W_TMA) by a Hopper TMA descriptor over the
+    weights as a [E * N, K] matrix (rows past an expert's N are the next expert's, or zeros past the last one: the
+    output mask drops their columns; columns past K are zeros), which frees the registers and instructions the
+    pointer loads spend on addresses."""
+    if W_TMA:
+        return w_desc.load([row0, k0]).T
+    elif EVEN_K:
+        return tl.load(b_ptrs)
+    else:
+        return tl.load(b_ptrs, mask=(offs_k < K - k0)[:, None], other=0.0)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, gu_ptr, sorted_ids_ptr, block_groups_ptr,
@@ -86,10 +101,11 @@ def _moe_gate_up_kernel(
     num_pairs, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_gu,
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-    separate_ptr, stride_sh, up_col0,
+    separate_ptr, stride_sh, up_col0, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
     UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1,
+    W_TMA: tl.constexpr = False,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
@@ -114,11 +130,9 @@ def _moe_gate_up_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=pair_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs)
         else:
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=pair_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        b = _weight_tile(b_ptrs, w_desc, expert * N + pid_n * BLOCK_N, k0, K, offs_k, EVEN_K, W_TMA)
         acc = tl.dot(a, b.to(a.dtype), acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -139,10 +153,11 @@ def _moe_down_kernel(
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
     num_pairs, top_k, N, K,
     stride_gu, stride_we, stride_wn, stride_y,
-    stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, USE_PDL: tl.constexpr,
     LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1, FUSED_ACT: tl.constexpr = True,
+    W_TMA: tl.constexpr = False,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded (FUSED_ACT; else gu_ptr holds h itself, [pairs, K]); the routing weight scales
@@ -166,13 +181,12 @@ def _moe_down_kernel(
             gate = tl.load(gate_ptrs, mask=pair_ok[:, None], other=0.0)
             if FUSED_ACT:
                 up = tl.load(gate_ptrs + K, mask=pair_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs)
         else:
             k_ok = offs_k < K - k0
             gate = tl.load(gate_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
             if FUSED_ACT:
                 up = tl.load(gate_ptrs + K, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        b = _weight_tile(b_ptrs, w_desc, expert * N + pid_n * BLOCK_N, k0, K, offs_k, EVEN_K, W_TMA)
         if FUSED_ACT:
             a = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(b.dtype)
         else:
@@ -393,6 +407,16 @@ def _topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dty
     return out
 
 
+def weight_desc(w: torch.Tensor, tile, plan: MoEPlan):
+    """The TMA descriptor of expert weights [E, N, K] as one [E * N, K] matrix in `tile`'s [block_n, block_k]
+    boxes, or `w` itself as the unread placeholder when the plan loads weights by pointers."""
+    if not plan.weights_tma:
+        return w
+    if not w.is_contiguous():
+        raise ValueError(f"weights_tma needs contiguous expert weights (got strides {w.stride()})")
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [tile.block_n, tile.block_k])
+
+
 def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -500,8 +524,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
         x, w13, gu, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, two_i, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves, weight_desc(w13, t, plan),
+        W_TMA=plan.weights_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, UP_HALF=up_half and in_epilogue,
         LORA_ITEMS=0 if up_half or not in_epilogue else items,  # up halves: the walk only
@@ -523,8 +547,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     _moe_down_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
         act, w2, y, topk_weights, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides, weight_desc(w2, t, plan),
+        W_TMA=plan.weights_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, LORA_ITEMS=items if in_epilogue else 0, GROUP_M=t.group_m, FUSED_ACT=fused_act,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)

@@ -68,6 +68,8 @@ class MoEPlan:
     lora_epilogue: bool = True
     lora_apart_tile: tuple[int, int] = (64, 128)  # (rows, columns) of an apart expand program
     lora_apart_warps: int = 4  # warps of an apart expand program
+    # sorted path: the GEMMs read their weight tiles through TMA descriptors (Hopper and later) instead of pointers
+    weights_tma: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,7 @@ def _device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
-PLAN_OPTIONS = ("y_fp32", "fused_act")  # MoEPlan fields a table row may set besides the tiles
+PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma")  # MoEPlan fields a table row may set besides the tiles
 
 
 def _read_table(path: Path) -> dict:
