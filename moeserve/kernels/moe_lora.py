@@ -211,10 +211,21 @@ def _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, exper
 
 
 @triton.jit
+def _add_item(acc, rows, s, b, KEEP_ROWS: tl.constexpr):
+    """acc + s @ b, where s is zero outside `rows`. KEEP_ROWS: the other rows keep acc's bits exactly (a -0.0 stays
+    -0.0), at the price of a second accumulator live beside the dot's; off (an accumulator that starts at zero and
+    is stored for `rows` only, as the apart down expand's): the dot accumulates in place."""
+    if KEEP_ROWS:
+        return tl.where(rows[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
+    return tl.dot(s.to(b.dtype), b, acc)
+
+
+@triton.jit
 def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                       separate_ptr, stride_sh, up_col0,
-                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr):
+                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr,
+                      KEEP_ROWS: tl.constexpr = True):
     """GEMM epilogue: acc[rows of slot s] += shrink[rows] @ B[s, expert][offs_n, :rank]^T for every
     slot s of the block, the shrink being the sum of K_SPLITS fp32 partials at scratch rows `rows`.
     Walks (slot, rank step) items, loading the next item's operands before the current dot so one
@@ -253,7 +264,7 @@ def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, o
             nxt, nxt_half, nxt_sep, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
             offs_n, n_ok, up_col0, stride_sk, stride_sr, stride_sh, stride_bl, stride_be,
             stride_bn, K_SPLITS, RANK_STEP, UP_HALF)
-        acc = tl.where(mine[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
+        acc = _add_item(acc, mine, s, b, KEEP_ROWS)
         cur, half, sep, r0, mine, rank, s, b = (nxt, nxt_half, nxt_sep, nxt_r0, nxt_mine, nxt_rank,
                                                 nxt_s, nxt_b)
     return acc
@@ -302,13 +313,13 @@ def lora_expand_group(slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n
 @triton.jit
 def lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
                      expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                     K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
+                     K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, KEEP_ROWS: tl.constexpr = True):
     """Adds the group of lora_expand_group in one dot, then walks the items after it (blocks with
     more items than the group holds: many slots, or ranks above 16) as lora_block_expand does,
     from item (cur, r0). (It is lora_block_expand's walk without up halves, started mid-slot; run
     through lora_block_expand it moved instructions in the sm_90 code of both default-plan
     epilogues, items and walk, so it stays a copy.)"""
-    acc = tl.where(covered[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
+    acc = _add_item(acc, covered, s, b, KEEP_ROWS)
     if cur < _NO_SLOT:  # s, b of one item: other shapes than the group's
         n_ok = offs_n < N
         mine, rank, s1, b1 = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr,
@@ -321,7 +332,7 @@ def lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratc
             nxt_mine, nxt_rank, nxt_s, nxt_b = _one_a_step_loads(
                 nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
                 stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-            acc = tl.where(mine[:, None], tl.dot(s1.to(b1.dtype), b1, acc), acc)
+            acc = _add_item(acc, mine, s1, b1, KEEP_ROWS)
             cur, r0, mine, rank, s1, b1 = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
     return acc
 
@@ -331,7 +342,7 @@ def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr,
                         expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                         separate_ptr, stride_sh, up_col0, BLOCK_M: tl.constexpr,
                         K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr,
-                        ITEMS: tl.constexpr):
+                        ITEMS: tl.constexpr, KEEP_ROWS: tl.constexpr = True):
     """The LoRA epilogue of a sorted-path GEMM tile (block pid_m, columns offs_n): acc plus every
     row's expand, shrink partials at scratch rows pid_m * BLOCK_M + i. ITEMS > 0: that many (slot,
     rank step) items in one dot, then the rest walked (lora_expand_group / _rest); 0: the plain
@@ -346,11 +357,11 @@ def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr,
             stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, ITEMS)
         acc = lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratch_ptr,
                                b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
-                               stride_bn, K_SPLITS, RANK_STEP)
+                               stride_bn, K_SPLITS, RANK_STEP, KEEP_ROWS)
     else:  # every item's loads after the K loop, one item in flight
         acc = lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                                 stride_sk, stride_sr, stride_bl, stride_be, stride_bn, separate_ptr,
-                                stride_sh, up_col0, K_SPLITS, RANK_STEP, UP_HALF)
+                                stride_sh, up_col0, K_SPLITS, RANK_STEP, UP_HALF, KEEP_ROWS)
     return acc
 
 
@@ -420,7 +431,7 @@ def _lora_expand_down_kernel(
     delta = lora_block_epilogue(tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32), pid_m, pairs, pair_ok, top_k,
                                 slots_ptr, ranks_ptr, scratch_ptr, b_ptr, expert, offs_n, N, stride_sk,
                                 stride_sr, stride_bl, stride_be, stride_bn, slots_ptr, 0, N, SUB_M, K_SPLITS,
-                                RANK_STEP, False, ITEMS)
+                                RANK_STEP, False, ITEMS, KEEP_ROWS=False)  # zero start, stored for adapter rows only
     mine = slots >= 0
     mask = mine[:, None] & (offs_n < N)[None, :]
     y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
