@@ -17,9 +17,9 @@ from dataclasses import replace  # noqa: E402
 import pytest  # noqa: E402
 
 from moeserve.kernels import moe_lora  # noqa: E402
-from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref  # noqa: E402
+from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref, tma_readable  # noqa: E402
 from moeserve.kernels import moe_plan  # noqa: E402
-from moeserve.kernels.moe_plan import GemmTile, MoEPlan, default_plan  # noqa: E402
+from moeserve.kernels.moe_plan import GemmTile, MoEPlan, MoEProblem, default_plan  # noqa: E402
 from moeserve.layers.batch import LoRABatch  # noqa: E402
 from moeserve.layers.moe import ExpertLoRABuffers, moe_experts_torch  # noqa: E402
 from moeserve.kernels.moe_align import align_max_blocks, moe_align, moe_align_ref  # noqa: E402
@@ -454,6 +454,22 @@ def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
                 assert torch.equal(out[-1], base[-1])  # the token without an adapter
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [256, 4096])
+def test_gpu_weights_by_tma_match_pointer_loads_bitwise(num_tokens):
+    """The shipped table's TMA weight loads at Qwen3-30B-A3B shapes: bitwise the same plan by pointers, without
+    and with adapters (the apart LoRA path at 4,096)."""
+    x, w13, w2, weights, ids, lora = _qwen3_problem(num_tokens, 3 + num_tokens, True)
+    for adapters in (None, lora):
+        plan = default_plan(num_tokens, ids.shape[1], lora=adapters is not None,
+                            problem=MoEProblem(w13.shape[0], x.shape[1], w2.shape[2], ids.shape[1], x.dtype,
+                                               x.device))
+        tma = fused_moe(x, w13, w2, weights, ids, adapters, plan=replace(plan, weights_tma=True))
+        assert torch.equal(tma, fused_moe(x, w13, w2, weights, ids, adapters, plan=replace(plan, weights_tma=False)))
+        assert _rel(tma, fused_moe_ref(x, w13, w2, weights, ids, adapters)) < 1e-2
+
+
 # default: default_plan's own epilogue (2 or 4 items at block_m 16, the walk at 64); the others set it
 EPILOGUE_VARIANTS = {"default": {},
                      "walk": {"lora_epilogue_items": 0},
@@ -585,6 +601,12 @@ def test_sorted_weights_read_by_tma_descriptors_match_pointer_loads(shape):
         out = fused_moe(*problem, lora, plan=replace(pointers, weights_tma=True))
         assert torch.equal(out, fused_moe(*problem, lora, plan=pointers))
         assert _rel(out, fused_moe_ref(*problem, lora)) < 1e-5
+    # weights a descriptor cannot read (not contiguous) take the pointer loads: same result
+    x, w13, w2, *rest = problem
+    w13_strided = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not tma_readable(w13_strided)
+    out = fused_moe(x, w13_strided, w2, *rest, plan=replace(pointers, weights_tma=True))
+    assert torch.equal(out, fused_moe(*problem, plan=pointers))
 
 
 H200_SMEM = 232448  # bytes one program may use (opt-in) on the H100 / H200

@@ -33,7 +33,8 @@ BATCHES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # (block_n, block_k, num_warps, num_stages, group_m) per block_m; the same list serves gate_up and down
 CANDIDATES = {
     16: [(128, 128, 4, 3, 1), (128, 64, 4, 4, 1), (64, 128, 4, 3, 1), (256, 64, 4, 3, 1), (128, 128, 4, 4, 1),
-         (256, 64, 8, 3, 1), (128, 128, 4, 3, 4), (256, 64, 4, 3, 4), (64, 128, 4, 3, 8)],
+         (256, 64, 8, 3, 1), (128, 128, 4, 3, 4), (256, 64, 4, 3, 4), (64, 128, 4, 3, 8), (256, 128, 4, 3, 4),
+         (128, 128, 4, 4, 4)],
     32: [(128, 128, 4, 3, 1), (128, 64, 4, 4, 1), (256, 128, 4, 2, 1), (256, 64, 8, 3, 1), (128, 64, 4, 3, 1),
          (64, 128, 4, 3, 1), (256, 128, 4, 2, 16), (128, 128, 4, 3, 4)],
     64: [(128, 64, 4, 3, 1), (128, 64, 8, 3, 1), (256, 64, 8, 3, 1), (256, 64, 8, 4, 1), (128, 128, 8, 3, 1),
@@ -120,13 +121,16 @@ def tune_batch(problem: Problem, num_tokens: int, pdl: bool) -> dict:
     top_k = problem.shape[3]
     inputs = problem.inputs(num_tokens)
     heuristic = fit_plan(heuristic_plan(num_tokens, top_k, decode=False), problem.dtype, torch.device(DEVICE))
+    # Hopper and later: the search reads weight tiles through TMA descriptors (H200: 0.91-1.0 of pointer loads at
+    # every T, bitwise the same), and pointer loads are a finalist
+    tma = torch.cuda.get_device_capability()[0] >= 9
     rows, best_by_m = [], {}
     for block_m in block_ms_for(num_tokens, top_k):
         cands = [_tile(block_m, c) for c in CANDIDATES[block_m]]
         down = cands[0]
         best_gu, best_t = None, None
         for gu in cands:
-            t = problem.time_plan(inputs, MoEPlan(False, gu, down), pdl)
+            t = problem.time_plan(inputs, MoEPlan(False, gu, down, weights_tma=tma), pdl)
             rows.append({"gate_up": gu.as_list(), "down": down.as_list(), "us": t})
             if t is not None and (best_t is None or t < best_t):
                 best_gu, best_t = gu, t
@@ -134,11 +138,11 @@ def tune_batch(problem: Problem, num_tokens: int, pdl: bool) -> dict:
             continue
         best_down = down
         for d in cands[1:]:
-            t = problem.time_plan(inputs, MoEPlan(False, best_gu, d), pdl)
+            t = problem.time_plan(inputs, MoEPlan(False, best_gu, d, weights_tma=tma), pdl)
             rows.append({"gate_up": best_gu.as_list(), "down": d.as_list(), "us": t})
             if t is not None and t < best_t:
                 best_down, best_t = d, t
-        best_by_m[block_m] = MoEPlan(False, best_gu, best_down)
+        best_by_m[block_m] = MoEPlan(False, best_gu, best_down, weights_tma=tma)
     # the finalists (each block_m's best tiles, the overall best with each plan option) and the heuristic,
     # interleaved three times: medians
     finalists = {"heuristic": heuristic, **{f"m{m}": p for m, p in best_by_m.items()}}
@@ -146,6 +150,8 @@ def tune_batch(problem: Problem, num_tokens: int, pdl: bool) -> dict:
         top = min(best_by_m.values(), key=lambda p: problem.time_plan(inputs, p, pdl) or float("inf"))
         finalists.update({"y16": replace(top, y_fp32=False), "act": replace(top, fused_act=False),
                           "y16+act": replace(top, y_fp32=False, fused_act=False)})
+        if tma:
+            finalists["pointers"] = replace(top, weights_tma=False)
     times = {name: [] for name in finalists}
     for _ in range(3):
         for name, plan in finalists.items():
@@ -156,7 +162,7 @@ def tune_batch(problem: Problem, num_tokens: int, pdl: bool) -> dict:
     best = min((n for n in medians if n != "heuristic"), key=medians.get, default="heuristic")
     plan = finalists[best]
     return {"tokens": num_tokens, "best": best, "gate_up": plan.gate_up.as_list(), "down": plan.down.as_list(),
-            "y_fp32": plan.y_fp32, "fused_act": plan.fused_act,
+            "y_fp32": plan.y_fp32, "fused_act": plan.fused_act, "weights_tma": plan.weights_tma,
             "us": medians.get(best), "heuristic_us": medians.get("heuristic"), "finalists_us": medians,
             "align_us": problem.time_align(inputs, plan.gate_up.block_m, pdl),
             "grouped_mm_us": problem.time_grouped_mm(inputs), "candidates": rows}
@@ -177,7 +183,8 @@ def run(shape=(128, 2048, 768, 8), dtype="bfloat16", batches=BATCHES, out_dir="b
               f"{r['grouped_mm_us'] or float('nan'):.1f} us  [{time.time() - t0:.0f} s]", flush=True)
     entry = {"device": device, "dtype": dtype, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
              "tiles": [{"max_tokens": r["tokens"], "gate_up": r["gate_up"], "down": r["down"],
-                        "y_fp32": r["y_fp32"], "fused_act": r["fused_act"]} for r in results]}
+                        "y_fp32": r["y_fp32"], "fused_act": r["fused_act"], "weights_tma": r["weights_tma"]}
+                       for r in results]}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "moe_tiles_" + "".join(c if c.isalnum() else "_" for c in device) + ".json"

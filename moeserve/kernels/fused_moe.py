@@ -407,14 +407,21 @@ def _topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dty
     return out
 
 
-def weight_desc(w: torch.Tensor, tile, plan: MoEPlan):
-    """The TMA descriptor of expert weights [E, N, K] as one [E * N, K] matrix in `tile`'s [block_n, block_k]
-    boxes, or `w` itself as the unread placeholder when the plan loads weights by pointers."""
-    if not plan.weights_tma:
-        return w
-    if not w.is_contiguous():
-        raise ValueError(f"weights_tma needs contiguous expert weights (got strides {w.stride()})")
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [tile.block_n, tile.block_k])
+def tma_readable(w: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can read expert weights w [E, N, K] as one [E * N, K] matrix: contiguous, 16-byte
+    aligned rows, on a GPU with TMA (Hopper or later) or under the interpreter."""
+    if not w.is_contiguous() or w.data_ptr() % 16 or (w.shape[-1] * w.element_size()) % 16:
+        return False
+    return w.device.type != "cuda" or torch.cuda.get_device_capability(w.device)[0] >= 9
+
+
+def weight_descs(w13: torch.Tensor, w2: torch.Tensor, plan: MoEPlan) -> tuple:
+    """(gate_up weights, down weights, W_TMA): TMA descriptors in the plan's [block_n, block_k] boxes where the plan
+    asks for them and both weights allow them, else the tensors themselves (unread placeholders) and pointer loads."""
+    if not (plan.weights_tma and tma_readable(w13) and tma_readable(w2)):
+        return w13, w2, False
+    return (TensorDescriptor.from_tensor(w13.view(-1, w13.shape[-1]), [plan.gate_up.block_n, plan.gate_up.block_k]),
+            TensorDescriptor.from_tensor(w2.view(-1, w2.shape[-1]), [plan.down.block_n, plan.down.block_k]), True)
 
 
 def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
@@ -518,14 +525,15 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
 
     items = _epilogue_items(plan) if has_lora else 0  # lora=None: the kernels compile as without the option
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
+    w13_desc, w2_desc, w_tma = weight_descs(w13, w2, plan)
     shrunk_x = shrink(False, x, plan.lora_gate_up_splits) if apart else None
     ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
     halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half and in_epilogue else (topk_ids, 0, two_i)
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
         x, w13, gu, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, two_i, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves, weight_desc(w13, t, plan),
-        W_TMA=plan.weights_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves, w13_desc,
+        W_TMA=w_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, UP_HALF=up_half and in_epilogue,
         LORA_ITEMS=0 if up_half or not in_epilogue else items,  # up halves: the walk only
@@ -547,8 +555,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     _moe_down_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
         act, w2, y, topk_weights, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides, weight_desc(w2, t, plan),
-        W_TMA=plan.weights_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides, w2_desc,
+        W_TMA=w_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, LORA_ITEMS=items if in_epilogue else 0, GROUP_M=t.group_m, FUSED_ACT=fused_act,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
