@@ -17,10 +17,10 @@ from moeserve.kernels.fused_moe import fused_moe
 from moeserve.kernels.moe_plan import MoEProblem, default_plan, fit_plan
 
 
-def variants(plan):
+def variants(plan, extra: bool):
     gu, dn = plan.gate_up, plan.down
-    out = {"pointers": plan, "tma": replace(plan, weights_tma=True)}
-    if gu.block_m >= 64:
+    out = {"pointers": replace(plan, weights_tma=False), "tma": replace(plan, weights_tma=True)}
+    if extra and gu.block_m >= 64:
         out["tma_g8"] = replace(plan, weights_tma=True, gate_up=replace(gu, group_m=8), down=replace(dn, group_m=8))
         out["tma_k128s2"] = replace(plan, weights_tma=True, gate_up=replace(gu, block_k=128, num_stages=2),
                                     down=replace(dn, block_k=128, num_stages=2))
@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--batches", default="16,64,256,512,1024,2048,4096,8192")
     ap.add_argument("--lora-batches", default="2048,8192")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only-tma", action="store_true", help="pointers and TMA on the table's tiles, no tile variants")
     args = ap.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     weights = [kb.make_weights(gen) for _ in range(kb.NUM_SETS)]
@@ -49,7 +50,7 @@ def main():
             cases.append(("lora", [kb.lora_args(pools[i], t, "lora4_r16") for i in range(kb.NUM_SETS)],
                           default_plan(t, kb.TOP_K, lora=True, problem=problem)))
         for case, loras, plan in cases:
-            cands = {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in variants(plan).items()}
+            cands = {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in variants(plan, not args.only_tma).items()}
             (w13, w2), (x, tw, ti) = weights[0], inputs[0]
             ref = fused_moe(x, w13, w2, tw, ti, loras[0] if loras else None, plan=plan, pdl=True)
             times, exact = {}, {}

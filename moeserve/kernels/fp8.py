@@ -104,7 +104,10 @@ def rne_e4m3(v):
     ulp = ((exp - 3) << 23).to(tl.float32, bitcast=True)
     inv_ulp = ((254 - (exp - 3)) << 23).to(tl.float32, bitcast=True)
     r = ((a * inv_ulp + 12582912.0) - 12582912.0) * ulp
-    return tl.where(v < 0, -r, r)
+    # v's sign bit put back by bits: a negative v that rounds to zero stays -0 as torch's cast keeps it (on the GPU
+    # `-r` of a zero came out +0)
+    sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
