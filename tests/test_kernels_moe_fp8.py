@@ -377,12 +377,13 @@ def test_gpu_lora_apart_on_fp8_gemms_bf16():
                        MoEPlan(False, tile, tile, fused_act=False, y_fp32=False, lora_epilogue=False))
 
 
-@pytest.mark.parametrize("num_tokens", [3, 40])  # 6 pairs: the GEMV path; 80: the sorted path
+@pytest.mark.parametrize("num_tokens,one_pass", [(3, False), (40, False), (40, True)])
 @pytest.mark.parametrize("separate_up", [False, True])
-def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, separate_up):
+def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, one_pass, separate_up):
     """fused_moe_fp8(lora=...): the adapter rows as fused_moe's fp32 reference with LoRA on the dequantized weights,
     the others bitwise the call without LoRA, on either path; `separate_up`: slot 0 has its own up A (a pool with
-    lora_separate_gate_up)."""
+    lora_separate_gate_up). 6 pairs: the GEMV path; 80: the sorted path, with the heuristic's plan (SiLU*up in the
+    down GEMM: two passes) or `one_pass`, a plan with SiLU*up by its own kernel (one LoRA-apart pass)."""
     problem = _problem(num_tokens, 4, 256, 128, 2, seed=11)
     x, q13, s13, q2, s2, weights, ids = problem
     gen = torch.Generator(device=DEV).manual_seed(12)
@@ -393,14 +394,16 @@ def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num
         lora = replace(lora, up_a=up_a, gate_up_separate=torch.tensor([1, 0, 0], dtype=torch.int32, device=DEV))
     w13, w2 = dequantize_w13_fp8(q13, s13), dequantize_block_fp8(q2, s2)
     ref = fused_moe_ref(x.float(), w13, w2, weights, ids, lora).float()
-    out = fused_moe_fp8(*problem, act_quant=False, lora=lora)
-    base = fused_moe_fp8(*problem, act_quant=False)
+    plan = dict(plan=_small_plan(fused_act=False)) if one_pass else {}
+    out = fused_moe_fp8(*problem, act_quant=False, lora=lora, **plan)
+    base = fused_moe_fp8(*problem, act_quant=False, **plan)
     no_adapter = lora.token_slots < 0
     assert no_adapter.any() and torch.equal(out[no_adapter], base[no_adapter])
     assert _rel(out, ref) < 1e-5
     assert _rel(out - base, ref - fused_moe_ref(x.float(), w13, w2, weights, ids).float()) < 1e-4  # the deltas
     # W8A8: the same for the rows without an adapter; the others within the activation-quantization error
-    out, base = fused_moe_fp8(*problem, act_quant=True, lora=lora), fused_moe_fp8(*problem, act_quant=True)
+    out, base = (fused_moe_fp8(*problem, act_quant=True, lora=lora, **plan),
+                 fused_moe_fp8(*problem, act_quant=True, **plan))
     assert torch.equal(out[no_adapter], base[no_adapter])
     assert _rel(out, ref) < 0.08
 

@@ -33,10 +33,11 @@ Rows without an adapter must come out bitwise as in a call without LoRA:
   and of silu(g)*u read from gu) and their expands (the pair's B gathered, one batched product in fp32, at most
   DECODE_MAX_PAIRS pairs) add each delta to gu (fp32, before the down GEMV applies SiLU*up) and to y (times the
   routing weight, before the top-k sum) only where the pair's token has an adapter.
-- sorted path: the down GEMM reads gu with SiLU*up fused in, the LoRA-apart recipe reads h from lora_expand_act,
-  which may round differently; so a call with LoRA runs the LoRA-free forward for every row and the LoRA-apart one
-  for every row, and keeps the second's rows where the token has an adapter (sync-free, graph-safe). That costs a
-  second expert pass in prefill batches that carry adapters.
+- sorted path: where the plan applies SiLU*up by its own kernel (the tuned table's plans; W8A8 always), the rows
+  without an adapter of lora_expand_act's h are that kernel's rows, and a call with LoRA is one LoRA-apart pass.
+  Where the down GEMM reads gu with SiLU*up fused in (the heuristic's plans), the LoRA-apart recipe's h may round
+  differently; so that call runs the LoRA-free forward for every row and the LoRA-apart one for every row, and
+  keeps the second's rows where the token has an adapter (sync-free, graph-safe): a second expert pass.
 """
 from __future__ import annotations
 
@@ -473,10 +474,12 @@ def fused_moe_fp8(
     args = (x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights, topk_ids, act_quant)
     if plan.decode or lora is None:
         return forward(*args, plan, block, pdl, weight_scale == "product", lora)
-    out = forward(*args, plan, block, pdl, weight_scale == "product")
-    # every row through the sorted path with the LoRA apart; the rows with an adapter keep that (module docstring)
     lora_plan = default_plan(num_tokens, topk_ids.shape[1], decode=False, lora=True,
                              problem=replace(problem, dtype=torch.bfloat16))
+    if not plan.fused_act:  # h by its own kernel with or without LoRA: one pass (the table's plans, W8A8 always)
+        return _sorted_forward(*args, plan, block, pdl, weight_scale == "product", lora, lora_plan)
+    out = forward(*args, plan, block, pdl, weight_scale == "product")
+    # every row through the sorted path with the LoRA apart; the rows with an adapter keep that (module docstring)
     sorted_plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode=False)
     with_lora = _sorted_forward(*args, sorted_plan, block, pdl, weight_scale == "product", lora, lora_plan)
     return torch.where((lora.token_slots >= 0).unsqueeze(-1), with_lora, out)
