@@ -29,10 +29,9 @@ LoRA (`lora`, MoELoRAArgs): the expands of this engine can run after plain GEMMs
 moe_lora.lora_expand_act on gu, lora_expand_down on y), which is how FP8 takes LoRA: the shrinks read x and the
 activated h in x's dtype, never the fp8 copies (W8A8 quantizes h after lora_expand_act added the gate_up deltas).
 Rows without an adapter must come out bitwise as in a call without LoRA:
-- decode (GEMV) path: the LoRA rides beside the base GEMVs: the per-pair shrinks (moe_lora.lora_shrink_pairs, of x
-  and of silu(g)*u read from gu) and their expands (the pair's B gathered, one batched product in fp32, at most
-  DECODE_MAX_PAIRS pairs) add each delta to gu (fp32, before the down GEMV applies SiLU*up) and to y (times the
-  routing weight, before the top-k sum) only where the pair's token has an adapter.
+- decode (GEMV) path: as fused_moe's: the per-pair shrinks (moe_lora.lora_shrink_pairs, of x and of silu(g)*u read
+  from gu) run before each GEMV, whose epilogue adds the pair's expand to its fp32 sum (gu before the down GEMV
+  applies SiLU*up; y before the routing weight); a pair without an adapter adds an exact zero.
 - sorted path: where the plan applies SiLU*up by its own kernel (the tuned table's plans; W8A8 always), the rows
   without an adapter of lora_expand_act's h are that kernel's rows, and a call with LoRA is one LoRA-apart pass.
   Where the down GEMM reads gu with SiLU*up fused in (the heuristic's plans), the LoRA-apart recipe's h may round
@@ -61,12 +60,13 @@ from moeserve.kernels.fp8 import (
     silu_mul_quant_fp8,
     silu_mul_quant_fp8_ref,
 )
-from moeserve.kernels.fused_moe import _block_tile, _topk_sum, silu_mul_rows
+from moeserve.kernels.fused_moe import _block_tile, _lora_expand_rows, _topk_sum, silu_mul_rows
 from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import (
     lora_block_shrink,
     lora_expand_act,
     lora_expand_down,
+    lora_rank_block,
     lora_shrink_pairs,
     silu_mul,
 )
@@ -162,16 +162,22 @@ def _gemv_fp8_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr,
     num_experts, pairs_per_row, N, K, up_col0, up_scale_row0,
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+    slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, top_k,
+    stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits, separate_ptr, stride_sh, lora_up_row0,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
     ROUTE_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, BLOCK_S: tl.constexpr = 1,
+    UP_HALF: tl.constexpr = False,
 ):
     """Decode: out[pair, tile] = (w[pair] *) dequant(W_e)[tile] @ a[pair // pairs_per_row] in fp32 on CUDA cores,
     one program per (pair, N tile), no alignment (fused_moe's GEMV path with FP8 rows: half the bytes). Each K
     step covers GROUPS x SUB_K columns as a [BLOCK_N, GROUPS, SUB_K] tile, SUB_K inside one scale group, so a
     step may span several groups (an fp8 step needs twice the columns of a bf16 one for the same bytes in
     flight). Operands as in _moe_fp8_gemm_kernel; under ACT_FP8 the activation is dequantized by its group scale
-    (the W8A8 numerics, for results that do not depend on the path)."""
+    (the W8A8 numerics, for results that do not depend on the path). HAS_LORA: the pair's LoRA expand (its shrink
+    already in shrunk_ptr, fp32 partials) added to the fp32 sum before the routing weight, as fused_moe's GEMV
+    epilogue does (rows without an adapter add an exact zero)."""
     pdl_launch.enter(USE_PDL)
     pair = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
@@ -212,6 +218,10 @@ def _gemv_fp8_kernel(
         w_ptrs += GROUPS * SUB_K
         a_ptrs += GROUPS * SUB_K
     out = tl.sum(tl.sum(acc, 2), 1)
+    if HAS_LORA:
+        out += _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, pair // top_k, expert, cols,
+                                 stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits, separate_ptr,
+                                 stride_sh, lora_up_row0, BLOCK_R, BLOCK_S, UP_HALF)
     if ROUTE_WEIGHT:
         out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, out, mask=offs_n < N)
@@ -299,62 +309,28 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
 
 
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
-                 up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl):
+                 up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl, lora=None):
+    """`lora`: (MoELoRAArgs, its B for this GEMM, shrunk partials [pairs, (2,) splits, R], up-half rows or None)."""
     sub_k = min(tile.block_k, block[1])
+    if lora is None:
+        lora_args, lora_opts = (topk_ids, topk_ids, a, a, 1, 0, 0, 0, 0, 0, 1, topk_ids, 0, 0), {}
+    else:
+        args, b, shrunk, up_row0 = lora
+        up_half = up_row0 is not None
+        lora_args = (args.token_slots, args.slot_ranks, b, shrunk, topk_ids.shape[1], *b.stride()[:3],
+                     shrunk.stride(0), shrunk.stride(-2), shrunk.shape[-2],
+                     args.gate_up_separate if up_half else topk_ids, shrunk.stride(1) if up_half else 0,
+                     up_row0 if up_half else 0)
+        lora_opts = dict(HAS_LORA=True, BLOCK_R=lora_rank_block(args), BLOCK_S=triton.next_power_of_2(shrunk.shape[-2]),
+                         UP_HALF=up_half)
     _gemv_fp8_kernel[(topk_ids.numel(), triton.cdiv(n, tile.block_n))](
         a, a_scale, w, w_scale, out, topk_weights, topk_ids,
         w.shape[0], pairs_per_row, n, k, up_col0, up_scale_row0,
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0),
+        out.stride(0), *lora_args,
         BLOCK_N=tile.block_n, GROUPS=tile.block_k // sub_k, SUB_K=sub_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
-
-
-def _pair_lora(topk_ids, lora):
-    """Per (token, k) pair: (live [P] bool: its token has an adapter of rank > 0 and its expert is this rank's,
-    rank mask [P, R], slot [P], expert [P]) for the decode path's LoRA."""
-    num_experts, max_rank = lora.gate_up_a.shape[1], lora.gate_up_a.shape[2]
-    slots = lora.token_slots.long()[:, None].expand(topk_ids.shape).reshape(-1)  # sync-free (graph capture)
-    experts = topk_ids.flatten().long()
-    slot = slots.clamp(min=0)
-    ranks = lora.slot_ranks.long()[slot]
-    live = (slots >= 0) & (ranks > 0) & (experts >= 0) & (experts < num_experts)
-    in_rank = torch.arange(max_rank, device=slots.device)[None, :] < ranks[:, None]
-    return live, live[:, None] & in_rank, slot, experts.clamp(0, num_experts - 1)
-
-
-def _expand_pairs(shrunk, b, keep, slot, expert):
-    """[P, N] = B[slot, expert] @ shrunk (fp32), shrunk's partials summed over splits and cut to the pool's rank;
-    entries outside the slot's rank (left unwritten by the shrink) read as zeros."""
-    s = torch.where(keep, shrunk.sum(-2)[..., :b.shape[-1]], 0.0)
-    return torch.bmm(b[slot, expert].float(), s.unsqueeze(-1)).squeeze(-1)
-
-
-def _add_gate_up_lora(gu, x, topk_ids, lora, pdl):
-    """gu [P, 2I] fp32 += the gate_up LoRA delta of each live pair (gate rows through the slot's A, up rows through
-    its up A where the slot has its own: lora.gate_up_separate)."""
-    live, keep, slot, expert = _pair_lora(topk_ids, lora)
-    inter = gu.shape[1] // 2
-    shrunk = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a, pdl=pdl)
-    b = lora.gate_up_b
-    if lora.up_a is None:
-        delta = _expand_pairs(shrunk, b, keep, slot, expert)
-    else:  # half 1 is written only for the slots flagged separate
-        separate = (lora.gate_up_separate.long()[slot] != 0)[:, None, None]
-        up_shrunk = torch.where(separate, shrunk[:, 1], shrunk[:, 0])
-        delta = torch.cat([_expand_pairs(shrunk[:, 0], b[:, :, :inter], keep, slot, expert),
-                           _expand_pairs(up_shrunk, b[:, :, inter:], keep, slot, expert)], dim=1)
-    return torch.where(live[:, None], gu + delta, gu)
-
-
-def _add_down_lora(y, gu, topk_weights, topk_ids, lora, pdl):
-    """y [P, H] fp32 (routing weight applied) += w * the down LoRA delta of each live pair, its shrink reading
-    silu(g) * u from gu (the gate_up deltas added, unquantized)."""
-    live, keep, slot, expert = _pair_lora(topk_ids, lora)
-    shrunk = lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True, pdl=pdl)
-    delta = _expand_pairs(shrunk, lora.down_b, keep, slot, expert) * topk_weights.flatten().float()[:, None]
-    return torch.where(live[:, None], y + delta, y)
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **lora_opts)
 
 
 def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
@@ -369,19 +345,22 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     else:
         a, a_scale = x, topk_weights  # a_scale: an unread placeholder
     gu = torch.empty(num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
+    gu_lora = d_lora = None
+    if lora is not None:  # the shrinks read x and silu(g) * u of gu (with the gate_up deltas), never fp8 copies
+        shrunk = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a, pdl=pdl)
+        gu_lora = (lora, lora.gate_up_b, shrunk, inter if lora.up_a is not None else None)
     _launch_gemv(a, a_scale, w13, s13, gu, topk_weights, topk_ids, top_k, 2 * inter, hidden, inter,
-                 triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, pdl)
+                 triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, pdl, gu_lora)
     if lora is not None:
-        gu = _add_gate_up_lora(gu, x, topk_ids, lora, pdl)
+        d_lora = (lora, lora.down_b, lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True, pdl=pdl),
+                  None)
     if act_quant:
         h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
     else:
         h, h_scale = gu, topk_weights  # SiLU*up applied as the down GEMV loads gu
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _launch_gemv(h, h_scale, w2, s2, y, topk_weights, topk_ids, 1, hidden, inter, hidden, 0, plan.down, block,
-                 act_quant, not act_quant, True, pdl)
-    if lora is not None:
-        y = _add_down_lora(y, gu, topk_weights, topk_ids, lora, pdl)
+                 act_quant, not act_quant, True, pdl, d_lora)
     return _topk_sum(y, topk_ids, w13.shape[0], x.dtype, pdl)
 
 
