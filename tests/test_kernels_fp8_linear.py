@@ -57,6 +57,22 @@ def test_weight_only_and_w8a8_against_twins(m, n, k):
     assert 1e-3 < _rel(out, ref) < 0.05
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_decode_rows_take_the_gemv_against_twins(m):
+    """Up to GEMV_MAX_ROWS rows: the CUDA-core GEMV (every weight row read once for all rows), with a ragged K
+    (320: a K step past K, a partial last scale group) and N (37: a partial last program), weight-only and W8A8,
+    against the twins and against the tensor-core kernel forced by a tile."""
+    x, q, s, b = _problem(m, 37, 320, seed=4)
+    tile = GemmTile(block_m=16, block_n=32, block_k=64)
+    for act_quant in (False, True):
+        out = fp8_linear(x, q, s, b, act_quant=act_quant)
+        assert out.shape == (m, 37)
+        assert _rel(out, fp8_linear_ref(x, q, s, b, act_quant=act_quant)) < 1e-5
+        assert _rel(out, fp8_linear(x, q, s, b, act_quant=act_quant, tile=tile)) < 1e-5
+    # each row its own: a row alone gives the same result as in the batch
+    assert _rel(fp8_linear(x[-1:], q, s, b, act_quant=False), fp8_linear(x, q, s, b, act_quant=False)[-1:]) < 1e-6
+
+
 def test_leading_dims_no_bias_and_the_torch_backend():
     x, q, s, _ = _problem(6, 128, 256, seed=1, bias=False)
     x3 = x.view(2, 3, 256)

@@ -5,7 +5,9 @@
 Backends:
 - "triton" (default on CUDA and under the interpreter): one GEMM kernel with the block scales applied per K step,
   weight-only (fp8 tile dequantized to x's dtype in the K loop) or W8A8 (x quantized per token-group of 128,
-  fp8 x fp8 dots scaled by x_scale[row, k-group] x scale_inv[n-block, k-group]).
+  fp8 x fp8 dots scaled by x_scale[row, k-group] x scale_inv[n-block, k-group]); up to GEMV_MAX_ROWS rows (decode)
+  a GEMV on the CUDA cores instead, in fp32 on the dequantized weight (at 16-row tiles the GEMM ran a qkv or o
+  projection in 80 or 32 programs: too few to stream the weight).
 - "scaled_mm" (W8A8 on CUDA): torch._scaled_mm with (BlockWise1x128, BlockWise128x128) scales, which torch 2.13
   accepts on sm_90 (cuBLAS); its layout needs: the weight column-major (w_fp8.t() of the [N, K] weight), the
   activation scales M-major, rows padded to a multiple of 4, the K blocks of both scales padded to a multiple
@@ -78,6 +80,89 @@ def _fp8_linear_kernel(
         acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_a, stride_as, stride_w, stride_ws, stride_out,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Decode rows: out[:M, cols] = a[:M] @ dequant(w)[cols].T (+ bias) in fp32 on the CUDA cores, every row of
+    the BLOCK_N columns' weights read once for all M rows (gemv.py's layout with FP8 rows: half the bytes). A K
+    step is GROUPS sub-steps of SUB_K columns, each inside one scale group, so a step may span several groups
+    (the bytes in flight of a wide bf16 step). Out-of-range rows and columns are clamped on load and never
+    stored. ACT_FP8: a is fp8 with per-(row, group) scales, dequantized in fp32 (the W8A8 numerics)."""
+    pdl_launch.enter(USE_PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.minimum(n, N - 1).to(tl.int64)
+    t = tl.arange(0, BLOCK_T)
+    rows = tl.minimum(t, M - 1).to(tl.int64)
+    sub = tl.arange(0, GROUPS) * SUB_K
+    offs_k = sub[:, None] + tl.arange(0, SUB_K)[None, :]  # [GROUPS, SUB_K]
+    w_ptrs = w_ptr + cols[:, None, None] * stride_w + offs_k[None, :, :]
+    a_ptrs = a_ptr + rows[:, None, None] * stride_a + offs_k[None, :, :]
+    w_scale_ptrs = w_scale_ptr + (cols // SCALE_N) * stride_ws
+    acc = tl.zeros((BLOCK_T, BLOCK_N, GROUPS, SUB_K), dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * SUB_K):
+        groups = (k0 + sub) // SCALE_K  # [GROUPS]
+        a_scale_ptrs = a_scale_ptr + rows[:, None] * stride_as + groups[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            a = tl.load(a_ptrs).to(tl.float32)
+            w_scale = tl.load(w_scale_ptrs[:, None] + groups[None, :])
+            if ACT_FP8:
+                a = a * tl.load(a_scale_ptrs)[:, :, None]
+        else:
+            k_ok = offs_k < K - k0
+            g_ok = sub < K - k0
+            w = tl.load(w_ptrs, mask=k_ok[None, :, :], other=0.0)
+            a = tl.load(a_ptrs, mask=k_ok[None, :, :], other=0.0).to(tl.float32)
+            w_scale = tl.load(w_scale_ptrs[:, None] + groups[None, :], mask=g_ok[None, :], other=0.0)
+            if ACT_FP8:
+                a = a * tl.load(a_scale_ptrs, mask=g_ok[None, :], other=0.0)[:, :, None]
+        acc += a[:, None, :, :] * (w.to(tl.float32) * w_scale[:, :, None])[None, :, :, :]
+        w_ptrs += GROUPS * SUB_K
+        a_ptrs += GROUPS * SUB_K
+    out = tl.sum(tl.sum(acc, 3), 2)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_out + n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(t < M)[:, None] & (n < N)[None, :])
+
+
+GEMV_MAX_ROWS = 8  # rows the FP8 GEMV takes; more go to the tensor-core kernel
+
+
+def gemv_config(num_rows: int, k: int) -> tuple[int, int]:
+    """(block_n, block_k) of the FP8 GEMV: 4 columns per program (a projection of a few thousand columns in
+    hundreds of programs, as gemv.py's bf16 rows) and the widest K step whose fp32 running sums stay at 32-64
+    registers a thread (BLOCK_T x 4 x block_k over 128 threads)."""
+    block_k = max(128, 1024 // triton.next_power_of_2(num_rows) * (2 if num_rows > 1 else 1))
+    return 4, min(block_k, max(128, triton.next_power_of_2(k)))
+
+
+def _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl):
+    m, k = x2.shape
+    n = w_fp8.shape[0]
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    if act_quant:
+        a, a_scale = quantize_groups_fp8(x2, block[1], pdl=pdl)
+    else:
+        a, a_scale = x2, scale_inv  # a_scale: an unread placeholder
+    block_n, block_k = gemv_config(m, k)
+    sub_k = min(block_k, block[1])
+    w, s = w_fp8.contiguous(), scale_inv.contiguous()
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        a, a_scale, w, s, bias if bias is not None else s, out, m, n, k,
+        a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0),
+        BLOCK_T=triton.next_power_of_2(m), BLOCK_N=block_n, GROUPS=block_k // sub_k, SUB_K=sub_k,
+        EVEN_K=k % block_k == 0, SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_quant, HAS_BIAS=bias is not None,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=2)
+    return out
 
 
 def linear_tile(num_rows: int) -> GemmTile:
@@ -180,6 +265,8 @@ def fp8_linear(
         if not act_quant:
             raise ValueError("fp8_linear: the scaled_mm backend multiplies fp8 by fp8: it needs act_quant=True")
         out = _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl)
+    elif 1 <= x2.shape[0] <= GEMV_MAX_ROWS and tile is None and block[1] & (block[1] - 1) == 0:
+        out = _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl)
     else:
         out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, weight_scale == "product", pdl)
     return out.reshape(*lead, w_fp8.shape[0])
