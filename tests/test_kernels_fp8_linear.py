@@ -57,7 +57,7 @@ def test_weight_only_and_w8a8_against_twins(m, n, k):
     assert 1e-3 < _rel(out, ref) < 0.05
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 2])
 def test_decode_rows_take_the_gemv_against_twins(m):
     """Up to GEMV_MAX_ROWS rows: the CUDA-core GEMV (every weight row read once for all rows), with a ragged K
     (320: a K step past K, a partial last scale group) and N (37: a partial last program), weight-only and W8A8,
