@@ -25,6 +25,7 @@ launches no LoRA work at all. No host syncs anywhere: every buffer and grid is s
 shapes, and inactive rows (slot -1, rank 0, padding) exit or are masked inside the kernels.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -407,12 +408,17 @@ def _topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dty
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def tma_readable(w: torch.Tensor) -> bool:
     """Whether a TMA descriptor can read expert weights w [E, N, K] as one [E * N, K] matrix: contiguous, 16-byte
     aligned rows, on a GPU with TMA (Hopper or later) or under the interpreter."""
     if not w.is_contiguous() or w.data_ptr() % 16 or (w.shape[-1] * w.element_size()) % 16:
         return False
-    return w.device.type != "cuda" or torch.cuda.get_device_capability(w.device)[0] >= 9
+    return _has_tma(w.device)
 
 
 def weight_descs(w13: torch.Tensor, w2: torch.Tensor, plan: MoEPlan) -> tuple:
