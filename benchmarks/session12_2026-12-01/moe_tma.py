@@ -50,7 +50,8 @@ def main():
             cases.append(("lora", [kb.lora_args(pools[i], t, "lora4_r16") for i in range(kb.NUM_SETS)],
                           default_plan(t, kb.TOP_K, lora=True, problem=problem)))
         for case, loras, plan in cases:
-            cands = {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in variants(plan, not args.only_tma).items()}
+            cands = {k: fit_plan(v, torch.bfloat16, problem.device)
+                     for k, v in variants(plan, not args.only_tma).items()}
             (w13, w2), (x, tw, ti) = weights[0], inputs[0]
             ref = fused_moe(x, w13, w2, tw, ti, loras[0] if loras else None, plan=plan, pdl=True)
             times, exact = {}, {}
@@ -70,8 +71,9 @@ def main():
             row = dict(tokens=t, case=case, us=med, bitwise_pointers=exact,
                        plans={k: str(v) for k, v in cands.items()})
             rows.append(row)
-            print(f"T={t:5d} {case:4s} " + "  ".join(f"{k}={v:7.1f} ({v / base:.3f}{'' if exact.get(k, True) else ' !='})"
-                                                for k, v in med.items()), flush=True)
+            print(f"T={t:5d} {case:4s} " + "  ".join(
+                f"{k}={v:7.1f} ({v / base:.3f}{'' if exact.get(k, True) else ' !='})" for k, v in med.items()),
+                flush=True)
     with open(f"{args.out}/moe_tma.json", "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 

@@ -531,8 +531,8 @@ def _lora_block_shrink_kernel(
 ):
     """scratch[split, row, :rank] = v[row, split cols] @ A[slot, expert][:rank, split cols]^T for
     the rows of each adapter slot of one expert block. v = x[token], or silu(g) * u of the bf16
-    gu row the down GEMM reads (ACTIVATED: the pair's row of h = silu(g) * u itself). The distinct slots of a block are dealt round-robin to LANES
-    programs (they own disjoint rows). Only rows with an adapter, rank columns < rank, are
+    gu row the down GEMM reads (ACTIVATED: the pair's row of h = silu(g) * u itself). The distinct
+    slots of a block are dealt round-robin to LANES programs (they own disjoint rows). Only rows with an adapter, rank columns < rank, are
     written. UP_HALF: slots flagged separate also write scratch + stride_sh from up_a (same
     strides as A)."""
     pdl_launch.enter(USE_PDL)
