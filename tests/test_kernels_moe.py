@@ -307,7 +307,9 @@ def _check_sorted_lora(problem, ranks, slots, clean, dirty, plan):
     return base
 
 
-@pytest.mark.parametrize("items", [1, 2, 4], ids=["items1", "items2", "items4"])
+# the group sizes plans pick: 2 (default_plan at up to 512 pairs), 4 (above, and the LoRA-apart plan). A group of
+# one runs the same kernel code (ITEMS is the length of one static loop) and no plan picks it.
+@pytest.mark.parametrize("items", [2, 4], ids=["items2", "items4"])
 def test_sorted_lora_epilogue_variants_match_references(items):
     """The LoRA-epilogue plan option (a group of items loaded at once and added in one dot, the rest
     walked) on the mixed-rank case: blocks hold up to 6 (slot, rank step) items (ranks 8, 16, 64),
