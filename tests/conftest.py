@@ -35,17 +35,23 @@ def pytest_collection_modifyitems(config, items):
 # units fill in at the end, so both workers finish together. Only the order depends on this list: a stale entry costs
 # balance, never a result.
 LONGEST_FIRST = (
-    "demo",  # ~75 s: the demo model's build, the engine against transformers, `moeserve demo`
+    "demo",  # ~95 s: the demo model's build, the engine against transformers, `moeserve demo`, FP8 perplexity
     "test_service_lifecycle.py",  # ~70 s
-    "test_server.py",  # ~55 s
-    "test_pdl_launches.py",  # two tests, ~40 s each
-    "test_first_hour.py",  # ~35 s
-    "test_fuzz_openapi.py",  # ~30 s
-    "test_tensor_parallel.py::test_triton_kernels_on_sharded_shapes_equal_tp1",  # ~18 s each
-    "test_bench_serve.py",  # ~20 s
-    "test_engine_client.py",  # ~17 s
-    "test_router_lora.py",  # ~15 s
-    "test_triton_engine_cpu.py",  # ~9 s each
+    "test_server.py",  # ~40 s
+    "test_first_hour.py",  # ~30 s
+    "test_fuzz_openapi.py",  # ~26 s
+    "test_data_parallel.py",  # ~25 s
+    "test_fp8_engine.py::test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path",  # ~17 s
+    "test_triton_engine_cpu.py",  # 9-15 s each
+    "test_fp8_engine.py::test_tp2_shards_the_scales_with_the_weights",  # ~15 s
+    # ~14 s
+    "test_tensor_parallel.py::test_bench_tp_decode_runs_each_engine_in_its_own_child_and_reports_failed_ones",
+    "test_bench_serve.py",  # ~14 s
+    "test_tensor_parallel.py::test_hung_worker_times_out_naming_the_rank",  # ~13 s
+    "test_engine_client.py",  # ~12 s
+    "test_adapter_churn.py",  # ~12 s
+    "test_router_lora.py",  # ~12 s
+    "test_kernels_moe_gate_up.py::test_slot_reloaded_from_separate_to_one_a_and_back",  # ~12 s
 )
 
 

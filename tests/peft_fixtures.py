@@ -56,6 +56,12 @@ def tiny_base_model(family: str, seed: int = 0, **config_overrides):
     return model.eval()
 
 
+# Config overrides of a Qwen-family tiny model for the tests that run the Triton kernels in Triton's interpreter, where
+# each layer costs seconds: two layers, a sparse one then a dense one. The tiny models' third layer is one more sparse
+# layer (the same kernels on that layer's own buffers), not another path.
+INTERPRETED_LAYERS = dict(num_hidden_layers=2, mlp_only_layers=[1])
+
+
 def save_base_checkpoint(family: str, out_dir, seed: int = 0, **config_overrides) -> Path:
     """Write `tiny_base_model(family, seed)` as an HF checkpoint folder (config.json + safetensors)."""
     out_dir = Path(out_dir)

@@ -326,10 +326,8 @@ def test_a_core_that_dies_fails_open_requests_and_later_calls(config):
         lt.close()
 
 
-def test_shutdown_fails_pending_requests(config):
-    lt = LoopThread()
-    client = lt.run(EngineClient.start(config, "WARNING"))
-
+def test_shutdown_fails_pending_requests(client):
+    """The last test on the module's client: it shuts it down (the fixture's own shutdown then does nothing)."""
     async def main():
         stream = await client.submit("hello", SamplingParams(max_tokens=None, ignore_eos=True))
         await stream.__anext__()
@@ -340,11 +338,8 @@ def test_shutdown_fails_pending_requests(config):
         with pytest.raises(EngineDeadError):
             await client.stats()
 
-    try:
-        lt.run(main(), timeout=60)
-        assert not client.proc.is_alive()
-    finally:
-        lt.close()
+    client.lt.run(main(), timeout=60)
+    assert not client.proc.is_alive()
 
 
 def test_startup_errors_name_the_problem(model_dir):

@@ -20,7 +20,7 @@ from moeserve.kernels.fp8 import dequantize_block_fp8
 from moeserve.models.tiny import FP8_QUANTIZATION_CONFIG, TINY_FAMILIES, fp8_state, make_tiny
 
 from engine_probe import prompt_logits
-from peft_fixtures import make_peft_adapter, save_base_checkpoint
+from peft_fixtures import INTERPRETED_LAYERS, make_peft_adapter, save_base_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 TOL = 1e-4
@@ -294,10 +294,11 @@ def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_p
     fp32 rounding, in one batch with no adapter, a fused gate_up expert adapter and one with separate gate_proj /
     up_proj LoRAs (the up A's); the row without an adapter bitwise the LoRA-disabled Triton FP8 engine's."""
     family = "qwen3_moe"
-    base = save_base_checkpoint(family, tmp_path / "base")
+    base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
     fp8 = fp8_copy(base, tmp_path / "fp8")
-    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=1)
-    b, _ = make_peft_adapter(family, tmp_path / "b", rank=4, seed=2, expert_format="per-expert", separate_gate_up=True)
+    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=1, config_overrides=INTERPRETED_LAYERS)
+    b, _ = make_peft_adapter(family, tmp_path / "b", rank=4, seed=2, expert_format="per-expert", separate_gate_up=True,
+                             config_overrides=INTERPRETED_LAYERS)
     kw = dict(model=str(fp8), device="cpu", dtype="float32", max_lora_rank=4, block_size=16)
     lora = dict(lora_modules={"A": str(a), "B": str(b)}, max_loras=2)
     triton = dict(moe_backend="triton", attention_backend="triton")

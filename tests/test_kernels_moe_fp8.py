@@ -104,9 +104,11 @@ def test_weight_only_matches_dequantized_fp32(hidden, inter):
     assert _rel(out, fused_moe_fp8_ref(*problem, act_quant=False)) < 1e-5
 
 
-@pytest.mark.parametrize("hidden,inter", [(256, 128), (192, 192)])
-def test_fp16_activations(hidden, inter):
-    problem = _problem(9, 4, hidden, inter, 2, seed=2, dtype=torch.float16)
+def test_fp16_activations():
+    """16-bit activations on every path (gu, h and the output rounded to fp16; "tile" rounds the dequantized weight
+    too). At H 256, I 128: the partial scale groups of H or I 192 are masks that do not depend on the dtype, run at
+    192 x 192 in fp32 on the same paths (weight-only both scalings, W8A8, the GEMV: the tests above and below)."""
+    problem = _problem(9, 4, 256, 128, 2, seed=2, dtype=torch.float16)
     unquantized = fused_moe_fp8_ref(*problem, act_quant=False).float()
     quantized = fused_moe_fp8_ref(*problem, act_quant=True).float()
     for weight_scale in ("tile", "product"):
@@ -378,34 +380,35 @@ def test_gpu_lora_apart_on_fp8_gemms_bf16():
 
 
 @pytest.mark.parametrize("num_tokens,one_pass", [(3, False), (40, False), (40, True)])
-@pytest.mark.parametrize("separate_up", [False, True])
-def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, one_pass, separate_up):
+def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, one_pass):
     """fused_moe_fp8(lora=...): the adapter rows as fused_moe's fp32 reference with LoRA on the dequantized weights,
-    the others bitwise the call without LoRA, on either path; `separate_up`: slot 0 has its own up A (a pool with
-    lora_separate_gate_up). 6 pairs: the GEMV path; 80: the sorted path, with the heuristic's plan (SiLU*up in the
-    down GEMM: two passes) or `one_pass`, a plan with SiLU*up by its own kernel (one LoRA-apart pass)."""
+    the others bitwise the call without LoRA, on either path; with one A per slot, then with slot 0's own up A (a
+    pool with lora_separate_gate_up). The LoRA-free calls they are compared with are the same for both pools.
+    6 pairs: the GEMV path; 80: the sorted path, with the heuristic's plan (SiLU*up in the down GEMM: two passes)
+    or `one_pass`, a plan with SiLU*up by its own kernel (one LoRA-apart pass)."""
     problem = _problem(num_tokens, 4, 256, 128, 2, seed=11)
     x, q13, s13, q2, s2, weights, ids = problem
-    gen = torch.Generator(device=DEV).manual_seed(12)
-    lora = _lora_args(num_tokens, 4, 256, 128, gen)
-    if separate_up:
-        up_a = torch.randn(lora.gate_up_a.shape, generator=gen, device=DEV) * 0.1
-        up_a[0, :, 8:] = up_a[2, :, 4:] = 0
-        lora = replace(lora, up_a=up_a, gate_up_separate=torch.tensor([1, 0, 0], dtype=torch.int32, device=DEV))
     w13, w2 = dequantize_w13_fp8(q13, s13), dequantize_block_fp8(q2, s2)
-    ref = fused_moe_ref(x.float(), w13, w2, weights, ids, lora).float()
     plan = dict(plan=_small_plan(fused_act=False)) if one_pass else {}
-    out = fused_moe_fp8(*problem, act_quant=False, lora=lora, **plan)
-    base = fused_moe_fp8(*problem, act_quant=False, **plan)
-    no_adapter = lora.token_slots < 0
-    assert no_adapter.any() and torch.equal(out[no_adapter], base[no_adapter])
-    assert _rel(out, ref) < 1e-5
-    assert _rel(out - base, ref - fused_moe_ref(x.float(), w13, w2, weights, ids).float()) < 1e-4  # the deltas
-    # W8A8: the same for the rows without an adapter; the others within the activation-quantization error
-    out, base = (fused_moe_fp8(*problem, act_quant=True, lora=lora, **plan),
-                 fused_moe_fp8(*problem, act_quant=True, **plan))
-    assert torch.equal(out[no_adapter], base[no_adapter])
-    assert _rel(out, ref) < 0.08
+    base = {act_quant: fused_moe_fp8(*problem, act_quant=act_quant, **plan) for act_quant in (False, True)}
+    ref_base = fused_moe_ref(x.float(), w13, w2, weights, ids).float()
+    for separate_up in (False, True):
+        gen = torch.Generator(device=DEV).manual_seed(12)
+        lora = _lora_args(num_tokens, 4, 256, 128, gen)
+        if separate_up:
+            up_a = torch.randn(lora.gate_up_a.shape, generator=gen, device=DEV) * 0.1
+            up_a[0, :, 8:] = up_a[2, :, 4:] = 0
+            lora = replace(lora, up_a=up_a, gate_up_separate=torch.tensor([1, 0, 0], dtype=torch.int32, device=DEV))
+        ref = fused_moe_ref(x.float(), w13, w2, weights, ids, lora).float()
+        out = fused_moe_fp8(*problem, act_quant=False, lora=lora, **plan)
+        no_adapter = lora.token_slots < 0
+        assert no_adapter.any() and torch.equal(out[no_adapter], base[False][no_adapter]), separate_up
+        assert _rel(out, ref) < 1e-5, separate_up
+        assert _rel(out - base[False], ref - ref_base) < 1e-4, separate_up  # the deltas
+        # W8A8: the same for the rows without an adapter; the others within the activation-quantization error
+        out = fused_moe_fp8(*problem, act_quant=True, lora=lora, **plan)
+        assert torch.equal(out[no_adapter], base[True][no_adapter]), separate_up
+        assert _rel(out, ref) < 0.08, separate_up
 
 
 @pytest.mark.gpu

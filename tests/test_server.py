@@ -527,17 +527,28 @@ def test_graph_replay_metric_labels():
 # API key, CLI flags, `serve` entry point
 # ---------------------------------------------------------------------------------------------
 
-def test_api_key(model_dir):
-    s = RunningServer(EngineConfig(model=str(model_dir), **ENGINE_KW), MODEL, api_key="sekrit")
-    try:
-        assert s.client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
-        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        r = s.http.get("/v1/models", headers={"Authorization": "Bearer wrong"})
-        assert r.status_code == 401
-        assert s.http.get("/health").status_code == 200
-    finally:
-        s.close()
+KEY = "sekrit"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def keyed_server(model_dir):
+    """A server with an API key, a KV cache of 6 blocks (5 usable) and no max_model_len, and a queue of 4: the
+    tests of each of these settings share its start."""
+    s = RunningServer(EngineConfig(model=str(model_dir), num_kv_blocks=6, block_size=16, max_queue_len=4), MODEL,
+                      api_key=KEY)
+    yield s
+    s.close()
+
+
+def test_api_key(keyed_server):
+    s = keyed_server
+    assert s.client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+    r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = s.http.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert s.http.get("/health").status_code == 200
 
 
 def test_engine_args_cover_every_config_field():
@@ -639,8 +650,9 @@ def lora_ref(model_dir, adapters):
     return Engine(EngineConfig(model=str(model_dir), lora_modules=dict(adapters), **LORA_KW))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def lora_server(model_dir, adapters):
+    """Shared by the two tests below: the first unloads the adapter it loads (c), so the second finds a and b."""
     s = RunningServer(EngineConfig(model=str(model_dir), lora_modules={"a": adapters["a"], "b": adapters["b"]},
                                    **LORA_KW), MODEL)
     yield s
@@ -685,6 +697,7 @@ def test_lora_64_clients_mixing_three_adapters(lora_server, lora_ref, adapters):
     m = _metrics(s)
     assert m[("moeserve_lora_loads_total", ())] >= 3 and m[("moeserve_lora_evictions_total", ())] >= 1
     assert m[("moeserve_lora_adapters", ())] == 3
+    assert s.http.post("/v1/unload_lora_adapter", json={"lora_name": "c"}).status_code == 200
 
 
 def test_lora_load_unload_while_traffic_runs(lora_server, lora_ref, adapters):
@@ -764,26 +777,22 @@ def test_lora_load_unload_while_traffic_runs(lora_server, lora_ref, adapters):
 # review regressions: each of these used to answer wrongly, hang or stall
 # ---------------------------------------------------------------------------------------------
 
-def test_small_kv_cache_lowers_an_automatic_max_model_len(model_dir):
-    s = RunningServer(EngineConfig(model=str(model_dir), num_kv_blocks=6, block_size=16), MODEL)  # 5 usable blocks
+def test_small_kv_cache_lowers_an_automatic_max_model_len(keyed_server, model_dir):
+    s = keyed_server  # 5 usable blocks of 16
     assert s.engine.info.max_model_len == 80
-    try:  # no max_tokens: "as many as fit", not a refusal
-        r = s.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
-        assert r.status_code == 200, r.text
-    finally:
-        s.close()
+    # no max_tokens: "as many as fit", not a refusal
+    r = s.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                    headers=AUTH)
+    assert r.status_code == 200, r.text
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         Engine(EngineConfig(model=str(model_dir), num_kv_blocks=6, block_size=16, max_model_len=128))
 
 
-def test_more_choices_than_the_queue_holds_is_400_not_503(model_dir):
-    s = RunningServer(EngineConfig(model=str(model_dir), **dict(ENGINE_KW, max_queue_len=4)), MODEL)
-    try:
-        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 8})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
-        assert s.wait_idle().kv_blocks_free == s.stats().kv_blocks_total
-    finally:
-        s.close()
+def test_more_choices_than_the_queue_holds_is_400_not_503(keyed_server):
+    s = keyed_server  # max_queue_len 4
+    r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 8}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert s.wait_idle().kv_blocks_free == s.stats().kv_blocks_total
 
 
 def test_request_failing_in_the_engine_is_an_error_not_an_empty_200(model_dir, adapters, tmp_path):

@@ -25,6 +25,14 @@ def model_dir(tmp_path_factory):
     return make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny_load"))
 
 
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """One server for the file (one core start): the last test kills its core."""
+    s = RunningServer(EngineConfig(model=str(model_dir), **ENGINE_KW), MODEL)
+    yield s
+    s.close()
+
+
 async def _stream(session, url: str, prompt: list[int], max_tokens: int, leave_after: int | None):
     """Token ids of one streaming completion (None if this client left early on purpose)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -47,7 +55,7 @@ async def _stream(session, url: str, prompt: list[int], max_tokens: int, leave_a
     raise AssertionError("stream ended without [DONE]")
 
 
-def test_128_streaming_clients_some_leaving_lose_nothing_and_free_every_block(model_dir):
+def test_128_streaming_clients_some_leaving_lose_nothing_and_free_every_block(model_dir, server):
     prompts = [[(7 * i + j) % 500 + 3 for j in range(4 + i % 13)] for i in range(128)]
     leaving = set(range(0, 128, 8))  # 16 clients disconnect after their second chunk
     # a leaver asks for the rest of the context, so its abort lands long before its last token could: a leaver
@@ -55,51 +63,47 @@ def test_128_streaming_clients_some_leaving_lose_nothing_and_free_every_block(mo
     leaver_tokens = ENGINE_KW["max_model_len"] - 16
     ref = Engine(EngineConfig(model=str(model_dir), **ENGINE_KW))
     want = ref.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    s = RunningServer(EngineConfig(model=str(model_dir), **ENGINE_KW), MODEL)
-    try:
-        async def main():
-            conn = aiohttp.TCPConnector(limit=0)
-            async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
-                return await asyncio.gather(*(
-                    _stream(session, s.url, p, *((leaver_tokens, 2) if i in leaving else (12, None)))
-                    for i, p in enumerate(prompts)),
-                    return_exceptions=True)
+    s = server
 
-        t0 = time.perf_counter()
-        got = asyncio.run(main())
-        elapsed = time.perf_counter() - t0
-        failures = [g for g in got if isinstance(g, BaseException)]
-        assert not failures, failures[:3]
-        for i, (g, w) in enumerate(zip(got, want)):
-            if i in leaving:
-                assert g is None
-            else:  # streamed text pieces of the same greedy tokens as the offline engine
-                assert "".join(g) == "".join(ref.tokenizer.decode([t], skip_special_tokens=False) for t in w.token_ids)
-        st = s.wait_idle()
-        assert st.kv_blocks_free == st.kv_blocks_total
-        assert st.aborted_total == len(leaving)
-        assert st.num_running == st.num_waiting == 0
-        print(f"128 streaming clients in {elapsed:.1f} s")
-    finally:
-        s.close()
+    async def main():
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            return await asyncio.gather(*(
+                _stream(session, s.url, p, *((leaver_tokens, 2) if i in leaving else (12, None)))
+                for i, p in enumerate(prompts)),
+                return_exceptions=True)
+
+    t0 = time.perf_counter()
+    got = asyncio.run(main())
+    elapsed = time.perf_counter() - t0
+    failures = [g for g in got if isinstance(g, BaseException)]
+    assert not failures, failures[:3]
+    for i, (g, w) in enumerate(zip(got, want)):
+        if i in leaving:
+            assert g is None
+        else:  # streamed text pieces of the same greedy tokens as the offline engine
+            assert "".join(g) == "".join(ref.tokenizer.decode([t], skip_special_tokens=False) for t in w.token_ids)
+    st = s.wait_idle()
+    assert st.kv_blocks_free == st.kv_blocks_total
+    assert st.aborted_total == len(leaving)
+    assert st.num_running == st.num_waiting == 0
+    print(f"128 streaming clients in {elapsed:.1f} s")
 
 
-def test_a_core_that_dies_answers_errors_and_503_not_hangs(model_dir):
-    s = RunningServer(EngineConfig(model=str(model_dir), **ENGINE_KW), MODEL)
-    try:
-        body = {"model": MODEL, "prompt": "hello", "max_tokens": 120, "stream": True, "ignore_eos": True}
-        with s.http.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            os.kill(s.engine.proc.pid, signal.SIGKILL)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        err = json.loads(rest[-2][6:])["error"]
-        assert err["code"] == "engine_unavailable" and "died" in err["message"]
-        r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=5)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
-        health = s.http.get("/health", timeout=5)
-        assert health.status_code == 503
-    finally:
-        s.close()
+def test_a_core_that_dies_answers_errors_and_503_not_hangs(server):
+    """Last in this file: it kills the shared server's core."""
+    s = server
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 120, "stream": True, "ignore_eos": True}
+    with s.http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        os.kill(s.engine.proc.pid, signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    err = json.loads(rest[-2][6:])["error"]
+    assert err["code"] == "engine_unavailable" and "died" in err["message"]
+    r = s.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=5)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    health = s.http.get("/health", timeout=5)
+    assert health.status_code == 503

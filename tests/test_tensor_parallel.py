@@ -14,7 +14,7 @@ from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.errors import RankFailure
 from moeserve.lora.slot_pool import ALL_TARGETS
 
-from peft_fixtures import make_peft_adapter, save_base_checkpoint
+from peft_fixtures import INTERPRETED_LAYERS, make_peft_adapter, save_base_checkpoint
 
 LP_TOL = 1e-4  # fp32: logits (so logprobs) within 1e-4 of the single-rank engine
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
@@ -118,9 +118,11 @@ def test_triton_kernels_on_sharded_shapes_equal_tp1(tmp_path, tp_engine, expert_
     experts with the other rank's pairs skipped; expert adapters ride along, a fused gate_up one and one with
     separate gate and up A's."""
     family = "qwen2_moe"
-    base = save_base_checkpoint(family, tmp_path / "base")
-    path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1)[0])
-    sep = str(make_peft_adapter(family, tmp_path / "sep", kind="experts", rank=4, seed=2, **SEPARATE_GATE_UP)[0])
+    base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
+    path = str(make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=1,
+                                 config_overrides=INTERPRETED_LAYERS)[0])
+    sep = str(make_peft_adapter(family, tmp_path / "sep", kind="experts", rank=4, seed=2,
+                                config_overrides=INTERPRETED_LAYERS, **SEPARATE_GATE_UP)[0])
     kw = dict(lora_modules={"ad": path, "sep": sep}, max_loras=2)
     ps, loras = prompts(3, seed=3), [None, "ad", "sep"]
     sp = SamplingParams(max_tokens=2, **GREEDY)

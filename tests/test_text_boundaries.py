@@ -144,24 +144,20 @@ def test_a_stop_string_in_the_partial_character_a_request_ends_on_still_stops_it
         assert outs[0].delta_text + final.delta_text == final.text
 
 
-def test_streamed_echo_logprobs_of_a_prompt_prefilled_in_chunks_are_all_there(tmp_path):
-    d = make_tiny("qwen3_moe", tmp_path / "tiny")
-    s = RunningServer(EngineConfig(model=str(d), max_num_batched_tokens=16, **ENGINE_KW), MODEL)
-    try:
-        prompt = list(range(3, 100))  # six prefill chunks
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
-                "echo": True, "logprobs": 1}
-        whole = s.http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
-        assert whole["token_logprobs"][0] is None and None not in whole["token_logprobs"][1:]
-        r = s.http.post("/v1/completions", json={**body, "stream": True})
-        chunks = [json.loads(line[6:])["choices"][0]["logprobs"] for line in r.text.split("\n\n")
-                  if line.startswith("data: {")]
-        streamed = [x for c in chunks if c for x in c["token_logprobs"]]
-        assert len(streamed) == len(prompt) + 3
-        assert streamed[0] is None and streamed[1:] == pytest.approx(whole["token_logprobs"][1:], abs=1e-5)
-        assert [t for c in chunks if c for t in c["tokens"]] == whole["tokens"]
-    finally:
-        s.close()
+def test_streamed_echo_logprobs_of_a_prompt_prefilled_in_chunks_are_all_there(chunked_server):
+    s = chunked_server
+    prompt = list(range(3, 100))  # six prefill chunks
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 1}
+    whole = s.http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert whole["token_logprobs"][0] is None and None not in whole["token_logprobs"][1:]
+    r = s.http.post("/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(line[6:])["choices"][0]["logprobs"] for line in r.text.split("\n\n")
+              if line.startswith("data: {")]
+    streamed = [x for c in chunks if c for x in c["token_logprobs"]]
+    assert len(streamed) == len(prompt) + 3
+    assert streamed[0] is None and streamed[1:] == pytest.approx(whole["token_logprobs"][1:], abs=1e-5)
+    assert [t for c in chunks if c for t in c["tokens"]] == whole["tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +171,14 @@ def tiny_tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     return make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny_stops"))
+
+
+@pytest.fixture(scope="module")
+def chunked_server(tiny_model):
+    """The tiny model served with prefills in chunks of 16 tokens, for the two server tests on it (one start)."""
+    s = RunningServer(EngineConfig(model=str(tiny_model), max_num_batched_tokens=16, **ENGINE_KW), MODEL)
+    yield s
+    s.close()
 
 
 def _first_unique_word(hf, tokens: list[int]) -> int:
@@ -221,25 +225,22 @@ def test_a_stop_token_ids_text_is_left_out_unless_include_stop_str_in_output(tin
         assert (out.finish_reason, out.text, "".join(pieces)) == ("stop", want, want)
 
 
-def test_the_server_takes_include_stop_str_in_output(tiny_model):
-    s = RunningServer(EngineConfig(model=str(tiny_model), **ENGINE_KW), MODEL)
-    try:
-        completion = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0,
-                      "ignore_eos": True}
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0,
-                "ignore_eos": True}
+def test_the_server_takes_include_stop_str_in_output(chunked_server):
+    s = chunked_server
+    completion = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 16, "temperature": 0,
+                  "ignore_eos": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}
 
-        def text(path, body):
-            c = s.http.post(path, json=body).json()["choices"][0]
-            return c["finish_reason"], c["text"] if "text" in c else c["message"]["content"]
+    def text(path, body):
+        c = s.http.post(path, json=body).json()["choices"][0]
+        return c["finish_reason"], c["text"] if "text" in c else c["message"]["content"]
 
-        for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
-            _, free = text(path, body)
-            stop = free[3:6]
-            cut = free.find(stop)
-            for include, want in ((False, free[:cut]), (True, free[:cut + len(stop)])):
-                assert text(path, {**body, "stop": [stop], "include_stop_str_in_output": include}) == ("stop", want)
-        r = s.http.post("/v1/completions", json={**completion, "include_stop_str_in_output": "yes"})
-        assert r.status_code == 400 and "include_stop_str_in_output" in r.json()["error"]["param"]
-    finally:
-        s.close()
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        _, free = text(path, body)
+        stop = free[3:6]
+        cut = free.find(stop)
+        for include, want in ((False, free[:cut]), (True, free[:cut + len(stop)])):
+            assert text(path, {**body, "stop": [stop], "include_stop_str_in_output": include}) == ("stop", want)
+    r = s.http.post("/v1/completions", json={**completion, "include_stop_str_in_output": "yes"})
+    assert r.status_code == 400 and "include_stop_str_in_output" in r.json()["error"]["param"]

@@ -5,16 +5,17 @@ import torch
 
 from moeserve import Engine, EngineConfig, SamplingParams
 from engine_probe import prompt_logits
-from peft_fixtures import make_peft_adapter, save_base_checkpoint
+from peft_fixtures import INTERPRETED_LAYERS, make_peft_adapter, save_base_checkpoint
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_triton_backends_match_torch_backends(tmp_path, family):
     """One batch mixes no adapter, a fused gate_up expert adapter (A) and one with separate gate_proj / up_proj
     LoRAs of rank 4, each with its own A (B), in a rank-4 pool."""
-    base = save_base_checkpoint(family, tmp_path / "base")
-    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=1)
-    b, _ = make_peft_adapter(family, tmp_path / "b", rank=4, seed=2, expert_format="per-expert", separate_gate_up=True)
+    base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
+    a, _ = make_peft_adapter(family, tmp_path / "a", rank=4, seed=1, config_overrides=INTERPRETED_LAYERS)
+    b, _ = make_peft_adapter(family, tmp_path / "b", rank=4, seed=2, expert_format="per-expert", separate_gate_up=True,
+                             config_overrides=INTERPRETED_LAYERS)
     kw = dict(model=str(base), device="cpu", dtype="float32", lora_modules={"A": str(a), "B": str(b)}, max_loras=2,
               max_lora_rank=4, block_size=16)
     tri = Engine(EngineConfig(moe_backend="triton", attention_backend="triton", **kw))
@@ -32,9 +33,9 @@ def test_triton_separate_gate_up_adapter_matches_peft(tmp_path):
     kernels against PEFT: a 33-token prompt (66 pairs: the sorted path, one N tile across gate and up) and greedy
     decode (the GEMV path)."""
     family = "qwen3_moe"
-    base = save_base_checkpoint(family, tmp_path / "base")
+    base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
     path, pm = make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=7,
-                                 expert_format="per-expert", separate_gate_up=True)
+                                 expert_format="per-expert", separate_gate_up=True, config_overrides=INTERPRETED_LAYERS)
     engine = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", lora_modules={"ad": str(path)},
                                  max_lora_rank=4, block_size=16, moe_backend="triton", attention_backend="triton"))
     assert engine.lora_manager.pool.separate_gate_up
