@@ -3,9 +3,11 @@ tiles) and on candidates around them, with each plan's per-kernel split: what #2
 MoE alone at T >= 64) has to beat. Qwen3-30B-A3B expert shapes, bf16, µs per call (CUDA graph over 4 weight sets,
 interleaved rounds, medians); the split is the torch profiler over eager calls of the engine's plan.
 
-Candidates: at T <= 256 (the epilogue plans) the tuned base tiles with the epilogue instead of the heuristic's, and
-the apart expands; above, the epilogue on 128 x 128 and 64 x 128 tiles (accumulators that leave registers for it),
-beside the apart expands the engine runs.
+Candidates: the engine's plan with each expert's rows in adapter-slot order (MoEPlan.lora_slot_sorted; above 256
+tokens also with the expands walking items one by one, which sorted rows make fewer); at T <= 256 (the epilogue
+plans) the tuned base tiles with the epilogue instead of the heuristic's, and the apart expands; above, the epilogue
+on 128 x 128 and 64 x 128 tiles (accumulators that leave registers for it), beside the apart expands the engine
+runs.
 
     PYTHONPATH=. python benchmarks/session13/lora_plans.py --out DIR [--batches 256,512,2048,8192]
 """
@@ -25,6 +27,11 @@ def candidates(t: int, problem: MoEProblem) -> dict:
     engine = default_plan(t, kb.TOP_K, lora=True, problem=problem)
     base = default_plan(t, kb.TOP_K, problem=problem)
     out = {"engine": engine}
+    # each expert's rows in adapter-slot order (MoEPlan.lora_slot_sorted, torch alignment: its extra launches are
+    # in these times): fewer slots per row tile, fewer LoRA items walked
+    out["engine_slot_sorted"] = replace(engine, lora_slot_sorted=True)
+    if not engine.lora_epilogue:
+        out["apart_slot_sorted_walk"] = replace(engine, lora_slot_sorted=True, lora_epilogue_items=0)
     if engine.lora_epilogue:
         out["epi_tuned_tiles_i4"] = replace(engine, gate_up=base.gate_up, down=base.down, lora_epilogue_items=4)
         out["epi_tuned_tiles_i2"] = replace(engine, gate_up=base.gate_up, down=base.down, lora_epilogue_items=2)

@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeserve.kernels import pdl as pdl_launch
-from moeserve.kernels.moe_align import moe_align
+from moeserve.kernels.moe_align import moe_align, moe_align_ref
 from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
@@ -502,9 +502,14 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     t = plan.gate_up
     if plan.down.block_m != t.block_m:
         raise ValueError("gate_up and down share one alignment: block_m must match")
-    aligned = moe_align(topk_ids, num_experts, t.block_m, pdl=pdl)
-    num_blocks = aligned.block_groups.numel()
     has_lora = lora is not None
+    if has_lora and plan.lora_slot_sorted:
+        num_slots = lora.slot_ranks.shape[0]
+        slot_keys = (lora.token_slots.long() + 1).clamp(0, num_slots)[:, None].expand(topk_ids.shape)
+        aligned = moe_align_ref(topk_ids, num_experts, t.block_m, sub_keys=slot_keys, num_sub_keys=num_slots + 1)
+    else:
+        aligned = moe_align(topk_ids, num_experts, t.block_m, pdl=pdl)
+    num_blocks = aligned.block_groups.numel()
     up_half = has_lora and lora.up_a is not None
     apart = has_lora and not plan.lora_epilogue  # plain GEMMs, then lora_expand_act / lora_expand_down
     in_epilogue = has_lora and not apart

@@ -70,6 +70,10 @@ class MoEPlan:
     lora_apart_warps: int = 4  # warps of an apart expand program
     # sorted path: the GEMMs read their weight tiles through TMA descriptors (Hopper and later) instead of pointers
     weights_tma: bool = False
+    # sorted path with LoRA, a prototype to measure (off in every shipped plan): the rows of each expert block in the
+    # order of their adapter slot (the torch alignment, moe_align_ref with the slots as sub-keys), so that at prefill
+    # sizes a block's row tiles hold one or two slots where they held every slot, and the LoRA walks fewer items
+    lora_slot_sorted: bool = False
 
 
 @dataclass(frozen=True)
