@@ -363,6 +363,32 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 
 @pytest.mark.gpu_multi
 @two_gpus
+@pytest.mark.parametrize("family", list(CASES))
+def test_gpu_tp2_and_ep2_equal_tp1_for_every_family_with_mixed_adapters(tmp_path, tp_engine, family):
+    """The CPU check above on two GPUs (NCCL, the Triton kernels, CUDA graphs), fp32: TP=2 and EP=2 give the
+    tokens and logprobs of one GPU on waves that mix no adapter with each family's adapters."""
+    overrides, kinds = CASES[family]
+    base = save_base_checkpoint(family, tmp_path / "base", **overrides)
+    paths = {name: str(make_peft_adapter(family, tmp_path / name, kind=kind, rank=rank, seed=i + 1,
+                                         config_overrides=overrides, **(fmt[0] if fmt else {}))[0])
+             for i, (name, (kind, rank, *fmt)) in enumerate(kinds.items())}
+    names = list(paths)
+    kw = dict(device="cuda", lora_modules=paths, max_loras=3, lora_target_modules=list(ALL_TARGETS),
+              cuda_graph_bs=[1, 2, 4, 8])
+    sp = SamplingParams(max_tokens=6, **GREEDY)
+    waves = [[None, names[0], names[1], None, names[2]], [names[2], None, names[1]], [names[0]]]
+    waves = [(prompts(len(loras), seed=10 * i + 3), loras) for i, loras in enumerate(waves)]
+    with Engine(config(base, **kw)) as one:
+        refs = [one.generate(ps, sp, lora=loras) for ps, loras in waves]
+    for expert_parallel in (False, True):
+        two = tp_engine(config(base, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **kw))
+        for (ps, loras), ref in zip(waves, refs):
+            assert_same(two.generate(ps, sp, lora=loras), ref)
+        two.runner.shutdown()
+
+
+@pytest.mark.gpu_multi
+@two_gpus
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
 def test_gpu_tp2_graphs_equal_eager_under_alternating_variants(tmp_path, tp_engine, expert_parallel):
     """NCCL + CUDA graphs at TP=2 (and EP=2): decode graphs (both variants, collectives recorded inside) give the
