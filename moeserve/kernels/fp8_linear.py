@@ -140,29 +140,28 @@ def _fp8_gemv_kernel(
 GEMV_MAX_ROWS = 2
 
 
-def gemv_config(num_rows: int, k: int) -> tuple[int, int]:
-    """(block_n, block_k) of the FP8 GEMV: 4 columns per program (a projection of a few thousand columns in
-    hundreds of programs, as gemv.py's bf16 rows) and the widest K step whose fp32 running sums stay at 32-64
-    registers a thread (BLOCK_T x 4 x block_k over 128 threads)."""
-    block_k = max(128, 1024 // triton.next_power_of_2(num_rows) * (2 if num_rows > 1 else 1))
-    return 4, min(block_k, max(128, triton.next_power_of_2(k)))
+GEMV_BLOCK_N = 4  # columns per program: a projection of a few thousand columns in hundreds of programs (gemv.py's)
+GEMV_BLOCK_K = 1024  # columns per K step: fp32 running sums of 32-64 registers a thread at 1-2 rows
+
+
+def _operands(x2, w_fp8, scale_inv, act_quant, block, pdl):
+    """(a, a_scale, w, s, out) of either Triton kernel: x2 quantized per token-group under W8A8 (else a_scale is an
+    unread placeholder), the weight and its scales contiguous, the output in x2's dtype."""
+    a, a_scale = quantize_groups_fp8(x2, block[1], pdl=pdl) if act_quant else (x2, scale_inv)
+    out = torch.empty(x2.shape[0], w_fp8.shape[0], dtype=x2.dtype, device=x2.device)
+    return a, a_scale, w_fp8.contiguous(), scale_inv.contiguous(), out
 
 
 def _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl):
     m, k = x2.shape
     n = w_fp8.shape[0]
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    if act_quant:
-        a, a_scale = quantize_groups_fp8(x2, block[1], pdl=pdl)
-    else:
-        a, a_scale = x2, scale_inv  # a_scale: an unread placeholder
-    block_n, block_k = gemv_config(m, k)
+    a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl)
+    block_k = min(GEMV_BLOCK_K, max(128, triton.next_power_of_2(k)))
     sub_k = min(block_k, block[1])
-    w, s = w_fp8.contiguous(), scale_inv.contiguous()
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+    _fp8_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
         a, a_scale, w, s, bias if bias is not None else s, out, m, n, k,
         a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0),
-        BLOCK_T=triton.next_power_of_2(m), BLOCK_N=block_n, GROUPS=block_k // sub_k, SUB_K=sub_k,
+        BLOCK_T=triton.next_power_of_2(m), BLOCK_N=GEMV_BLOCK_N, GROUPS=block_k // sub_k, SUB_K=sub_k,
         EVEN_K=k % block_k == 0, SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_quant, HAS_BIAS=bias is not None,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=2)
     return out
@@ -200,15 +199,9 @@ def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_pro
     tile = tile or linear_tile(m)
     if block[1] % tile.block_k:
         raise ValueError(f"fp8_linear: block_k {tile.block_k} must divide the scale block {block[1]}")
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     if m == 0:
-        return out
-    if act_quant:
-        a, a_scale = quantize_groups_fp8(x2, block[1], pdl=pdl)
-    else:
-        a, a_scale = x2, scale_inv  # a_scale: an unread placeholder
-    w = w_fp8.contiguous()
-    s = scale_inv.contiguous()
+        return torch.empty(0, n, dtype=x2.dtype, device=x2.device)
+    a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
     _fp8_linear_kernel[grid](
         a, a_scale, w, s, bias if bias is not None else s, out, m, n, k,
