@@ -5,10 +5,7 @@
 #    engine plan's per-kernel split: which LoRA kernel is the time at each T.
 # 2. #25: FP8 MoE tile sweep (the FP8 sorted path runs bf16's tiles refitted, untuned; slower than bf16 from T=2,048).
 # 3. #25: decode at 1-8 rows, bf16 against FP8 (the FP8 dense GEMV serves 1-2 rows since session 12; 2 unmeasured).
-set -o pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:.
+source benchmarks/device_env.sh
 t0=$(date +%s)
 echo "== MoE + LoRA plans"
 timeout 220 python3 benchmarks/session13/lora_plans.py --out $OUT 2>&1 | grep -v Warn | tail -24

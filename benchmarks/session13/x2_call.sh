@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
 # #26 on the nvidia-h200-x2 kind (carry .whl), when `status` lists it: the two-GPU tests, TP / EP decode, the
 # all-reduce choice, and data parallelism through the server against one GPU. Each step under its own limit.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:.
+source benchmarks/device_env.sh
 t0=$(date +%s)
-timeout 200 python3 -m pytest -q -m gpu_multi tests -rf --tb=short -p no:cacheprovider > $OUT/gpu_multi.log 2>&1
-echo "gpu_multi rc=$? $(( $(date +%s)-t0 ))s: $(tail -1 $OUT/gpu_multi.log)"
-grep -h -A8 "^FAILED\|^ERROR" $OUT/gpu_multi.log | head -30 | cut -c1-300
+LANE_MARK=gpu_multi LANE_TIMEOUT=200 lane test_tensor_parallel test_layer_profile
+grep -h -A8 "^FAILED\|^ERROR" $OUT/test_*.log | head -30 | cut -c1-300
 timeout 60 python3 -m benchmarks.kernels.collectives --world-size 2 --out $OUT/collectives 2>&1 | tail -12
 timeout 240 python3 -m moeserve.bench.tp_decode --layers 48 --settings tp1,tp2,ep2 --batches 1,64,256,512 \
   --modes base,idle-dual,active --steps 32 --repeats 2 --out $OUT/tp 2>&1 | grep -v Warn | tail -20
