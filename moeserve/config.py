@@ -39,6 +39,10 @@ class EngineConfig:
     # base weights: None (unset) serves what the checkpoint declares (an fp8 quantization_config serves FP8);
     # "fp8": block-wise FP8 (128 x 128 scales), a plain checkpoint quantized at load. LoRA stays in `dtype`
     quantization: str | None = None
+    # FP8 products weight-only everywhere (the fp8 weight tile dequantized in the K loop: exact against the
+    # dequantized weights, slower from 64 rows on Hopper); unset, the GEMMs quantize activations per token-group of
+    # 128 (W8A8, as the checkpoints' activation_scheme "dynamic" asks) and the GEMVs of decode rows stay weight-only
+    fp8_weight_only: bool = False
 
     # memory and batching
     max_model_len: int | None = None  # default min(max_position_embeddings, 4096)
@@ -178,6 +182,9 @@ class EngineConfig:
         model_dir = self.model if self.model is not None and os.path.isdir(self.model) else None  # a missing
         # folder is reported by the engine; a quantization_config not implemented is refused here, before any load
         self.quantization = resolve_quantization(self.quantization, model_dir)
+        if self.fp8_weight_only and self.quantization != "fp8":
+            raise ValueError(f"{flag('fp8_weight_only')} applies to FP8 base weights: set {flag('quantization')} "
+                             "fp8 or serve a checkpoint whose quantization_config is fp8")
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"{flag('lora_dir')} {self.lora_dir!r} is not a directory")
         if self.lora_modules:
@@ -215,7 +222,7 @@ class EngineConfig:
         and handed to the model; the rules deriving one choice from another are in exec_options.py."""
         if not self._resolved:
             raise ValueError("exec_options() needs a resolved config: call resolve() first")
-        weights, unquantized = weight_format(self.quantization, self.model)
+        weights, unquantized = weight_format(self.quantization, self.model, weight_only=self.fp8_weight_only)
         return ExecOptions(device=torch.device(self.device), dtype=self.torch_dtype,
                            attention_backend=self.attention_backend, moe_backend=self.moe_backend,
                            linear_backend=self.linear_backend, pdl=self.pdl, weights=weights,

@@ -83,6 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="base weights in block-wise FP8 (float8_e4m3fn, one scale per 128 x 128 block): a plain "
                         "checkpoint is quantized at load (with --load-format dummy too); unset: what the "
                         "checkpoint declares (an fp8 quantization_config serves FP8). LoRA stays in --dtype")
+    g.add_argument("--fp8-weight-only", action="store_true",
+                   help="FP8 products weight-only everywhere (exact against the dequantized weights, slower from "
+                        "64 rows); default: GEMMs quantize activations per token-group of 128 (W8A8, dynamic), "
+                        "decode GEMVs stay weight-only")
     g.add_argument("--seed", type=int, default=_default("seed"),
                    help="seed of the sampler for requests that give no seed of their own")
 

@@ -43,11 +43,18 @@ class WeightFormat:
 
     method None: stored in the activation dtype, multiplied by F.linear / oneDNN / the Triton GEMV / the fused MoE.
     method "fp8": block-wise float8_e4m3fn with one float32 scale_inv per `block` (out x in) of the weight, as Qwen
-    and DeepSeek publish it (kernels/fp8.py); `act_quant` multiplies W8A8 (activations quantized per token-group of
-    block[1] at run time), else weight-only (the fp8 tile dequantized in the GEMM's K loop)."""
+    and DeepSeek publish it (kernels/fp8.py); `act_quant` True multiplies W8A8 (activations quantized per token-group
+    of block[1] at run time), False weight-only (the fp8 tile dequantized in the K loop), None (the engine's) picks
+    per call: W8A8 where the call is a GEMM, weight-only where it is a GEMV (kernels/fp8_linear, fused_moe_fp8
+    resolve_act_quant; the torch backend runs weight-only then)."""
     method: str | None = None
     block: tuple[int, int] = (128, 128)
-    act_quant: bool = False
+    act_quant: bool | None = None
+
+    @property
+    def multiplication(self) -> str:
+        """How the quantized weights are multiplied, in words (the start-up log)."""
+        return {True: "W8A8", False: "weight-only", None: "W8A8 GEMMs, weight-only GEMVs"}[self.act_quant]
 
     @property
     def quantized(self) -> bool:

@@ -40,6 +40,7 @@ def test_every_config_field_has_the_flag_errors_name():
     (dict(cuda_graph_bs=[0]), "cuda_graph_bs (--cuda-graph-bs) must be a list of positive integers"),
     (dict(pdl=True), "pdl (--pdl) needs a CUDA device of compute capability 9.0 or later"),
     (dict(pdl="yes"), "pdl (--pdl) must be a boolean"),
+    (dict(fp8_weight_only=True), "fp8_weight_only (--fp8-weight-only) applies to FP8 base weights"),
 ])
 def test_config_errors_name_the_flag(kw, message):
     with pytest.raises(ValueError) as err:

@@ -290,9 +290,12 @@ def test_demo_model_perplexity_in_fp8_within_one_percent_of_bf16(demo_dir):
 
 def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_path):
     """The FP8 engine on the Triton backends (kernels/fp8_linear, kernels/fused_moe_fp8 with its LoRA, run by
-    Triton's interpreter in fp32) against the torch backends on the dequantized weights: same tokens, logprobs to
-    fp32 rounding, in one batch with no adapter, a fused gate_up expert adapter and one with separate gate_proj /
-    up_proj LoRAs (the up A's); the row without an adapter bitwise the LoRA-disabled Triton FP8 engine's."""
+    Triton's interpreter in fp32), products weight-only (fp8_weight_only), against the torch backends on the
+    dequantized weights: same tokens, logprobs to fp32 rounding, in one batch with no adapter, a fused gate_up
+    expert adapter and one with separate gate_proj / up_proj LoRAs (the up A's); the row without an adapter bitwise
+    the LoRA-disabled Triton FP8 engine's. Then the engine's default (the prefill's expert GEMMs W8A8): the same
+    tokens, logprobs within the activation quantization's error (kernel-level bound: test_kernels_moe_fp8.py), and
+    not the weight-only ones (the W8A8 path ran)."""
     family = "qwen3_moe"
     base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
     fp8 = fp8_copy(base, tmp_path / "fp8")
@@ -302,9 +305,9 @@ def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_p
     kw = dict(model=str(fp8), device="cpu", dtype="float32", max_lora_rank=4, block_size=16)
     lora = dict(lora_modules={"A": str(a), "B": str(b)}, max_loras=2)
     triton = dict(moe_backend="triton", attention_backend="triton")
-    tri = Engine(EngineConfig(**triton, **lora, **kw))
+    tri = Engine(EngineConfig(**triton, **lora, **kw, fp8_weight_only=True))
     ref = Engine(EngineConfig(moe_backend="torch", attention_backend="torch", **lora, **kw))
-    plain = Engine(EngineConfig(**triton, **kw))
+    plain = Engine(EngineConfig(**triton, **kw, fp8_weight_only=True))
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 7)]
     sp = SamplingParams(max_tokens=2, logprobs=0, **GREEDY)
     loras = [None, "A", "B"]
@@ -315,3 +318,7 @@ def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_p
     alone = plain.generate(prompts, sp)[0]  # the same batch shape: the kernels' path depends on the token count
     assert got[0].token_ids == alone.token_ids
     assert [x.logprob for x in got[0].logprobs] == [x.logprob for x in alone.logprobs]
+    dynamic = Engine(EngineConfig(**triton, **lora, **kw)).generate(prompts, sp, lora=loras)
+    diffs = [abs(x.logprob - y.logprob) for g, d in zip(got, dynamic) for x, y in zip(g.logprobs, d.logprobs)]
+    assert [d.token_ids for d in dynamic] == [g.token_ids for g in got]
+    assert 0 < max(diffs) < 0.05

@@ -14,7 +14,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from moeserve.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
-from moeserve.kernels.fp8_linear import fp8_linear, fp8_linear_ref  # noqa: E402
+from moeserve.kernels.fp8_linear import AUTO_W8A8_MIN_ROWS, fp8_linear, fp8_linear_ref  # noqa: E402
 from moeserve.kernels.moe_plan import GemmTile  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +73,17 @@ def test_decode_rows_take_the_gemv_against_twins(m):
     assert _rel(fp8_linear(x[-1:], q, s, b, act_quant=False), fp8_linear(x, q, s, b, act_quant=False)[-1:]) < 1e-6
 
 
+def test_auto_multiplication_by_row_count():
+    """act_quant=None (what the engine runs): weight-only below AUTO_W8A8_MIN_ROWS rows (bitwise the weight-only
+    call: the GEMV at 2 rows, the tensor-core kernel at 3), W8A8 from there (bitwise the W8A8 call; on CUDA that is
+    scaled_mm, checked in the GPU test below). Each differs from the other multiplication on these inputs."""
+    x, q, s, b = _problem(AUTO_W8A8_MIN_ROWS, 64, 256, seed=7)
+    for m, same in ((2, False), (3, False), (AUTO_W8A8_MIN_ROWS - 1, False), (AUTO_W8A8_MIN_ROWS, True)):
+        auto = fp8_linear(x[:m], q, s, b, act_quant=None)
+        assert torch.equal(auto, fp8_linear(x[:m], q, s, b, act_quant=same)), m
+        assert not torch.equal(auto, fp8_linear(x[:m], q, s, b, act_quant=not same)), m
+
+
 def test_leading_dims_no_bias_and_the_torch_backend():
     x, q, s, _ = _problem(6, 128, 256, seed=1, bias=False)
     x3 = x.view(2, 3, 256)
@@ -107,8 +118,12 @@ def test_gpu_projection_shapes_against_twins(m):
         assert _rel(fp8_linear(x, q, s, act_quant=False, weight_scale="product"), ref) < 1e-2
         qref = fp8_linear_ref(x, q, s, act_quant=True)
         assert _rel(fp8_linear(x, q, s, act_quant=True), qref) < 1e-2
-        assert _rel(fp8_linear(x, q, s, act_quant=True, backend="scaled_mm"), qref) < 1e-2
+        scaled = fp8_linear(x, q, s, act_quant=True, backend="scaled_mm")
+        assert _rel(scaled, qref) < 1e-2
         assert _rel(qref, ref) < 0.05
+        # the engine's pick: weight-only GEMV / Triton below AUTO_W8A8_MIN_ROWS, scaled_mm from there
+        want = scaled if m >= AUTO_W8A8_MIN_ROWS else fp8_linear(x, q, s, act_quant=False)
+        assert torch.equal(fp8_linear(x, q, s, act_quant=None, backend="triton"), want)
 
 
 def test_fp16_activations():

@@ -696,7 +696,7 @@ def test_lora_calls_above_the_apart_threshold_run_the_tuned_no_lora_tiles(monkey
     h200 = moe_plan.tile_table()
     (device, key), _ = next(iter(h200.items()))
     problem = moe_plan.MoEProblem(*key[:4], getattr(torch, key[4]), torch.device("cpu"))
-    monkeypatch.setattr(moe_plan, "_device_name", lambda device_: device)
+    monkeypatch.setattr(moe_plan, "gpu_name", lambda device_: device)
     moe_plan.default_plan.cache_clear()
     try:
         top_k = key[3]
@@ -710,10 +710,12 @@ def test_lora_calls_above_the_apart_threshold_run_the_tuned_no_lora_tiles(monkey
         moe_plan.default_plan.cache_clear()
 
 
+FP8_LABELS = {"fp8_w8a8": 1, "fp8_w": 2}  # FP8 rows: the A operand's bytes (fp8 under W8A8, else the activations')
+
+
 def test_shipped_table_parses_and_fits():
     for (device, key), rows in moe_plan.tile_table().items():
-        dtype = getattr(torch, key[-1])
-        elt = torch.empty((), dtype=dtype).element_size()
+        elt = FP8_LABELS.get(key[-1]) or torch.empty((), dtype=getattr(torch, key[-1])).element_size()
         for _, gate_up, down, options in rows:
             assert set(options) <= set(moe_plan.PLAN_OPTIONS)
             assert gate_up.block_m == down.block_m, (device, key)
@@ -721,8 +723,8 @@ def test_shipped_table_parses_and_fits():
             assert moe_plan.tile_smem(gate_up, elt, 1) <= H200_SMEM - moe_plan.SMEM_MARGIN
             assert moe_plan.tile_smem(down, elt, down_loads) <= H200_SMEM - moe_plan.SMEM_MARGIN
             # the plan a call runs is the tuned one: fitting changes nothing
-            plan = MoEPlan(False, gate_up, down, **options)
-            assert moe_plan.fit_plan(plan, dtype, torch.device("cpu"), H200_SMEM) == plan
+            for tile, loads in ((gate_up, 1), (down, down_loads)):
+                assert moe_plan.fit_tile(tile, elt, loads, H200_SMEM) == tile, (device, key)
 
 
 # fp16: every option pair (y kept in fp16 or fp32, SiLU*up fused or apart). fp32 activations make y_fp32 moot (y is

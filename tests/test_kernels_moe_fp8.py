@@ -40,6 +40,7 @@ from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     fused_moe_fp8_ref,
     quantize_w13_fp8,
 )
+from moeserve.kernels import fused_moe_fp8 as fused_moe_fp8_module  # noqa: E402
 from moeserve.kernels import moe_plan  # noqa: E402
 from moeserve.kernels.moe_plan import GemmTile, MoEPlan, MoEProblem  # noqa: E402
 
@@ -191,13 +192,14 @@ def test_bad_inputs_are_named():
 
 @pytest.mark.parametrize("device_name", [None, "NVIDIA H200"])  # the heuristic; the shipped H200 table
 def test_default_plan_keeps_k_steps_inside_scale_groups(monkeypatch, device_name):
-    monkeypatch.setattr(moe_plan, "_device_name", lambda device: device_name)
+    monkeypatch.setattr(moe_plan, "gpu_name", lambda device: device_name)
+    monkeypatch.setattr(fused_moe_fp8_module, "gpu_name", lambda device: device_name)
     moe_plan.default_plan.cache_clear()
     fp8_plan.cache_clear()
     problem = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
     try:
         for tokens in (1, 64, 512, 8192):
-            for act_quant in (False, True):
+            for act_quant in (False, True, None):
                 plan = fp8_plan(tokens, 8, problem, act_quant)
                 assert plan.decode == (tokens == 1)  # the bf16 path choice
                 if plan.decode:  # GEMV: twice the bf16 K step (same bytes), whole scale groups
@@ -205,12 +207,49 @@ def test_default_plan_keeps_k_steps_inside_scale_groups(monkeypatch, device_name
                     continue
                 assert 128 % plan.gate_up.block_k == 0 and 128 % plan.down.block_k == 0
                 assert plan.gate_up.block_m == plan.down.block_m
-                assert not (act_quant and plan.fused_act)
-                if act_quant:
+                assert not (act_quant is not False and plan.fused_act)
+                if act_quant is not False:
                     assert all(t.block_m * t.block_n <= 128 * 128 for t in (plan.gate_up, plan.down))
     finally:
         moe_plan.default_plan.cache_clear()  # no plan of the fake device left for later tests
         fp8_plan.cache_clear()
+
+
+def test_fp8_plan_takes_the_tuned_fp8_rows_and_its_own_path_threshold(monkeypatch):
+    """On the H200 the FP8 sorted path runs the table's FP8 rows of its multiplication (dtype "fp8_w8a8" / "fp8_w",
+    which differ at T = 512), not bf16's refitted; the GEMV path serves up to FP8_DECODE_MAX_PAIRS pairs; None runs
+    W8A8's plan on the sorted path."""
+    monkeypatch.setattr(moe_plan, "gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(fused_moe_fp8_module, "gpu_name", lambda device: "NVIDIA H200")
+    moe_plan.default_plan.cache_clear()
+    fp8_plan.cache_clear()
+    problem = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
+    last_gemv = fused_moe_fp8_module.FP8_DECODE_MAX_PAIRS // 8
+    try:
+        assert fp8_plan(last_gemv, 8, problem, None).decode and not fp8_plan(last_gemv + 1, 8, problem, None).decode
+        tiles = {}
+        for tokens in (last_gemv + 1, 512, 8192):
+            for act_quant, label in ((True, "fp8_w8a8"), (False, "fp8_w")):
+                plan = fp8_plan(tokens, 8, problem, act_quant)
+                tuned = moe_plan.tuned_tiles(tokens, problem, "NVIDIA H200", dtype_label=label)
+                assert tuned is not None and (plan.gate_up, plan.down) == tuned[:2], (tokens, label)
+                assert not plan.fused_act and not plan.lora_epilogue
+                tiles[tokens, act_quant] = plan.gate_up
+            assert fp8_plan(tokens, 8, problem, None) == fp8_plan(tokens, 8, problem, True)
+        assert tiles[512, True] != tiles[512, False]
+    finally:
+        moe_plan.default_plan.cache_clear()
+        fp8_plan.cache_clear()
+
+
+def test_auto_multiplication_is_w8a8_sorted_and_weight_only_on_the_gemv_path():
+    """act_quant=None (what the engine runs) is bitwise the W8A8 call on the sorted path and the weight-only call on
+    the GEMV path (and not the other one: the two differ on these inputs)."""
+    problem = _problem(9, 4, 256, 128, 2, seed=3)
+    for decode, same in ((False, True), (True, False)):
+        auto = fused_moe_fp8(*problem, act_quant=None, decode=decode)
+        assert torch.equal(auto, fused_moe_fp8(*problem, act_quant=same, decode=decode)), decode
+        assert not torch.equal(auto, fused_moe_fp8(*problem, act_quant=not same, decode=decode)), decode
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,10 @@ interleaved (A, B, A, B) and reported as medians. Before timing, each FP8 varian
 kernel on the bf16-rounded dequantized weights (relative error printed; W8A8 sits a few percent off by design).
 `fp8_wp`: weight-only with each K step's product scaled instead of the weight tile (weight_scale="product"), on
 the sorted path. `--sweep`: FP8 tile candidates per T (gate_up and down alike; sorted tiles, and GEMV tiles at
-T <= 8; weight-only in both scalings, `_p` the product one), the best printed next to the default.
+T <= 8; weight-only in both scalings, `_p` the product one), the best printed next to the default, and the best
+sorted tiles of each multiplication written as tile-table entries (DIR/moe_tiles_fp8.json, the format of
+moeserve/kernels/moe_tiles.json, dtype "fp8_w8a8" / "fp8_w": merge them there, or point MOESERVE_MOE_TILES at the
+file). `fp8_auto`: what the engine runs (act_quant=None: W8A8 on the sorted path, weight-only on the GEMV path).
 dense: µs of the q|k|v (2048 -> 5120) and o (4096 -> 2048) projections: bf16 F.linear, FP8 Triton weight-only
 (both scalings) and W8A8, and torch._scaled_mm with block scales (W8A8); `--sweep`: Triton tiles.
 Prints tables; writes DIR/fp8_moe_bench.json (after every T, so a run cut short keeps what it measured).
@@ -38,6 +41,7 @@ from moeserve.kernels.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block
 from moeserve.kernels.fp8_linear import fp8_linear  # noqa: E402
 from moeserve.kernels.fused_moe import fused_moe  # noqa: E402
 from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
+    FP8_DECODE_MAX_PAIRS,
     dequantize_w13_fp8,
     fp8_plan,
     fused_moe_fp8,
@@ -114,11 +118,12 @@ def moe_variants(batch: int, pdl: bool) -> dict:
                              weight_scale=weight_scale)
 
     variants = {"bf16": bf16,
+                "fp8_auto": lambda w, i: fp8(w, i, None),  # what the engine runs: W8A8 sorted, weight-only GEMV
                 "fp8_w": lambda w, i: fp8(w, i, False),
                 "fp8_w8a8": lambda w, i: fp8(w, i, True),
                 # weight-only with each K step's product scaled instead of the weight tile (sorted path only)
                 "fp8_wp": lambda w, i: fp8(w, i, False, decode=False, weight_scale="product")}
-    if batch * TOP_K <= DECODE_MAX_PAIRS:  # the defaults are the GEMV paths: the sorted ones beside them
+    if batch * TOP_K <= FP8_DECODE_MAX_PAIRS:  # the defaults are the GEMV paths: the sorted ones beside them
         variants.update(bf16_sorted=lambda w, i: bf16(w, i, decode=False),
                         fp8_w_sorted=lambda w, i: fp8(w, i, False, decode=False),
                         fp8_w8a8_sorted=lambda w, i: fp8(w, i, True, decode=False))
@@ -203,6 +208,29 @@ def bench_moe_batch(batch: int, gen, weights, pdl: bool, sweep: bool) -> dict:
                         for w, i in zip(weights, inputs)]
             row["sweep"][name] = time_interleaved(sets, rounds=1)
     return row
+
+
+def sweep_table(rows: list[dict], device: str) -> list[dict]:
+    """Tile-table entries (moe_plan's format) of the sweep's fastest sorted-path tile per T, one entry per
+    multiplication; T whose fastest candidate is a GEMV tile or a product-scaled one (no plan field) are left out."""
+    entries = []
+    for name in ("fp8_w8a8", "fp8_w"):
+        tiles = []
+        for row in rows:
+            times = {k: v for k, v in row.get("sweep", {}).get(name, {}).items() if isinstance(v, float)}
+            if not times:
+                continue
+            best = min(times, key=times.get)
+            if best.startswith("gemv_") or best.endswith("_p"):
+                continue
+            plan = sweep_plans(row["tokens"], name == "fp8_w8a8")[best]
+            tiles.append({"max_tokens": row["tokens"], "gate_up": plan.gate_up.as_list(), "down": plan.down.as_list(),
+                          "y_fp32": plan.y_fp32, "fused_act": plan.fused_act, "us": round(times[best], 1)})
+        if tiles:
+            entries.append({"device": device, "dtype": name, "experts": NUM_EXPERTS, "hidden": HIDDEN,
+                            "inter": INTER, "top_k": TOP_K,
+                            "tiles": sorted(tiles, key=lambda t: t["max_tokens"])})
+    return entries
 
 
 def print_moe_table(rows: list[dict]) -> None:
@@ -332,6 +360,9 @@ def main(argv=None) -> int:
         print_moe_table(report["moe"])
         del weights
         torch.cuda.empty_cache()
+    if args.sweep and report["moe"]:
+        table = {"version": 1, "entries": sweep_table(report["moe"], device)}
+        (out_dir / "moe_tiles_fp8.json").write_text(json.dumps(table, indent=1))
     if "dense" in parts:
         report["dense"] = bench_dense(tokens, gen, pdl, args.sweep)
         save()

@@ -11,8 +11,16 @@ Backends:
 - "scaled_mm" (W8A8 on CUDA): torch._scaled_mm with (BlockWise1x128, BlockWise128x128) scales, which torch 2.13
   accepts on sm_90 (cuBLAS); its layout needs: the weight column-major (w_fp8.t() of the [N, K] weight), the
   activation scales M-major, rows padded to a multiple of 4, the K blocks of both scales padded to a multiple
-  of 4. Not yet run on a GPU here: the GPU test checks it against the twin before anyone picks it.
+  of 4. Checked against the twin by the GPU tests.
 - "torch": dequantize the weight and F.linear (CPU without the interpreter, and the twin).
+
+`act_quant=None` (what the engine runs) picks per call by row count, from the H200 sweep at Qwen3-30B-A3B's qkv and
+o shapes (benchmarks/kernels/fp8_moe.py --parts dense --sweep; BENCHMARKS.md, session 13): up to GEMV_MAX_ROWS the
+weight-only GEMV (a decode row reads weights; quantizing it adds a launch), below AUTO_W8A8_MIN_ROWS the weight-only
+Triton GEMM (8 rows: 9.8 / 16.8 us weight-only, 11.0 / 16.1 W8A8), from there W8A8 through scaled_mm on CUDA (64
+rows: 16.4 / 21.7 us against 17.1 / 22.5 weight-only; 256: 17.4 / 23.1 against 31.7 / 43.5; 2,048: 52.8 / 45.2
+against 128.2 / 103.4), through the Triton W8A8 GEMM elsewhere. A row's numerics therefore depend on the batch size
+it runs in, as in any engine whose kernels are chosen by shape; a given batch size always runs the same kernels.
 """
 from __future__ import annotations
 
@@ -138,6 +146,12 @@ def _fp8_gemv_kernel(
 # weight-only), tensor-core kernel -> GEMV: 1 row 3.44 -> 3.23 ms, 8 rows 7.35 -> 8.26 ms (the GEMV lost); 2-7 rows
 # not measured: 2, as the bf16 GEMV (gemv.serves).
 GEMV_MAX_ROWS = 2
+AUTO_W8A8_MIN_ROWS = 64  # act_quant=None: W8A8 from this many rows (module docstring)
+
+
+def resolve_act_quant(act_quant: bool | None, num_rows: int) -> bool:
+    """`act_quant`, or for None the per-row-count pick of the module docstring."""
+    return act_quant if act_quant is not None else num_rows >= AUTO_W8A8_MIN_ROWS
 
 
 GEMV_BLOCK_N = 4  # columns per program: a projection of a few thousand columns in hundreds of programs (gemv.py's)
@@ -232,7 +246,7 @@ def fp8_linear(
     scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    act_quant: bool,
+    act_quant: bool | None,
     block: tuple[int, int] = WEIGHT_BLOCK,
     backend: str | None = None,
     tile: GemmTile | None = None,
@@ -241,7 +255,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), w_fp8 [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
     float32, bias [N] -> [..., N] in x.dtype. `act_quant`: W8A8 (x quantized per token-group of 128 at run time),
-    else weight-only. `backend`: "triton", "scaled_mm" (W8A8 only) or "torch"; default: triton on CUDA and under
+    False weight-only, None picked by row count (module docstring; where that picks W8A8 on CUDA with 128 x 128
+    blocks and no `tile`, the triton backend hands the call to scaled_mm). `backend`: "triton", "scaled_mm" (W8A8 only) or "torch"; default: triton on CUDA and under
     the interpreter, else torch. `tile` overrides the Triton tile (linear_tile); `weight_scale` (weight-only Triton):
     "tile" or "product", as fused_moe_fp8's."""
     _check(x, w_fp8, scale_inv, bias, block)
@@ -255,6 +270,10 @@ def fp8_linear(
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if act_quant is None:
+        act_quant = resolve_act_quant(None, x2.shape[0])
+        if act_quant and backend == "triton" and x2.is_cuda and tile is None and block == (128, 128):
+            backend = "scaled_mm"
     if backend == "torch":
         out = fp8_linear_ref(x2, w_fp8, scale_inv, bias, act_quant=act_quant, block=block).to(x.dtype)
     elif backend == "scaled_mm":

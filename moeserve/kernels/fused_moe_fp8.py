@@ -70,7 +70,15 @@ from moeserve.kernels.moe_lora import (
     lora_shrink_pairs,
     silu_mul,
 )
-from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan, fit_tile, smem_limit
+from moeserve.kernels.moe_plan import (
+    MoEPlan,
+    MoEProblem,
+    default_plan,
+    fit_tile,
+    gpu_name,
+    smem_limit,
+    tuned_tiles,
+)
 
 # ---------------------------------------------------------------------------------------------
 # weight layout
@@ -231,15 +239,35 @@ def _gemv_fp8_kernel(
 # plans
 
 MAX_W8A8_TILE = 128 * 128  # accumulator elements of a W8A8 program (128 x 256 would hold two 128-register tiles)
+# Pairs at or below this run the GEMV path in FP8 (bf16: DECODE_MAX_PAIRS). H200, Qwen3-30B-A3B shapes (session 13
+# sweep): the sorted W8A8 GEMMs beat every GEMV tile at T = 8 (81.9 us against 99.2), the weight-only GEMV wins at
+# T = 1 (21.3 against 27.5)
+FP8_DECODE_MAX_PAIRS = 32
+
+
+def resolve_act_quant(act_quant: bool | None, decode: bool) -> bool:
+    """`act_quant`, or for None the pick by path: W8A8 on the sorted path (fp8 tensor-core dots: at every T of the
+    H200 sweep faster than weight-only, 1.4-1.7x from T = 256), weight-only on the GEMV path (a decode pair reads
+    weights; quantizing its activations adds launches and saves nothing)."""
+    return act_quant if act_quant is not None else not decode
+
+
+def _table_label(act_quant: bool) -> str:
+    """The dtype column of moe_tiles.json for FP8 expert weights multiplied this way."""
+    return "fp8_w8a8" if act_quant else "fp8_w"
 
 
 @functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step, as default_plan
-def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
+def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool | None,
              block: tuple[int, int] = WEIGHT_BLOCK, decode: bool | None = None) -> MoEPlan:
-    """The plan of the bf16 call of this shape (its path by pair count, `decode` forcing one; on the sorted path the
-    tuned table where it has the problem, else the heuristic), with each K step inside one scale group and the
-    sorted tiles refitted to the operands' bytes (fp8 B; A fp8 under W8A8, else x's dtype). A start, not tuned:
-    benchmarks/kernels/fp8_moe.py measures."""
+    """The path by pair count (FP8_DECODE_MAX_PAIRS; `decode` forcing one) and its tiles: on the sorted path the
+    tuned table's FP8 rows for this problem and multiplication (moe_tiles.json, dtype "fp8_w8a8" / "fp8_w"), else
+    the bf16 call's tiles refitted; every K step inside one scale group, the tiles fitted to the operands' bytes (fp8
+    B; A fp8 under W8A8, else x's dtype). `act_quant` None: the pick of resolve_act_quant (the plan holds no
+    multiplication; the caller resolves it the same way)."""
+    if decode is None:
+        decode = num_tokens * top_k <= FP8_DECODE_MAX_PAIRS
+    act_quant = resolve_act_quant(act_quant, decode)
     plan = default_plan(num_tokens, top_k, decode=decode, problem=replace(problem, dtype=torch.bfloat16))
 
     def in_group(tile):
@@ -248,6 +276,9 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool,
     if plan.decode:  # the bf16 GEMV's bytes per K step: twice its columns (a step may span scale groups)
         return replace(plan, gate_up=replace(plan.gate_up, block_k=2 * plan.gate_up.block_k),
                        down=replace(plan.down, block_k=2 * plan.down.block_k))
+    tuned = tuned_tiles(num_tokens, problem, gpu_name(problem.device), dtype_label=_table_label(act_quant))
+    if tuned is not None and tuned[0].block_m == tuned[1].block_m:
+        plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
     limit = smem_limit(problem.device)
     a_bytes = 1 if act_quant else problem.dtype.itemsize
     fused_act = plan.fused_act and not act_quant  # W8A8 quantizes h by its own kernel
@@ -423,7 +454,7 @@ def fused_moe_fp8(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    act_quant: bool,
+    act_quant: bool | None,
     decode: bool | None = None,
     plan: MoEPlan | None = None,
     pdl: bool = False,
@@ -434,8 +465,8 @@ def fused_moe_fp8(
     """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32
     scale_inv [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)],
     topk_weights / topk_ids [T, K] -> [T, H] in x.dtype. `act_quant`: W8A8 (activations quantized per token-group
-    of 128 at run time), else weight-only. `decode` forces the GEMV (True) or sorted (False) path (default: by
-    pair count, as fused_moe); `plan`: the tiles (default `fp8_plan`); `pdl`: every launch with programmatic
+    of 128 at run time), False weight-only, None by path (resolve_act_quant: what the engine runs). `decode` forces
+    the GEMV (True) or sorted (False) path (default: by pair count, FP8_DECODE_MAX_PAIRS); `plan`: the tiles (default `fp8_plan`); `pdl`: every launch with programmatic
     dependent launch (kernels/pdl.py). `weight_scale` (weight-only sorted path): "tile" dequantizes each fp8 weight
     tile before its dot, "product" scales each K step's product instead (fp8_scaled_dot's SCALE_PRODUCT)."""
     if weight_scale not in ("tile", "product"):
@@ -448,6 +479,7 @@ def fused_moe_fp8(
     if plan is None:
         plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode)
     _check_plan(plan, block)
+    act_quant = resolve_act_quant(act_quant, plan.decode)
     forward = _decode_forward if plan.decode else _sorted_forward
     x, topk_weights, topk_ids = x.contiguous(), topk_weights.contiguous(), topk_ids.contiguous()
     args = (x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights, topk_ids, act_quant)

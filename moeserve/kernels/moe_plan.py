@@ -176,7 +176,7 @@ def fit_plan(plan: MoEPlan, dtype: torch.dtype, device: torch.device, limit: int
 
 
 @functools.lru_cache(maxsize=None)
-def _device_name(device: torch.device) -> str | None:
+def gpu_name(device: torch.device) -> str | None:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     return torch.cuda.get_device_name(device)
@@ -206,15 +206,19 @@ def tile_table(extra: str | None = None) -> dict:
 
 
 def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
-                table: dict | None = None) -> tuple[GemmTile, GemmTile, dict] | None:
+                table: dict | None = None, dtype_label: str | None = None) -> tuple[GemmTile, GemmTile, dict] | None:
     """The table's (gate_up tile, down tile, plan options) for the smallest tuned token count >= num_tokens (the
     largest one beyond the table), or None where the table (default: tile_table()) has no entry for this GPU and
-    problem."""
+    problem. `dtype_label`: the table's dtype column in place of the problem's dtype (FP8 weights: "fp8_w8a8",
+    "fp8_w")."""
     if device_name is None:
         return None
     if table is None:
         table = tile_table(os.environ.get(TABLE_ENV))
-    rows = table.get((device_name, problem.key()))
+    key = problem.key()
+    if dtype_label is not None:
+        key = (*key[:-1], dtype_label)
+    rows = table.get((device_name, key))
     if not rows:
         return None
     for max_tokens, gate_up, down, options in rows:
@@ -240,7 +244,7 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: 
     if problem is None:
         return plan
     if not plan.decode:
-        tuned = tuned_tiles(num_tokens, problem, _device_name(problem.device))
+        tuned = tuned_tiles(num_tokens, problem, gpu_name(problem.device))
         if tuned is not None and tuned[0].block_m == tuned[1].block_m:
             if not lora:
                 plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])

@@ -278,7 +278,7 @@ def _log_weights(model: MoEForCausalLM, how: str) -> None:
     n = weight_bytes(model)
     shown = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
     logger.info("weights %s: %s on %s (%s)", how, shown, model.options.device,
-                f"{fmt.method} base weights, {'W8A8' if fmt.act_quant else 'weight-only'}" if fmt.quantized
+                f"{fmt.method} base weights, {fmt.multiplication}" if fmt.quantized
                 else f"{str(model.options.dtype).removeprefix('torch.')} base weights")
 
 

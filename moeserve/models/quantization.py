@@ -109,12 +109,15 @@ def resolve_quantization(requested: str | None, model_dir: str | Path | None) ->
     return requested if requested is not None else declared
 
 
-def weight_format(method: str | None, model_dir: str | Path | None) -> tuple[WeightFormat, tuple[str, ...]]:
-    """(how the quantizable weights are stored, the modules the checkpoint keeps unquantized) for ExecOptions."""
+def weight_format(method: str | None, model_dir: str | Path | None,
+                  weight_only: bool = False) -> tuple[WeightFormat, tuple[str, ...]]:
+    """(how the quantizable weights are stored, the modules the checkpoint keeps unquantized) for ExecOptions;
+    `weight_only`: FP8 products never quantize activations (else the kernels pick per call, WeightFormat)."""
     if method is None:
         return PLAIN_WEIGHTS, ()
     hf_config = _read_config(model_dir) or {}
-    return WeightFormat(method="fp8", block=FP8_BLOCK), unquantized_modules(hf_config)
+    return (WeightFormat(method="fp8", block=FP8_BLOCK, act_quant=False if weight_only else None),
+            unquantized_modules(hf_config))
 
 
 def checkpoint_quantization(model_dir: str | Path) -> str | None:
