@@ -104,6 +104,8 @@ def test_bad_inputs_are_named():
         fp8_linear(x, q, s, act_quant=False, backend="cutlass")
     with pytest.raises(ValueError, match="act_quant"):
         fp8_linear(x, q, s, act_quant=False, backend="scaled_mm")
+    with pytest.raises(ValueError, match="K a multiple of 512, got blocks \\(128, 128\\), K 256"):
+        fp8_linear(x, q, s, act_quant=True, backend="scaled_mm")
 
 
 @pytest.mark.gpu

@@ -10,15 +10,15 @@ Backends:
   projection in 80 or 32 programs: too few to stream the weight).
 - "scaled_mm" (W8A8 on CUDA): torch._scaled_mm with (BlockWise1x128, BlockWise128x128) scales, which torch 2.13
   accepts on sm_90 (cuBLAS); its layout needs: the weight column-major (w_fp8.t() of the [N, K] weight), the
-  activation scales M-major, rows padded to a multiple of 4, the K blocks of both scales padded to a multiple
-  of 4. Checked against the twin by the GPU tests.
+  activation scales M-major, rows padded to a multiple of 4, a count of K blocks that is a multiple of 4
+  (scaled_mm_serves; other K take the Triton W8A8 kernel). Checked against the twin by the GPU tests.
 - "torch": dequantize the weight and F.linear (CPU without the interpreter, and the twin).
 
 `act_quant=None` (what the engine runs) picks per call by row count, from the H200 sweep at Qwen3-30B-A3B's qkv and
 o shapes (benchmarks/kernels/fp8_moe.py --parts dense --sweep; BENCHMARKS.md, session 13): up to GEMV_MAX_ROWS the
 weight-only GEMV (a decode row reads weights; quantizing it adds a launch), below AUTO_W8A8_MIN_ROWS the weight-only
-Triton GEMM (8 rows: 9.8 / 16.8 us weight-only, 11.0 / 16.1 W8A8), from there W8A8 through scaled_mm on CUDA (64
-rows: 16.4 / 21.7 us against 17.1 / 22.5 weight-only; 256: 17.4 / 23.1 against 31.7 / 43.5; 2,048: 52.8 / 45.2
+Triton GEMM (8 rows: 9.8 / 16.8 us weight-only, 11.0 / 16.1 W8A8), from there W8A8 through scaled_mm on CUDA where
+it takes the K (scaled_mm_serves; 64 rows: 16.4 / 21.7 us against 17.1 / 22.5 weight-only; 256: 17.4 / 23.1 against 31.7 / 43.5; 2,048: 52.8 / 45.2
 against 128.2 / 103.4), through the Triton W8A8 GEMM elsewhere. A row's numerics therefore depend on the batch size
 it runs in, as in any engine whose kernels are chosen by shape; a given batch size always runs the same kernels.
 """
@@ -227,14 +227,22 @@ def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_pro
     return out
 
 
+def scaled_mm_serves(k: int, block: tuple[int, int]) -> bool:
+    """Whether the scaled_mm backend takes a K of `k` columns: 128 x 128 blocks, and a count of K blocks that is a
+    multiple of 4 (cuBLAS's blockwise scales; padding the scales alone was refused by torch on the H200: a scale_a of
+    [M, 4] for one K block)."""
+    return block == (128, 128) and k % (4 * block[1]) == 0
+
+
 def _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl):
-    if block != (128, 128):
-        raise ValueError(f"fp8_linear: the scaled_mm backend takes 128 x 128 blocks only, got {block}")
+    if not scaled_mm_serves(x2.shape[1], block):
+        raise ValueError(f"fp8_linear: the scaled_mm backend takes 128 x 128 blocks and K a multiple of 512, got "
+                         f"blocks {block}, K {x2.shape[1]}")
     m = x2.shape[0]
-    pad_m, pad_kb = -m % 4, -scale_inv.shape[1] % 4
+    pad_m = -m % 4
     a, a_scale = quantize_groups_fp8(F.pad(x2, (0, 0, 0, pad_m)) if pad_m else x2, pdl=pdl)
-    a_scale = F.pad(a_scale, (0, pad_kb)).t().contiguous().t()  # M-major
-    w_scale = F.pad(scale_inv, (0, pad_kb)).t()  # [K blocks, N blocks], column-major view of the [N, K] layout
+    a_scale = a_scale.t().contiguous().t()  # M-major
+    w_scale = scale_inv.t()  # [K blocks, N blocks], column-major view of the [N, K] layout
     out = F.scaled_mm(a, w_fp8.t(), a_scale, F.ScalingType.BlockWise1x128, w_scale,
                       F.ScalingType.BlockWise128x128, output_dtype=x2.dtype)[:m]
     return out + bias if bias is not None else out
@@ -272,7 +280,7 @@ def fp8_linear(
         x2 = x2.contiguous()
     if act_quant is None:
         act_quant = resolve_act_quant(None, x2.shape[0])
-        if act_quant and backend == "triton" and x2.is_cuda and tile is None and block == (128, 128):
+        if act_quant and backend == "triton" and x2.is_cuda and tile is None and scaled_mm_serves(x2.shape[1], block):
             backend = "scaled_mm"
     if backend == "torch":
         out = fp8_linear_ref(x2, w_fp8, scale_inv, bias, act_quant=act_quant, block=block).to(x.dtype)

@@ -243,6 +243,7 @@ MAX_W8A8_TILE = 128 * 128  # accumulator elements of a W8A8 program (128 x 256 w
 # sweep): the sorted W8A8 GEMMs beat every GEMV tile at T = 8 (81.9 us against 99.2), the weight-only GEMV wins at
 # T = 1 (21.3 against 27.5)
 FP8_DECODE_MAX_PAIRS = 32
+FP8_GEMV_SAME_K_PAIRS = 16  # GEMV calls up to this many pairs keep bf16's K step (fp8_plan)
 
 
 def resolve_act_quant(act_quant: bool | None, decode: bool) -> bool:
@@ -273,7 +274,10 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool |
     def in_group(tile):
         return replace(tile, block_k=min(tile.block_k, block[1]))
 
-    if plan.decode:  # the bf16 GEMV's bytes per K step: twice its columns (a step may span scale groups)
+    if plan.decode:
+        if num_tokens * top_k <= FP8_GEMV_SAME_K_PAIRS:  # H200 sweep, T = 1 / 2: bf16's K step, 21.3 / 32.8 us
+            return plan  # against 26.0 / 40.1 with the doubled one
+        # the bf16 GEMV's bytes per K step: twice its columns (a step may span scale groups)
         return replace(plan, gate_up=replace(plan.gate_up, block_k=2 * plan.gate_up.block_k),
                        down=replace(plan.down, block_k=2 * plan.down.block_k))
     tuned = tuned_tiles(num_tokens, problem, gpu_name(problem.device), dtype_label=_table_label(act_quant))
