@@ -82,6 +82,16 @@ class Sequence:
             out[-1] = -(self.pending_row + 1)
         return self.prompt_token_ids[start:] + out if start < n else out
 
+    def token_at(self, position: int) -> int:
+        """Token id at `position` of prompt + output, as tokens_slice(position, position + 1) gives it (a
+        decode row's one input token)."""
+        n = len(self.prompt_token_ids)
+        if position < n:
+            return self.prompt_token_ids[position]
+        if self.num_pending and position == self.num_tokens - 1:
+            return -(self.pending_row + 1)
+        return self.output_token_ids[position - n]
+
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
