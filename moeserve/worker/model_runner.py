@@ -274,7 +274,9 @@ class ModelRunner:
             picked = hidden if len(rows) == hidden.shape[0] else hidden[self._dev(rows, torch.int64)]
             logits = self.model.compute_logits(picked)
             params = [s.params for s in sampling_seqs]
-            keys = [row_key(s.noise_key, s.num_sampled) for s in sampling_seqs]
+            # an all-greedy batch draws no noise: its keys (~0.35 ms of hashing at 512 rows) are not needed
+            keys = [] if all(p.greedy for p in params) else [row_key(s.noise_key, s.num_sampled)
+                                                               for s in sampling_seqs]
             st = SamplingTensors.build(params, keys, logits.shape[-1], self.device, pin=self.pin)
             tokens = sample(logits, st)
             self.prev_tokens = tokens
