@@ -2,8 +2,11 @@
 
 Protocol (docs/benchmarks.md, "Decode"): random bf16 weights N(0, 0.02) in real shapes built on the GPU; B sequences
 with a 512-token context already in the KV cache (prefill excluded); 128 timed decode steps, each the
-engine's own step minus scheduling: batch construction, graph replay (or eager forward), logits,
-greedy pick and the host read of the tokens. tokens/s = B * steps / time, median of repeats.
+engine's own pipelined step minus scheduling (EngineCore.step): batch construction and launch of step n+1
+(graph replay or eager forward, logits, greedy pick, its input tokens taken from step n's on the device)
+before the host reads step n's tokens, so the host's work overlaps the device's. `--sync-steps` times the
+synchronous step instead: each step built, run, picked and read back before the next starts.
+tokens/s = B * steps / time, median of repeats.
 Roofline floor per step = bytes that must be read (attention + router + expected touched experts
 + lm_head + KV + LoRA bytes touched) / read bandwidth measured in the same run.
 
@@ -27,9 +30,8 @@ from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models import loader
 from moeserve.model_spec import ModelSpec
 from moeserve.worker.graph_runner import LORA, NOLORA, CudaGraph, GraphRunner
-from moeserve.worker.model_runner import ModelRunner
-from moeserve.worker.sequence import ScheduledBatch
-from moeserve.worker.sequence import Sequence
+from moeserve.worker.model_runner import InFlightStep, ModelRunner
+from moeserve.worker.sequence import ScheduledBatch, Sequence, mark_launched
 from moeserve.sampling_params import SamplingParams
 
 PRESETS = {
@@ -46,6 +48,7 @@ PRESETS = {
 }
 MODES = ("base", "idle-single", "idle-dual", "active", "mixed", "eager")
 PROMPT, NUM_ADAPTERS, RANK = 512, 4, 16
+WARMUP_STEPS = 3
 
 
 def preset_spec(name: str, num_layers: int | None = None) -> ModelSpec:
@@ -111,7 +114,7 @@ class DecodeBench:
     def sequences(self, B: int, slots: list[int]) -> list[Sequence]:
         seqs, bs = [], 16
         for i in range(B):
-            s = Sequence(f"b{i}", [1] * PROMPT, SamplingParams(max_tokens=self.steps + 8))
+            s = Sequence(f"b{i}", [1] * PROMPT, SamplingParams(max_tokens=self.steps + 8, temperature=0.0))
             s.block_table = [1 + i * -(-self.max_len // bs) + j for j in range(-(-self.max_len // bs))]
             s.num_computed_tokens = PROMPT - 1
             s.lora_slot = slots[i]
@@ -127,28 +130,51 @@ class DecodeBench:
         return gr
 
     @torch.inference_mode()
-    def time_decode(self, B: int, slots: list[int], graph_runner: GraphRunner | None, repeats: int) -> float:
+    def time_decode(self, B: int, slots: list[int], graph_runner: GraphRunner | None, repeats: int,
+                    sync_steps: bool = False) -> float:
         """Median seconds for `steps` decode steps."""
         self.runner.graph_runner = graph_runner
-        times = []
-        for _ in range(repeats):
-            seqs = self.sequences(B, slots)
-            sb = ScheduledBatch(seqs, [1] * B, is_decode=True)
-            for step in range(self.steps + 3):
-                if step == 3:
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                graphed = graph_runner is not None and graph_runner.can_run(sb)
-                batch = self.runner.prepare(sb, on_host=graphed)
-                hidden = graph_runner.run(sb, batch) if graphed else self.model(batch)
-                tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
-                for s, t in zip(seqs, tokens):
-                    s.output_token_ids.append(t)
-                    s.num_computed_tokens += 1
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return statistics.median(self.run_steps(self.sequences(B, slots), sync_steps) for _ in range(repeats))
 
+    @torch.inference_mode()
+    def run_steps(self, seqs: list[Sequence], sync_steps: bool = False) -> float:
+        """Seconds for `steps` decode steps of `seqs` after 3 warm-up steps; each step's tokens land in the
+        sequences' output_token_ids. The step is the engine's pipelined one (EngineCore.step without the
+        scheduler): launch step n+1, its inputs from step n's tokens on the device, then read step n's tokens.
+        `sync_steps`: each step built, run, picked and read back before the next starts."""
+        sb = ScheduledBatch(seqs, [1] * len(seqs), is_decode=True)
+        step_fn = self._sync_step if sync_steps else self._pipelined_step
+        inflight = None
+        for step in range(self.steps + WARMUP_STEPS):
+            if step == WARMUP_STEPS:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            inflight = step_fn(sb, inflight)
+        if inflight is not None:  # the last step's tokens are read inside the timed span
+            self._read_back(inflight)
+        return time.perf_counter() - t0
+
+    def _sync_step(self, sb: ScheduledBatch, inflight: None) -> None:
+        graph_runner = self.runner.graph_runner
+        graphed = graph_runner is not None and graph_runner.can_run(sb)
+        batch = self.runner.prepare(sb, on_host=graphed)
+        hidden = graph_runner.run(sb, batch) if graphed else self.model(batch)
+        tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        for s, t in zip(sb.seqs, tokens):
+            s.output_token_ids.append(t)
+            s.num_computed_tokens += 1
+
+    def _pipelined_step(self, sb: ScheduledBatch, inflight: InFlightStep | None) -> InFlightStep:
+        launched = self.runner.launch(sb)
+        mark_launched(sb, launched.sampling_seqs)
+        if inflight is not None:
+            self._read_back(inflight)
+        return launched
+
+    def _read_back(self, step: InFlightStep) -> None:
+        for seq, token in self.runner.collect(step).sampled.items():
+            seq.fill_pending(token)
 
     @torch.inference_mode()
     def layer_budget(self, B: int, bandwidth: float, timer=graph_time_us) -> list[dict]:
@@ -186,6 +212,9 @@ def main(argv=None) -> int:
                     help="Triton kernels with programmatic dependent launch (default: the engine's, on for Hopper)")
     ap.add_argument("--quantization", default=None, choices=("fp8",),
                     help="base weights in block-wise FP8 (drawn, then quantized; LoRA stays bf16)")
+    ap.add_argument("--sync-steps", action="store_true",
+                    help="time the synchronous step (batch built, graph run, tokens picked and read back before the "
+                         "next step starts) instead of the engine's pipelined one")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--profile", action="store_true",
                     help="also print each batch size's per-layer kernel budget (time, bytes, share of the floor, "
@@ -221,7 +250,7 @@ def main(argv=None) -> int:
             if variants == [LORA, NOLORA]:
                 dual_runner = gr
         for B in batches:
-            t = bench.time_decode(B, slots_for(mode, B), gr, args.repeats)
+            t = bench.time_decode(B, slots_for(mode, B), gr, args.repeats, sync_steps=args.sync_steps)
             results[mode][B] = t
             print(f"  {mode:12s} B={B:4d}  {B * args.steps / t:10.1f} tok/s  {t / args.steps * 1e3:7.2f} ms/step",
                   flush=True)
@@ -248,8 +277,9 @@ def main(argv=None) -> int:
         row["ratios"] = {name: row[a]["tok_s"] / row[b]["tok_s"] for name, (a, b) in ratios.items()
                          if a in row and b in row}
 
-    print(f"\nDecode tokens/s ({args.preset}, {spec.num_layers} layers, {args.steps} steps, context {PROMPT}, "
-          f"read BW {bw / 1e12:.2f} TB/s, PDL {'on' if bench.cfg.pdl else 'off'}; eff = roofline floor / step)")
+    timed_step = "sync" if args.sync_steps else "pipelined"
+    print(f"\nDecode tokens/s ({args.preset}, {spec.num_layers} layers, {args.steps} {timed_step} steps, "
+          f"context {PROMPT}, read BW {bw / 1e12:.2f} TB/s, PDL {'on' if bench.cfg.pdl else 'off'}; eff = roofline floor / step)")
     head = f"{'B':>5} " + " ".join(f"{m:>20s}" for m in modes) + " " + " ".join(f"{r:>22s}" for r in ratios)
     print(head)
     for row in rows:
@@ -264,6 +294,7 @@ def main(argv=None) -> int:
     payload = {"quantization": args.quantization, "preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
                "read_bandwidth": bw, "gpu": torch.cuda.get_device_name(), "rows": rows, "capture": capture,
                "layer_budget": budgets, "pdl": bench.cfg.pdl, "linear_backend": bench.cfg.linear_backend,
+               "timed_step": timed_step,
                "date": time.strftime("%Y-%m-%d")}
     (out / f"decode_{args.preset}.json").write_text(json.dumps(payload, indent=1))
     try:

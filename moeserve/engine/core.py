@@ -35,7 +35,7 @@ from moeserve.worker.graph_runner import dual_capture_plan
 from moeserve.worker.kv_cache import BlockAllocator
 from moeserve.worker.model_runner import InFlightStep, ModelRunner
 from moeserve.worker.parallel_runner import ParallelModelRunner
-from moeserve.worker.sequence import PENDING, Sequence
+from moeserve.worker.sequence import Sequence, mark_launched
 
 logger = logging.getLogger("moeserve")
 
@@ -243,13 +243,8 @@ class EngineCore:
                 return outputs + self.fail_running(f"engine step failed: {type(e).__name__}: {e}")
             self.stats_counters["steps_total"] += 1
             self.stats_counters["decode_steps_total"] += sb.is_decode
-            for seq, n in zip(sb.seqs, sb.num_new_tokens):
-                seq.num_computed_tokens += n
+            mark_launched(sb, launched.sampling_seqs)
             self.scheduler.cache_computed_blocks(sb)
-            for row, seq in enumerate(launched.sampling_seqs):
-                seq.output_token_ids.append(PENDING)
-                seq.num_pending += 1
-                seq.pending_row = row
         previous, self.inflight = self.inflight, launched
         if previous is not None:
             try:
@@ -281,9 +276,7 @@ class EngineCore:
         for seq, token in result.sampled.items():
             if seq.is_finished:
                 continue  # aborted, or ended by the step before (a wasted row)
-            idx = len(seq.output_token_ids) - seq.num_pending
-            seq.output_token_ids[idx] = token
-            seq.num_pending -= 1
+            idx = seq.fill_pending(token)
             self.stats_counters["generation_tokens_total"] += 1
             out = output(seq)
             out.new_token_ids.append(token)

@@ -82,6 +82,24 @@ class Sequence:
             out[-1] = -(self.pending_row + 1)
         return self.prompt_token_ids[start:] + out if start < n else out
 
+    def token_at(self, position: int) -> int:
+        """Token id at `position` of prompt + output, as tokens_slice(position, position + 1) gives it (a
+        decode row's one input token)."""
+        n = len(self.prompt_token_ids)
+        if position < n:
+            return self.prompt_token_ids[position]
+        if self.num_pending and position == self.num_tokens - 1:
+            return -(self.pending_row + 1)
+        return self.output_token_ids[position - n]
+
+    def fill_pending(self, token: int) -> int:
+        """Its step was read back: the oldest PENDING output token becomes `token`; returns that token's index
+        in output_token_ids."""
+        idx = len(self.output_token_ids) - self.num_pending
+        self.output_token_ids[idx] = token
+        self.num_pending -= 1
+        return idx
+
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
@@ -99,3 +117,15 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_decode: bool  # one row per sequence, each computing its next token (graph-eligible)
+
+
+def mark_launched(sb: ScheduledBatch, sampling_seqs: list[Sequence]) -> None:
+    """A step was launched and its results are not read yet: its tokens count as computed (their K/V are being
+    written), and each sequence it samples for gets a PENDING output token, row `row` of the step's sampled tokens,
+    which the next step takes as its input on the device (resolve_pending)."""
+    for seq, n in zip(sb.seqs, sb.num_new_tokens):
+        seq.num_computed_tokens += n
+    for row, seq in enumerate(sampling_seqs):
+        seq.output_token_ids.append(PENDING)
+        seq.num_pending += 1
+        seq.pending_row = row
