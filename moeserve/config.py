@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from moeserve.exec_options import ExecOptions, resolve_backend, resolve_linear_backend, resolve_pdl
-from moeserve.lora.adapter import validate_adapter_name
+from moeserve.lora.names import validate_adapter_name
 from moeserve.module_tree import ALL_TARGETS
 from moeserve.models.quantization import resolve_quantization, weight_format
 

@@ -31,7 +31,7 @@ from moeserve.engine.core_process import ABANDON_SIGNAL, config_to_wire, run_cor
 from moeserve.errors import (USER_ERRORS, AdapterPathError, EngineDeadError, EngineStartError, EngineStepError,
                              InvalidAdapterNameError, QueueFullError, RequestError, UnknownAdapterError)
 from moeserve.frontend.output_processor import OutputProcessor, RequestState
-from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
+from moeserve.lora.names import CONFIG_FILE, validate_adapter_name
 from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, CoreInfo, EngineStats, LoadLoRA,
                                LoRAVersions, Shutdown, StartupFailed, Stats, StatsReply, StepOutputs, UnloadLoRA)
 from moeserve.models.tokenizer import load_tokenizer

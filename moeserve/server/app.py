@@ -31,7 +31,7 @@ from moeserve.errors import AdapterPathError, EngineDeadError, InvalidAdapterNam
 from moeserve.frontend.core_client import EngineClient, resolve_adapter_path
 from moeserve.frontend.dp_client import DataParallelClient
 from moeserve.log_filter import filter_repeats
-from moeserve.lora.adapter import validate_adapter_name
+from moeserve.lora.names import validate_adapter_name
 from moeserve.server.completions import ServerState, create_chat_completion, create_completion
 from moeserve.server.connections import (HTTPLimits, guarded_protocol_class, limit_request_body,
                                          raise_open_files_limit, raw_response)
