@@ -26,8 +26,8 @@ import zmq
 import zmq.asyncio
 
 from moeserve.config import EngineConfig
-from moeserve.engine.core import RequestLimits
 from moeserve.engine.core_process import ABANDON_SIGNAL, config_to_wire, run_core
+from moeserve.engine.request_limits import RequestLimits
 from moeserve.errors import (USER_ERRORS, AdapterPathError, EngineDeadError, EngineStartError, EngineStepError,
                              InvalidAdapterNameError, QueueFullError, RequestError, UnknownAdapterError)
 from moeserve.frontend.output_processor import OutputProcessor, RequestState
