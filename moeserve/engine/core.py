@@ -138,7 +138,7 @@ class EngineCore:
                         max_model_len=cfg.max_model_len, block_size=cfg.block_size,
                         num_kv_blocks=self.allocator.num_usable, max_queue_len=cfg.max_queue_len,
                         max_num_seqs=cfg.max_num_seqs, lora_names=self.list_loras(), device=str(self.runner.device),
-                        dtype=cfg.dtype)
+                        dtype=cfg.dtype, tokenizer_class=self.tokenizer.class_name if self.tokenizer else None)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,

@@ -334,7 +334,7 @@ class EngineClient(OnDemandAdapters):
             self.lora_versions = {name: 1 for name in self.info.lora_names}  # loaded at start: first versions
             async with self.tokenizer_lock:
                 self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info.tokenizer,
-                                                            self.info.vocab_size)
+                                                            self.info.vocab_size, self.info.tokenizer_class)
             if self.tokenizer is not None:
                 per_token = await loop.run_in_executor(self._prep, max_token_bytes, self.tokenizer)
                 self.max_prompt_chars = self.info.max_model_len * max(per_token, 1)

@@ -388,7 +388,7 @@ async def _serve(config, sock, host, served_model_name, api_key, log_level, on_s
             while not server.started and not serving.done():
                 await asyncio.sleep(0.01)
             if server.started:
-                # everything alive now (torch, transformers, the app) lives as long as the server: freezing it keeps
+                # everything alive now (transformers, the tokenizer, the app) lives as long as the server: freezing it keeps
                 # the oldest-generation collections, which a burst of connections triggers, from scanning it each
                 # time (a few hundred ms a pass, during which nothing is answered)
                 gc.collect()
