@@ -1,20 +1,26 @@
-"""EngineConfig: every CLI flag maps to one field; validated once, "auto" resolved first."""
+"""EngineConfig: every CLI flag maps to one field; validated once, "auto" resolved first.
+
+Importing this module does not import torch: the HTTP process builds a config from flags and sends it to the engine
+core without it. What needs the device (resolve, exec_options, torch_dtype) imports torch when called, in the core.
+"""
 from __future__ import annotations
 
 import logging
 import os
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
-import torch
-
-from moeserve.exec_options import ExecOptions, resolve_backend, resolve_linear_backend, resolve_pdl
-from moeserve.lora.adapter import validate_adapter_name
+from moeserve.lora.names import validate_adapter_name
 from moeserve.module_tree import ALL_TARGETS
-from moeserve.models.quantization import resolve_quantization, weight_format
+
+if TYPE_CHECKING:
+    import torch
+
+    from moeserve.exec_options import ExecOptions
 
 logger = logging.getLogger("moeserve")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch's names of the serving dtypes (torch_dtype)
 BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -22,6 +28,14 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 def flag(field_name: str) -> str:
     """A config field as errors name it, with its command-line flag: 'max_lora_rank (--max-lora-rank)'."""
     return f"{field_name} (--{field_name.replace('_', '-')})"
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees (0: none, or torch built without CUDA). Imports torch: called where a
+    config is resolved (the engine core) and where data-parallel cores are given GPUs, not to build a config."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _is_int(v) -> bool:
@@ -119,6 +133,9 @@ class EngineConfig:
     def _resolve_pdl(self, on_cuda: bool) -> None:
         if self.pdl not in (None, True, False):
             raise ValueError(f"{flag('pdl')} must be a boolean, got {self.pdl!r}")
+        import torch
+
+        from moeserve.exec_options import resolve_pdl
         from moeserve.kernels.pdl import supported  # imports triton: only here, once per engine
 
         available = on_cuda and supported(torch.device(self.device))
@@ -131,11 +148,15 @@ class EngineConfig:
         """Resolve "auto" values, then validate; idempotent."""
         if self._resolved:
             return self
+        from moeserve.exec_options import resolve_backend, resolve_linear_backend
+        from moeserve.models.quantization import resolve_quantization
+
+        cuda_devices = cuda_device_count()
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = "cuda" if cuda_devices else "cpu"
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"{flag('device')} must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        if self.device.startswith("cuda") and not cuda_devices:
             raise ValueError(f"{flag('device')}={self.device!r} but no CUDA device is available")
         on_cuda = self.device.startswith("cuda")
         if self.dtype == "auto":
@@ -198,9 +219,9 @@ class EngineConfig:
         if not _is_int(self.data_parallel_size) or self.data_parallel_size <= 0:
             raise ValueError(f"{flag('data_parallel_size')} must be a positive integer, got "
                              f"{self.data_parallel_size!r}")
-        if on_cuda and self.tensor_parallel_size > torch.cuda.device_count():
+        if on_cuda and self.tensor_parallel_size > cuda_devices:
             raise ValueError(f"{flag('tensor_parallel_size')} {self.tensor_parallel_size} exceeds the "
-                             f"{torch.cuda.device_count()} visible CUDA devices")
+                             f"{cuda_devices} visible CUDA devices")
         if self.cuda_graph_bs is not None:
             if not self.cuda_graph_bs or any(not _is_int(b) or b <= 0 for b in self.cuda_graph_bs):
                 raise ValueError(f"{flag('cuda_graph_bs')} must be a list of positive integers, got "
@@ -222,6 +243,11 @@ class EngineConfig:
         and handed to the model; the rules deriving one choice from another are in exec_options.py."""
         if not self._resolved:
             raise ValueError("exec_options() needs a resolved config: call resolve() first")
+        import torch
+
+        from moeserve.exec_options import ExecOptions
+        from moeserve.models.quantization import weight_format
+
         weights, unquantized = weight_format(self.quantization, self.model, weight_only=self.fp8_weight_only)
         return ExecOptions(device=torch.device(self.device), dtype=self.torch_dtype,
                            attention_backend=self.attention_backend, moe_backend=self.moe_backend,
@@ -230,7 +256,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @classmethod
     def field_names(cls) -> list[str]:

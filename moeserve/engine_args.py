@@ -6,7 +6,8 @@ import re
 from dataclasses import MISSING, fields
 
 from moeserve.config import BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
-from moeserve.lora.adapter import LoRAAdapterError, validate_adapter_name
+from moeserve.errors import LoRAAdapterError
+from moeserve.lora.names import validate_adapter_name
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30}

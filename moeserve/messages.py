@@ -124,6 +124,7 @@ class CoreInfo:
     lora_names: list[str]  # the adapters loaded at start
     device: str
     dtype: str
+    tokenizer_class: str | None = None  # the class of the core's tokenizer, loaded as such by the frontend
 
 
 @dataclass

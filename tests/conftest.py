@@ -44,6 +44,7 @@ LONGEST_FIRST = (
     "test_fp8_engine.py::test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path",  # ~17 s
     "test_triton_engine_cpu.py",  # 9-15 s each
     "test_fp8_engine.py::test_tp2_shards_the_scales_with_the_weights",  # ~15 s
+    "test_reliability.py",  # ~15 s: its tests not marked serial (those run after the parallel run, alone)
     # ~14 s
     "test_tensor_parallel.py::test_bench_tp_decode_runs_each_engine_in_its_own_child_and_reports_failed_ones",
     "test_bench_serve.py",  # ~14 s

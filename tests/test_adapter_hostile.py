@@ -22,9 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moeserve.errors import PatternKeyError
-from moeserve.lora.adapter import (
-    LoRAAdapterError, _max_tensor_count, _max_weights_bytes, load_lora_adapter, validate_adapter_name,
-)
+from moeserve.lora.adapter import LoRAAdapterError, _max_tensor_count, _max_weights_bytes, load_lora_adapter
+from moeserve.lora.names import validate_adapter_name
 from moeserve.lora.pattern_keys import MAX_MATCH_SECONDS, MAX_PATTERN_KEYS, PatternTable
 from peft_fixtures import make_peft_adapter, tiny_spec
 

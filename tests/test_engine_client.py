@@ -106,6 +106,18 @@ def test_outputs_equal_the_in_process_engine_for_base_adapter_and_mixed_traffic(
                 [x and x.logprob for x in w.prompt_logprobs], abs=1e-5)
 
 
+def test_the_frontend_loads_the_tokenizer_class_the_core_chose(client, ref):
+    """The frontend loads by name the class AutoTokenizer chose in the core (importing AutoTokenizer imports torch):
+    the in-process engine's class, ids and chat template."""
+    want = ref.tokenizer
+    assert client.info.tokenizer_class == type(want.tok).__name__
+    assert type(client.tokenizer.tok) is type(want.tok)
+    text = "the quick brown fox<|im_end|> jumps"
+    assert client.tokenizer.encode(text) == want.encode(text)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    assert client.tokenizer.chat_ids(messages) == want.chat_ids(messages)
+
+
 def test_refusals_are_raised_before_any_output(client):
     async def main():
         with pytest.raises(RequestError, match="max_model_len"):

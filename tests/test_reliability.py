@@ -38,8 +38,9 @@ from moeserve.server.errors import redact_paths  # noqa: E402
 from moeserve.server.protocol import MAX_MESSAGES, MAX_N, MAX_STOP, MAX_STOP_CHARS  # noqa: E402
 from server_harness import RunningServer, wait_until  # noqa: E402
 
-# latencies under a flood are the point here (1 s bounds): scripts/test.sh runs this file alone, after the parallel run
-pytestmark = pytest.mark.serial
+# latency bounds under load (1 s), and the tests sharing their servers or timing deadlines: scripts/test.sh runs these
+# alone, after the parallel run; the others here (adapter paths, redaction, flags, dtypes, log filters) run in it
+serial = pytest.mark.serial
 
 MODEL = "tiny-moe"
 MAX_MODEL_LEN = 128
@@ -116,6 +117,7 @@ def _closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
+@serial
 def test_slow_header_and_body_connections_do_not_block_and_are_closed(impatient_server, caplog):
     """200 connections trickling their headers and 20 trickling a body are held open; /health and a real
     completion still answer within 1 s, and the server closes every one of them after its deadline."""
@@ -173,6 +175,7 @@ def test_slow_header_and_body_connections_do_not_block_and_are_closed(impatient_
     assert r.status_code == 200
 
 
+@serial
 def test_keep_alive_connection_between_requests_is_not_cut_by_the_header_deadline(impatient_server):
     server = impatient_server
     with httpx.Client(base_url=server.url, timeout=10) as c:
@@ -219,6 +222,7 @@ def _plain_uvicorn(limits: HTTPLimits, shed=None, http: str = "auto"):
         thread.join(10)
 
 
+@serial
 def test_connections_over_the_cap_are_answered_503_and_closed_at_once():
     with _plain_uvicorn(HTTPLimits(limit_concurrency=20, timeout_header=30)) as port:
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
@@ -241,6 +245,7 @@ def test_connections_over_the_cap_are_answered_503_and_closed_at_once():
             s.close()
 
 
+@serial
 @pytest.mark.parametrize("http", ["h11", "httptools"])
 def test_the_guard_works_on_either_uvicorn_http_protocol(http):
     """The guard is mixed into uvicorn's httptools protocol (what the server runs) or, where httptools is missing,
@@ -324,6 +329,7 @@ class _Pipelined:
         return r.status, r.read()
 
 
+@serial
 @pytest.mark.parametrize("http", ["h11", "httptools"])
 def test_pipelined_requests_are_answered_in_order_whatever_their_bodies_wait_for(http):
     """A request sent behind another before that one is answered (HTTP/1.1 pipelining) is answered after it, in
@@ -371,6 +377,7 @@ def _assert_413(head: bytes, body: bytes) -> None:
     assert "--max-request-body-bytes" in err["message"], err
 
 
+@serial
 def test_request_body_over_the_cap_is_413_before_it_is_read(impatient_server):
     """Default cap (4 MiB): a declared 50 MB body is answered 413 after 1 MB of it was sent; a chunked body
     as soon as it passes the cap; the server keeps answering, and bodies under the cap are served."""
@@ -518,6 +525,7 @@ class HealthProbe(threading.Thread):
         return self.times
 
 
+@serial
 def test_5000_concurrent_requests_beyond_the_queue_are_refused_within_1s(server):
     """The engine is held: the first max_queue_len requests wait in the queue, every other one of 5,000 concurrent
     requests is answered 503 queue_full with Retry-After within 1 s, and /health answers within 1 s throughout."""
@@ -550,6 +558,7 @@ def test_5000_concurrent_requests_beyond_the_queue_are_refused_within_1s(server)
     assert st.kv_blocks_free == st.kv_blocks_total
 
 
+@serial
 def test_queue_full_from_the_app_has_retry_after(server):
     """The refusal's other route (a request whose head arrived in pieces reaches the app): same 503."""
     host, port = server.url.removeprefix("http://").split(":")
@@ -626,6 +635,7 @@ def _size_cases(max_prompt_chars: int):
     ]
 
 
+@serial
 def test_oversized_requests_are_refused_before_tokenizing(server, monkeypatch):
     calls = []
     tok = server.engine.tokenizer
@@ -657,6 +667,7 @@ def test_oversized_requests_are_refused_before_tokenizing(server, monkeypatch):
     assert usage["prompt_tokens"] + usage["completion_tokens"] == MAX_MODEL_LEN
 
 
+@serial
 def test_non_streaming_disconnect_aborts_every_choice(server):
     before = server.wait_idle()
     n, max_tokens = 8, 100
@@ -671,6 +682,7 @@ def test_non_streaming_disconnect_aborts_every_choice(server):
     assert after.generation_tokens_total - before.generation_tokens_total < n * max_tokens // 4
 
 
+@serial
 def test_lone_surrogate_is_400_on_both_endpoints(server):
     raw = {"/v1/completions": b'{"model": "%s", "prompt": "ab\\ud800cd", "max_tokens": 2}',
            "/v1/chat/completions": b'{"model": "%s", "messages": [{"role": "user", "content": "ab\\ud800cd"}]}'}
@@ -691,6 +703,7 @@ def test_lone_surrogate_is_400_on_both_endpoints(server):
 # runtime adapter loading: opt-in, confined to --lora-dir, no filesystem paths in answers
 # ---------------------------------------------------------------------------------------------
 
+@serial
 def test_runtime_lora_loading_is_off_by_default(server, tmp_path):
     for endpoint, body in (("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)}),
                            ("/v1/unload_lora_adapter", {"lora_name": "x"})):

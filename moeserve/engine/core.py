@@ -15,13 +15,13 @@ import gc
 import itertools
 import logging
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moeserve.config import EngineConfig
 from moeserve.engine.lora_manager import LoRAManager
+from moeserve.engine.request_limits import RequestLimits
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.warmup import CompileWatch, decode_split_shapes, eager_decode_sizes, warm_up, warmup_token_counts
 from moeserve.errors import EngineShutdownError, QueueFullError, RankFailure, RequestError
@@ -38,46 +38,6 @@ from moeserve.worker.parallel_runner import ParallelModelRunner
 from moeserve.worker.sequence import Sequence, mark_launched
 
 logger = logging.getLogger("moeserve")
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What a request is checked against; the frontend checks with the same values before sending."""
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int  # usable blocks
-
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Raise RequestError / ValueError naming the problem; returns params with max_tokens set (None:
-        what the context has room for). A max_tokens the context cannot hold is refused, as OpenAI and vLLM
-        do, not silently shortened."""
-        params.validate()
-        ids = prompt_token_ids
-        if not ids:
-            raise RequestError("prompt is empty")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise RequestError(f"stop_token_ids {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})",
-                               param="stop_token_ids")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                               "(the prompt plus at least one generated token must fit)")
-        room = self.max_model_len - len(ids)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=room)
-        elif params.max_tokens > room:
-            raise RequestError(f"max_tokens {params.max_tokens} does not fit: this model's maximum context length "
-                               f"is {self.max_model_len} tokens and the prompt has {len(ids)}, which leaves "
-                               f"{room}; lower max_tokens or shorten the prompt", param="max_tokens")
-        need_blocks = -(-(len(ids) + params.max_tokens) // self.block_size)
-        if need_blocks > self.num_kv_blocks:
-            raise RequestError(f"request needs {need_blocks} KV blocks but the cache has only "
-                               f"{self.num_kv_blocks}; lower max_tokens or the prompt length")
-        return params
 
 
 class EngineCore:
@@ -178,7 +138,7 @@ class EngineCore:
                         max_model_len=cfg.max_model_len, block_size=cfg.block_size,
                         num_kv_blocks=self.allocator.num_usable, max_queue_len=cfg.max_queue_len,
                         max_num_seqs=cfg.max_num_seqs, lora_names=self.list_loras(), device=str(self.runner.device),
-                        dtype=cfg.dtype)
+                        dtype=cfg.dtype, tokenizer_class=self.tokenizer.class_name if self.tokenizer else None)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,

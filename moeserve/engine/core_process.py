@@ -9,6 +9,9 @@ large or hostile file never stops generation. LoRA calls are answered in the ord
 
 Messages: the typed records of moeserve/messages.py, msgpack-encoded by its MsgpackCodec, over two ZeroMQ
 PUSH/PULL sockets (ipc://); each is handled by the handler registered for its type.
+
+The frontend imports this module for the entry point and the wire format; the engine itself (torch, the model) is
+imported by run_core, in the core's process, so the HTTP process never loads it.
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ from dataclasses import dataclass
 import zmq
 
 from moeserve.config import EngineConfig
-from moeserve.engine.core import EngineCore
 from moeserve.errors import USER_ERRORS
 from moeserve.log_filter import filter_repeats
 from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, CoreReady, FailNextSteps, Hold,
@@ -247,6 +249,8 @@ def run_core(config: dict, inbox_addr: str, outbox_addr: str, parent_pid: int, l
     core = server = None
     try:
         try:
+            from moeserve.engine.core import EngineCore  # torch and the model code: in this process only
+
             core = EngineCore(EngineConfig(**config), progress=False)
         except StartAbandoned:
             return

@@ -26,12 +26,12 @@ import zmq
 import zmq.asyncio
 
 from moeserve.config import EngineConfig
-from moeserve.engine.core import RequestLimits
 from moeserve.engine.core_process import ABANDON_SIGNAL, config_to_wire, run_core
+from moeserve.engine.request_limits import RequestLimits
 from moeserve.errors import (USER_ERRORS, AdapterPathError, EngineDeadError, EngineStartError, EngineStepError,
                              InvalidAdapterNameError, QueueFullError, RequestError, UnknownAdapterError)
 from moeserve.frontend.output_processor import OutputProcessor, RequestState
-from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
+from moeserve.lora.names import CONFIG_FILE, validate_adapter_name
 from moeserve.messages import (CODEC, AbortRequests, AddRequest, Call, CallReply, CoreInfo, EngineStats, LoadLoRA,
                                LoRAVersions, Shutdown, StartupFailed, Stats, StatsReply, StepOutputs, UnloadLoRA)
 from moeserve.models.tokenizer import load_tokenizer
@@ -334,7 +334,7 @@ class EngineClient(OnDemandAdapters):
             self.lora_versions = {name: 1 for name in self.info.lora_names}  # loaded at start: first versions
             async with self.tokenizer_lock:
                 self.tokenizer = await loop.run_in_executor(self._prep, load_tokenizer, self.info.tokenizer,
-                                                            self.info.vocab_size)
+                                                            self.info.vocab_size, self.info.tokenizer_class)
             if self.tokenizer is not None:
                 per_token = await loop.run_in_executor(self._prep, max_token_bytes, self.tokenizer)
                 self.max_prompt_chars = self.info.max_model_len * max(per_token, 1)

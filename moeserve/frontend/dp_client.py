@@ -18,9 +18,7 @@ import os
 import uuid
 from typing import AsyncIterator
 
-import torch
-
-from moeserve.config import EngineConfig
+from moeserve.config import EngineConfig, cuda_device_count
 from moeserve.errors import EngineDeadError, QueueFullError, RequestError
 from moeserve.frontend.core_client import EngineClient, OnDemandAdapters, QueueReservation, RequestStream
 from moeserve.messages import Call, EngineStats
@@ -49,21 +47,21 @@ def visible_gpus() -> list[str]:
     given = os.environ.get("CUDA_VISIBLE_DEVICES")
     if given is not None:
         return [d.strip() for d in given.split(",") if d.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
+    return [str(i) for i in range(cuda_device_count())]
 
 
 def core_environments(config: EngineConfig) -> list[dict[str, str] | None]:
     """What each core's process adds to its environment: on CUDA, the GPUs it sees; elsewhere nothing (the core
-    checks the device itself)."""
+    checks the device itself). Asks torch for the GPUs only when the device may be CUDA (auto or cuda)."""
     n, tp = config.data_parallel_size, config.tensor_parallel_size
     device = config.device
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if cuda_device_count() else "cpu"
     if device.startswith("cuda:"):
         raise ValueError(f"--device {device} names one GPU; with --data-parallel-size {n} every engine core takes its "
                          "own (core i: GPUs i*TP to i*TP+TP-1): pass --device cuda and choose the GPUs with "
                          "CUDA_VISIBLE_DEVICES")
-    if device != "cuda" or not torch.cuda.is_available():
+    if device != "cuda" or not cuda_device_count():
         return [None] * n  # cpu (tests), or a mistake the core reports
     if not isinstance(tp, int) or tp < 1:
         tp = 1  # the core refuses it by name

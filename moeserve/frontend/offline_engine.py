@@ -14,7 +14,7 @@ from moeserve.config import EngineConfig
 from moeserve.engine.core import EngineCore
 from moeserve.errors import EngineShutdownError, RequestError, UnknownAdapterError
 from moeserve.frontend.output_processor import OutputProcessor, RequestState
-from moeserve.lora.adapter import CONFIG_FILE, validate_adapter_name
+from moeserve.lora.names import CONFIG_FILE, validate_adapter_name
 from moeserve.messages import EngineStats
 from moeserve.outputs import RequestOutput
 from moeserve.sampling_params import SamplingParams

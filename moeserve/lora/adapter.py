@@ -39,12 +39,10 @@ import torch
 from torch import Tensor
 
 from moeserve import module_tree
-from moeserve.errors import InvalidAdapterNameError, LoRAAdapterError, PatternKeyError
+from moeserve.errors import LoRAAdapterError, PatternKeyError
+from moeserve.lora.names import CONFIG_FILE, WEIGHTS_FILE
 from moeserve.lora.pattern_keys import MAX_PATTERN_KEY_LEN, MAX_PATTERN_KEYS, PatternTable
 from moeserve.model_spec import ModelSpec
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 # attention, dense MLP, shared expert, the MoE router (`mlp.gate` / `block_sparse_moe.gate`) and qwen2's [1, H]
 # shared-expert gate: the module tree's dense targets (module_tree.py)
@@ -94,21 +92,6 @@ _DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}  # safetensors dtype names accept
 # adapter_config.json fields PEFT reads as module-name patterns. Only rank_pattern / alpha_pattern matter for
 # serving (tensor keys say what is adapted); the others are only bounded, never matched.
 _PATTERN_LIST_FIELDS = ("target_modules", "exclude_modules", "layers_pattern", "target_parameters")
-
-_ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9._/-]{1,128}")
-
-
-def validate_adapter_name(name: str) -> None:
-    """Raise LoRAAdapterError unless `name` is 1-128 characters of [A-Za-z0-9._-/], with '/' only between
-    non-empty components none of which is '.' or '..' (names show up in URLs, logs and cache paths)."""
-    if not isinstance(name, str):
-        raise InvalidAdapterNameError(f"adapter name must be a string, got {type(name).__name__}")
-    shown = repr(name if len(name) <= 64 else name[:64] + "...")
-    if not _ADAPTER_NAME_RE.fullmatch(name):
-        raise InvalidAdapterNameError(f"invalid adapter name {shown}: use 1-128 characters of A-Z a-z 0-9 . _ - /")
-    if any(part in ("", ".", "..") for part in name.split("/")):
-        raise InvalidAdapterNameError(f"invalid adapter name {shown}: '/' may only separate components, and no "
-                               "component may be empty, '.' or '..'")
 
 
 @dataclass

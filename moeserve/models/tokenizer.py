@@ -12,17 +12,17 @@ logger = logging.getLogger("moeserve")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def load_tokenizer(path: str | Path, vocab_size: int) -> "TokenizerWrapper | None":
+def load_tokenizer(path: str | Path, vocab_size: int, tokenizer_class: str | None = None) -> "TokenizerWrapper | None":
     """The tokenizer in `path`, or None (prompts must then be token ids) when the folder has no
-    tokenizer files or holds one that does not fit the model's vocabulary."""
+    tokenizer files or holds one that does not fit the model's vocabulary. `tokenizer_class`: the class AutoTokenizer
+    chose for this folder where the engine core loaded it (TokenizerWrapper.class_name); the frontend loads that class
+    itself, without AutoTokenizer, whose import loads torch (transformers' model configs) into the HTTP process."""
     path = Path(path)
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         logger.warning("no tokenizer files in %s; prompts must be token ids", path)
         return None
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = _tokenizer_class(tokenizer_class).from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - a model without tokenizer still serves token ids
         logger.warning("no tokenizer loaded from %s (%s); prompts must be token ids", path, e)
         return None
@@ -31,6 +31,19 @@ def load_tokenizer(path: str | Path, vocab_size: int) -> "TokenizerWrapper | Non
                        path, len(tok), vocab_size)
         return None
     return TokenizerWrapper(tok)
+
+
+def _tokenizer_class(name: str | None):
+    """The transformers tokenizer class of that name; AutoTokenizer for None or a name transformers does not export
+    (its choice is then made again, as it was in the core)."""
+    import transformers
+
+    cls = getattr(transformers, name, None) if name else None
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
+        return cls
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def eos_token_ids(model_dir: str | Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
@@ -54,6 +67,7 @@ class TokenizerWrapper:
 
     def __init__(self, hf_tokenizer):
         self.tok = hf_tokenizer
+        self.class_name = type(hf_tokenizer).__name__  # what AutoTokenizer chose (load_tokenizer's tokenizer_class)
         self.all_special_ids_set = set(hf_tokenizer.all_special_ids)
         self.eos_token_id = hf_tokenizer.eos_token_id
         self._anchor = (self.encode("a") or [0])[-1]  # token_text's anchor: any token with a text of its own

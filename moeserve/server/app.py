@@ -31,7 +31,7 @@ from moeserve.errors import AdapterPathError, EngineDeadError, InvalidAdapterNam
 from moeserve.frontend.core_client import EngineClient, resolve_adapter_path
 from moeserve.frontend.dp_client import DataParallelClient
 from moeserve.log_filter import filter_repeats
-from moeserve.lora.adapter import validate_adapter_name
+from moeserve.lora.names import validate_adapter_name
 from moeserve.server.completions import ServerState, create_chat_completion, create_completion
 from moeserve.server.connections import (HTTPLimits, guarded_protocol_class, limit_request_body,
                                          raise_open_files_limit, raw_response)
@@ -388,7 +388,7 @@ async def _serve(config, sock, host, served_model_name, api_key, log_level, on_s
             while not server.started and not serving.done():
                 await asyncio.sleep(0.01)
             if server.started:
-                # everything alive now (torch, transformers, the app) lives as long as the server: freezing it keeps
+                # everything alive now (transformers, the tokenizer, the app) lives as long as the server: freezing it keeps
                 # the oldest-generation collections, which a burst of connections triggers, from scanning it each
                 # time (a few hundred ms a pass, during which nothing is answered)
                 gc.collect()
