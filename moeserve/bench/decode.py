@@ -59,14 +59,16 @@ def preset_spec(name: str, num_layers: int | None = None) -> ModelSpec:
     return ModelSpec(max_position_embeddings=4096, **p)
 
 
-def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int]) -> float:
-    """Bytes a decode step must read: weights touched + KV + LoRA touched (bf16)."""
+def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int], fp8: bool = False) -> float:
+    """Bytes a decode step must read: weights touched + KV + LoRA touched (bf16; with `fp8` the attention, expert
+    and shared-expert weights at one byte, their block scales 1/4,096 of that left out)."""
     H, E, k, inter = spec.hidden_size, spec.num_experts, spec.top_k, spec.moe_intermediate_size
     attn = H * (spec.q_size + 2 * spec.kv_size) + spec.q_size * H
     touched = E * (1 - (1 - k / E) ** B)
     experts = touched * 3 * H * inter
     shared = 3 * H * spec.shared_expert_intermediate_size
-    per_layer = attn + E * H + experts + shared
+    quantized = (attn + experts + shared) / (2 if fp8 else 1)  # in bf16 elements: halved bytes in FP8
+    per_layer = quantized + E * H
     kv = B * ctx * 2 * spec.kv_size
     lora = 0.0
     for n in lora_tokens:  # tokens per active adapter
@@ -268,7 +270,8 @@ def main(argv=None) -> int:
             step = results[mode][B] / args.steps
             slots = slots_for(mode, B)
             per_adapter = [sum(1 for s in slots if s == a) for a in range(NUM_ADAPTERS)]
-            fb = floor_bytes(spec, B, PROMPT + args.steps // 2, [n for n in per_adapter if n])
+            fb = floor_bytes(spec, B, PROMPT + args.steps // 2, [n for n in per_adapter if n],
+                             fp8=args.quantization == "fp8")
             row[mode] = {"tok_s": B / step, "step_ms": step * 1e3, "efficiency": fb / bw / step}
         rows.append(row)
     ratios = {"idle-dual/base": ("idle-dual", "base"), "idle-dual/idle-single": ("idle-dual", "idle-single"),
