@@ -23,6 +23,7 @@ logger = logging.getLogger("moeserve")
 DTYPES = ("float32", "bfloat16", "float16")  # torch's names of the serving dtypes (torch_dtype)
 BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+FP8_ACTIVATIONS = ("auto", "dynamic", "none")  # fp8_activations (models/quantization.py ACT_QUANT)
 
 
 def flag(field_name: str) -> str:
@@ -53,10 +54,11 @@ class EngineConfig:
     # base weights: None (unset) serves what the checkpoint declares (an fp8 quantization_config serves FP8);
     # "fp8": block-wise FP8 (128 x 128 scales), a plain checkpoint quantized at load. LoRA stays in `dtype`
     quantization: str | None = None
-    # FP8 products weight-only everywhere (the fp8 weight tile dequantized in the K loop: exact against the
-    # dequantized weights, slower from 64 rows on Hopper); unset, the GEMMs quantize activations per token-group of
-    # 128 (W8A8, as the checkpoints' activation_scheme "dynamic" asks) and the GEMVs of decode rows stay weight-only
-    fp8_weight_only: bool = False
+    # how FP8 products treat activations: "auto" quantizes them per token-group of 128 (W8A8, as the checkpoints'
+    # activation_scheme "dynamic" asks) where a call is a GEMM and not where it is a GEMV (decode rows); "dynamic"
+    # always (a row's numerics then do not depend on the batch it runs in); "none" never (weight-only: the fp8 tile
+    # dequantized in the K loop, exact against the dequantized weights, slower from 64 rows on Hopper)
+    fp8_activations: str = "auto"
 
     # memory and batching
     max_model_len: int | None = None  # default min(max_position_embeddings, 4096)
@@ -203,9 +205,15 @@ class EngineConfig:
         model_dir = self.model if self.model is not None and os.path.isdir(self.model) else None  # a missing
         # folder is reported by the engine; a quantization_config not implemented is refused here, before any load
         self.quantization = resolve_quantization(self.quantization, model_dir)
-        if self.fp8_weight_only and self.quantization != "fp8":
-            raise ValueError(f"{flag('fp8_weight_only')} applies to FP8 base weights: set {flag('quantization')} "
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"{flag('fp8_activations')} must be one of {', '.join(FP8_ACTIVATIONS)}, got "
+                             f"{self.fp8_activations!r}")
+        if self.fp8_activations != "auto" and self.quantization != "fp8":
+            raise ValueError(f"{flag('fp8_activations')} applies to FP8 base weights: set {flag('quantization')} "
                              "fp8 or serve a checkpoint whose quantization_config is fp8")
+        if self.fp8_activations == "dynamic" and self.moe_backend == "torch" and self.enable_lora:
+            raise ValueError(f"{flag('fp8_activations')} dynamic on the torch MoE backend takes no expert LoRA: use "
+                             f"{flag('moe_backend')} triton (CUDA or the Triton interpreter) or leave it auto")
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"{flag('lora_dir')} {self.lora_dir!r} is not a directory")
         if self.lora_modules:
@@ -248,7 +256,7 @@ class EngineConfig:
         from moeserve.exec_options import ExecOptions
         from moeserve.models.quantization import weight_format
 
-        weights, unquantized = weight_format(self.quantization, self.model, weight_only=self.fp8_weight_only)
+        weights, unquantized = weight_format(self.quantization, self.model, activations=self.fp8_activations)
         return ExecOptions(device=torch.device(self.device), dtype=self.torch_dtype,
                            attention_backend=self.attention_backend, moe_backend=self.moe_backend,
                            linear_backend=self.linear_backend, pdl=self.pdl, weights=weights,

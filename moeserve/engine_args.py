@@ -5,7 +5,7 @@ import argparse
 import re
 from dataclasses import MISSING, fields
 
-from moeserve.config import BACKENDS, DTYPES, LOAD_FORMATS, EngineConfig
+from moeserve.config import BACKENDS, DTYPES, FP8_ACTIVATIONS, LOAD_FORMATS, EngineConfig
 from moeserve.errors import LoRAAdapterError
 from moeserve.lora.names import validate_adapter_name
 
@@ -84,10 +84,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="base weights in block-wise FP8 (float8_e4m3fn, one scale per 128 x 128 block): a plain "
                         "checkpoint is quantized at load (with --load-format dummy too); unset: what the "
                         "checkpoint declares (an fp8 quantization_config serves FP8). LoRA stays in --dtype")
-    g.add_argument("--fp8-weight-only", action="store_true",
-                   help="FP8 products weight-only everywhere (exact against the dequantized weights, slower from "
-                        "64 rows); default: GEMMs quantize activations per token-group of 128 (W8A8, dynamic), "
-                        "decode GEMVs stay weight-only")
+    g.add_argument("--fp8-activations", default=_default("fp8_activations"), choices=FP8_ACTIVATIONS,
+                   help="FP8 products: auto quantizes activations per token-group of 128 (W8A8) where a call is a "
+                        "GEMM, not in decode GEMVs; dynamic always (numerics independent of the batch); none never "
+                        "(weight-only, exact against the dequantized weights, slower)")
     g.add_argument("--seed", type=int, default=_default("seed"),
                    help="seed of the sampler for requests that give no seed of their own")
 

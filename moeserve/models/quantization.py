@@ -109,14 +109,17 @@ def resolve_quantization(requested: str | None, model_dir: str | Path | None) ->
     return requested if requested is not None else declared
 
 
+ACT_QUANT = {"auto": None, "dynamic": True, "none": False}  # EngineConfig.fp8_activations -> WeightFormat.act_quant
+
+
 def weight_format(method: str | None, model_dir: str | Path | None,
-                  weight_only: bool = False) -> tuple[WeightFormat, tuple[str, ...]]:
+                  activations: str = "auto") -> tuple[WeightFormat, tuple[str, ...]]:
     """(how the quantizable weights are stored, the modules the checkpoint keeps unquantized) for ExecOptions;
-    `weight_only`: FP8 products never quantize activations (else the kernels pick per call, WeightFormat)."""
+    `activations`: EngineConfig.fp8_activations."""
     if method is None:
         return PLAIN_WEIGHTS, ()
     hf_config = _read_config(model_dir) or {}
-    return (WeightFormat(method="fp8", block=FP8_BLOCK, act_quant=False if weight_only else None),
+    return (WeightFormat(method="fp8", block=FP8_BLOCK, act_quant=ACT_QUANT[activations]),
             unquantized_modules(hf_config))
 
 
