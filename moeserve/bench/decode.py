@@ -77,6 +77,30 @@ def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int], fp8: 
     return 2 * (spec.num_layers * (per_layer + kv + lora) + spec.vocab_size * H)
 
 
+def timed_steps(runner, sb: ScheduledBatch, steps: int, warmup: int = WARMUP_STEPS) -> float:
+    """Seconds for `steps` decode steps of batch `sb` through `runner` (a ModelRunner, or tensor parallelism's
+    rank-0 runner) after `warmup` untimed ones, as the engine runs them (EngineCore.step without the scheduler):
+    launch step n+1, its inputs from step n's tokens on the device, then read step n's tokens into the sequences.
+    The last step's tokens are read inside the timed span."""
+    def read_back(step: InFlightStep) -> None:
+        for seq, token in runner.collect(step).sampled.items():
+            seq.fill_pending(token)
+
+    inflight = None
+    for step in range(steps + warmup):
+        if step == warmup:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        launched = runner.launch(sb)
+        mark_launched(sb, launched.sampling_seqs)
+        if inflight is not None:
+            read_back(inflight)
+        inflight = launched
+    read_back(inflight)
+    return time.perf_counter() - t0
+
+
 class DecodeBench:
     def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
                  backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None,
@@ -141,23 +165,20 @@ class DecodeBench:
     @torch.inference_mode()
     def run_steps(self, seqs: list[Sequence], sync_steps: bool = False) -> float:
         """Seconds for `steps` decode steps of `seqs` after 3 warm-up steps; each step's tokens land in the
-        sequences' output_token_ids. The step is the engine's pipelined one (EngineCore.step without the
-        scheduler): launch step n+1, its inputs from step n's tokens on the device, then read step n's tokens.
+        sequences' output_token_ids. The step is the engine's pipelined one (timed_steps).
         `sync_steps`: each step built, run, picked and read back before the next starts."""
         sb = ScheduledBatch(seqs, [1] * len(seqs), is_decode=True)
-        step_fn = self._sync_step if sync_steps else self._pipelined_step
-        inflight = None
+        if not sync_steps:
+            return timed_steps(self.runner, sb, self.steps)
         for step in range(self.steps + WARMUP_STEPS):
             if step == WARMUP_STEPS:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-            inflight = step_fn(sb, inflight)
-        if inflight is not None:  # the last step's tokens are read inside the timed span
-            self._read_back(inflight)
+            self._sync_step(sb)
         return time.perf_counter() - t0
 
-    def _sync_step(self, sb: ScheduledBatch, inflight: None) -> None:
+    def _sync_step(self, sb: ScheduledBatch) -> None:
         graph_runner = self.runner.graph_runner
         graphed = graph_runner is not None and graph_runner.can_run(sb)
         batch = self.runner.prepare(sb, on_host=graphed)
@@ -166,17 +187,6 @@ class DecodeBench:
         for s, t in zip(sb.seqs, tokens):
             s.output_token_ids.append(t)
             s.num_computed_tokens += 1
-
-    def _pipelined_step(self, sb: ScheduledBatch, inflight: InFlightStep | None) -> InFlightStep:
-        launched = self.runner.launch(sb)
-        mark_launched(sb, launched.sampling_seqs)
-        if inflight is not None:
-            self._read_back(inflight)
-        return launched
-
-    def _read_back(self, step: InFlightStep) -> None:
-        for seq, token in self.runner.collect(step).sampled.items():
-            seq.fill_pending(token)
 
     @torch.inference_mode()
     def layer_budget(self, B: int, bandwidth: float, timer=graph_time_us) -> list[dict]:

@@ -2,9 +2,10 @@
 
 The same protocol as `bench decode` (docs/benchmarks.md, "Decode"): random bf16 weights (--load-format dummy), B sequences
 with a 512-token context in the KV cache (prefill excluded), `steps` timed decode steps, tokens/s =
-B * steps / time, median of repeats. Each step is the engine core runner's own `launch` + `collect`: under
-parallelism that includes sending the step's plan to the other ranks, the graph replay with its collectives,
-the logits all-gather and the token broadcast.
+B * steps / time, median of repeats. Each step is the engine core runner's own `launch` + `collect`, pipelined as
+the engine runs them (step n+1 launched before step n is read: bench decode's `timed_steps`; before session 13 each
+step was read before the next launched): under parallelism that includes sending the step's plan to the other
+ranks, the graph replay with its collectives, the logits all-gather and the token broadcast.
 
 Modes: base (LoRA off), idle-dual (LoRA on, no request uses an adapter: the no-LoRA graph), active (4
 random rank-16 adapters on attention and every expert, every row with one).
@@ -40,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from collections import deque
 from contextlib import contextmanager
@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from moeserve.bench import layer_profile
-from moeserve.bench.decode import PRESETS, PROMPT, preset_spec
+from moeserve.bench.decode import PRESETS, PROMPT, preset_spec, timed_steps
 from moeserve.config import EngineConfig
 from moeserve.lora.adapter import ExpertLoRA, LoRAAdapter
 from moeserve.model_spec import ModelSpec
@@ -132,17 +132,7 @@ class Setting:
                 s.num_computed_tokens = PROMPT - 1
                 s.lora_slot = slots[i]
                 seqs.append(s)
-            sb = ScheduledBatch(seqs, [1] * B, is_decode=True)
-            for step in range(self.steps + 3):
-                if step == 3:
-                    if torch.cuda.is_available():
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                result = runner.collect(runner.launch(sb))
-                for s in seqs:
-                    s.output_token_ids.append(result.sampled[s])
-                    s.num_computed_tokens += 1
-            times.append(time.perf_counter() - t0)
+            times.append(timed_steps(runner, ScheduledBatch(seqs, [1] * B, is_decode=True), self.steps))
         return statistics.median(times)
 
     def close(self) -> None:
