@@ -299,9 +299,8 @@ def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_p
     Triton's interpreter in fp32), products weight-only (fp8_activations none), against the torch backends on the
     dequantized weights: same tokens, logprobs to fp32 rounding, in one batch with no adapter, a fused gate_up
     expert adapter and one with separate gate_proj / up_proj LoRAs (the up A's); the row without an adapter bitwise
-    the LoRA-disabled Triton FP8 engine's. Then the engine's default (the prefill's expert GEMMs W8A8): the same
-    tokens, logprobs within the activation quantization's error (kernel-level bound: test_kernels_moe_fp8.py), and
-    not the weight-only ones (the W8A8 path ran)."""
+    the LoRA-disabled Triton FP8 engine's. (The default, W8A8 where a call is a GEMM, is bitwise the W8A8 kernels
+    on those calls: test_kernels_moe_fp8 / test_kernels_fp8_linear; the GPU engine tests run it.)"""
     family = "qwen3_moe"
     base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
     fp8 = fp8_copy(base, tmp_path / "fp8")
@@ -324,7 +323,3 @@ def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_p
     alone = plain.generate(prompts, sp)[0]  # the same batch shape: the kernels' path depends on the token count
     assert got[0].token_ids == alone.token_ids
     assert [x.logprob for x in got[0].logprobs] == [x.logprob for x in alone.logprobs]
-    dynamic = Engine(EngineConfig(**triton, **lora, **kw)).generate(prompts, sp, lora=loras)
-    diffs = [abs(x.logprob - y.logprob) for g, d in zip(got, dynamic) for x, y in zip(g.logprobs, d.logprobs)]
-    assert [d.token_ids for d in dynamic] == [g.token_ids for g in got]
-    assert 0 < max(diffs) < 0.05
