@@ -18,9 +18,10 @@ Backends:
 o shapes (benchmarks/kernels/fp8_moe.py --parts dense --sweep; BENCHMARKS.md, session 13): up to GEMV_MAX_ROWS the
 weight-only GEMV (a decode row reads weights; quantizing it adds a launch), below AUTO_W8A8_MIN_ROWS the weight-only
 Triton GEMM (8 rows: 9.8 / 16.8 us weight-only, 11.0 / 16.1 W8A8), from there W8A8 through scaled_mm on CUDA where
-it takes the K (scaled_mm_serves; 64 rows: 16.4 / 21.7 us against 17.1 / 22.5 weight-only; 256: 17.4 / 23.1 against 31.7 / 43.5; 2,048: 52.8 / 45.2
-against 128.2 / 103.4), through the Triton W8A8 GEMM elsewhere. A row's numerics therefore depend on the batch size
-it runs in, as in any engine whose kernels are chosen by shape; a given batch size always runs the same kernels.
+it takes the K (scaled_mm_serves; 64 rows: 16.4 / 21.7 us against 17.1 / 22.5 weight-only; 256: 17.4 / 23.1 against
+31.7 / 43.5; 2,048: 52.8 / 45.2 against 128.2 / 103.4), through the Triton W8A8 GEMM elsewhere. A row's numerics
+therefore depend on the batch size it runs in, as in any engine whose kernels are chosen by shape; a given batch
+size always runs the same kernels.
 """
 from __future__ import annotations
 
@@ -263,10 +264,10 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), w_fp8 [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
     float32, bias [N] -> [..., N] in x.dtype. `act_quant`: W8A8 (x quantized per token-group of 128 at run time),
-    False weight-only, None picked by row count (module docstring; where that picks W8A8 on CUDA with 128 x 128
-    blocks and no `tile`, the triton backend hands the call to scaled_mm). `backend`: "triton", "scaled_mm" (W8A8 only) or "torch"; default: triton on CUDA and under
-    the interpreter, else torch. `tile` overrides the Triton tile (linear_tile); `weight_scale` (weight-only Triton):
-    "tile" or "product", as fused_moe_fp8's."""
+    False weight-only, None picked by row count (module docstring; where that picks W8A8 on CUDA, with no `tile`
+    and a K scaled_mm takes, the triton backend hands the call to scaled_mm). `backend`: "triton", "scaled_mm" (W8A8
+    only) or "torch"; default: triton on CUDA and under the interpreter, else torch. `tile` overrides the Triton
+    tile (linear_tile); `weight_scale` (weight-only Triton): "tile" or "product", as fused_moe_fp8's."""
     _check(x, w_fp8, scale_inv, bias, block)
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"fp8_linear: weight_scale {weight_scale!r}: choose 'tile' or 'product'")

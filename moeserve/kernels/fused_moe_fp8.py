@@ -466,13 +466,14 @@ def fused_moe_fp8(
     weight_scale: str = "tile",
     lora=None,
 ) -> torch.Tensor:
-    """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32
-    scale_inv [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)],
-    topk_weights / topk_ids [T, K] -> [T, H] in x.dtype. `act_quant`: W8A8 (activations quantized per token-group
-    of 128 at run time), False weight-only, None by path (resolve_act_quant: what the engine runs). `decode` forces
-    the GEMV (True) or sorted (False) path (default: by pair count, FP8_DECODE_MAX_PAIRS); `plan`: the tiles (default `fp8_plan`); `pdl`: every launch with programmatic
-    dependent launch (kernels/pdl.py). `weight_scale` (weight-only sorted path): "tile" dequantizes each fp8 weight
-    tile before its dot, "product" scales each K step's product instead (fp8_scaled_dot's SCALE_PRODUCT)."""
+    """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32 scale_inv
+    [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)], topk_weights
+    / topk_ids [T, K] -> [T, H] in x.dtype. `act_quant`: W8A8 (activations quantized per token-group of 128 at run
+    time), False weight-only, None by path (resolve_act_quant: what the engine runs). `decode` forces the GEMV
+    (True) or sorted (False) path (default: by pair count, FP8_DECODE_MAX_PAIRS); `plan`: the tiles (default
+    `fp8_plan`); `pdl`: every launch with programmatic dependent launch (kernels/pdl.py). `weight_scale`
+    (weight-only sorted path): "tile" dequantizes each fp8 weight tile before its dot, "product" scales each K
+    step's product instead (fp8_scaled_dot's SCALE_PRODUCT)."""
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"weight_scale {weight_scale!r}: choose 'tile' or 'product'")
     _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
