@@ -56,7 +56,7 @@ class EngineConfig:
     quantization: str | None = None
     # how FP8 products treat activations: "auto" quantizes them per token-group of 128 (W8A8, as the checkpoints'
     # activation_scheme "dynamic" asks) where a call is a GEMM and not where it is a GEMV (decode rows); "dynamic"
-    # always (a row's numerics then do not depend on the batch it runs in); "none" never (weight-only: the fp8 tile
+    # always (GEMVs too: every row's activations rounded alike whatever its batch); "none" never (weight-only: the fp8 tile
     # dequantized in the K loop, exact against the dequantized weights, slower from 64 rows on Hopper)
     fp8_activations: str = "auto"
 

@@ -86,7 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "checkpoint declares (an fp8 quantization_config serves FP8). LoRA stays in --dtype")
     g.add_argument("--fp8-activations", default=_default("fp8_activations"), choices=FP8_ACTIVATIONS,
                    help="FP8 products: auto quantizes activations per token-group of 128 (W8A8) where a call is a "
-                        "GEMM, not in decode GEMVs; dynamic always (numerics independent of the batch); none never "
+                        "GEMM, not in decode GEMVs; dynamic always; none never "
                         "(weight-only, exact against the dequantized weights, slower)")
     g.add_argument("--seed", type=int, default=_default("seed"),
                    help="seed of the sampler for requests that give no seed of their own")

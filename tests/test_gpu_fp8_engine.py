@@ -135,3 +135,22 @@ def test_quantization_at_load_is_the_fp8_checkpoint(engines):
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert [x.logprob for x in g.logprobs] == [x.logprob for x in w.logprobs]
+
+
+
+def test_fp8_activations_none_is_the_dequantized_path_and_dynamic_stays_close(setup):
+    """--fp8-activations none (weight-only everywhere) scores prompts as the torch backend on the dequantized
+    weights does, to bf16 rounding; dynamic (W8A8 everywhere, GEMVs included) within the activation quantization's
+    error of it, with the same greedy tokens on these short runs."""
+    _, fp8, _ = setup
+    ps = prompts([9, 14, 6, 11], seed=6)
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
+    ref = make(fp8, moe_backend="torch", attention_backend="torch", enforce_eager=True).generate(ps, score)
+    for setting, bound in (("none", 0.05), ("dynamic", 0.15)):
+        got = make(fp8, fp8_activations=setting, enforce_eager=True).generate(ps, score)
+        for g, w in zip(got, ref):
+            diffs = [abs(a.logprob - b.logprob) for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:])]
+            assert max(diffs) < bound, setting
+    sp = SamplingParams(max_tokens=6, **GREEDY)
+    none, dynamic = (make(fp8, fp8_activations=s).generate(ps, sp) for s in ("none", "dynamic"))
+    assert [r.token_ids for r in dynamic] == [r.token_ids for r in none]
