@@ -104,7 +104,7 @@ def timed_steps(runner, sb: ScheduledBatch, steps: int, warmup: int = WARMUP_STE
 class DecodeBench:
     def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
                  backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None,
-                 pdl: bool | None = None, quantization: str | None = None):
+                 pdl: bool | None = None, quantization: str | None = None, fp8_activations: str = "auto"):
         self.spec, self.steps, self.device = spec, steps, torch.device(device)
         self.dtype, self.graph_factory = dtype, graph_factory
         self.max_len = PROMPT + steps + 16
@@ -112,7 +112,7 @@ class DecodeBench:
                                 max_model_len=self.max_len, max_num_seqs=max_bs, block_size=16,
                                 moe_backend=backend, attention_backend=backend,
                                 linear_backend=linear_backend or backend, pdl=pdl,
-                                quantization=quantization).resolve()
+                                quantization=quantization, fp8_activations=fp8_activations).resolve()
         self.model = loader.random_model(spec, self.cfg.exec_options())
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
         blocks = max_bs * -(-self.max_len // 16) + 2
@@ -224,6 +224,8 @@ def main(argv=None) -> int:
                     help="Triton kernels with programmatic dependent launch (default: the engine's, on for Hopper)")
     ap.add_argument("--quantization", default=None, choices=("fp8",),
                     help="base weights in block-wise FP8 (drawn, then quantized; LoRA stays bf16)")
+    ap.add_argument("--fp8-activations", default="auto", choices=("auto", "dynamic", "none"),
+                    help="with --quantization fp8: the engine flag of that name (auto: W8A8 GEMMs, weight-only GEMVs)")
     ap.add_argument("--sync-steps", action="store_true",
                     help="time the synchronous step (batch built, graph run, tokens picked and read back before the "
                          "next step starts) instead of the engine's pipelined one")
@@ -238,7 +240,7 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     spec = preset_spec(args.preset, args.layers)
     bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend, pdl=args.pdl,
-                        quantization=args.quantization)
+                        quantization=args.quantization, fp8_activations=args.fp8_activations)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results: dict[str, dict[int, float]] = {m: {} for m in modes}
@@ -304,7 +306,8 @@ def main(argv=None) -> int:
                                               f"{rep['pool_bytes'][v] / 2**20:.0f} MiB" for v in rep["variants"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"quantization": args.quantization, "preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
+    payload = {"quantization": args.quantization, "fp8_activations": args.fp8_activations,
+               "preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
                "read_bandwidth": bw, "gpu": torch.cuda.get_device_name(), "rows": rows, "capture": capture,
                "layer_budget": budgets, "pdl": bench.cfg.pdl, "linear_backend": bench.cfg.linear_backend,
                "timed_step": timed_step,
