@@ -517,9 +517,9 @@ def fused_moe_fp8_ref(
     act_quant: bool,
     block: tuple[int, int] = WEIGHT_BLOCK,
 ) -> torch.Tensor:
-    """Plain fp32 torch on the dequantized weights, one (token, k) pair at a time; `act_quant` quantizes x per
-    token-group and h per pair-group with the kernels' twins first. The test oracle (act_quant False: the
-    unquantized reference of both variants)."""
+    """Plain fp32 torch on the dequantized weights, expert by expert over the (token, k) pairs routed to it;
+    `act_quant` quantizes x per token-group and h per pair-group with the kernels' twins first. The test oracle
+    (act_quant False: the unquantized reference of both variants)."""
     _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
     w13 = dequantize_w13_fp8(w13_fp8, w13_scale_inv, block)
     w2 = dequantize_block_fp8(w2_fp8, w2_scale_inv, block)
@@ -529,15 +529,14 @@ def fused_moe_fp8_ref(
         q, s = quantize_groups_fp8_ref(xs, block[1])
         xs = dequantize_block_fp8(q, s, (1, block[1]))
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    ids = topk_ids.tolist()
-    for t in range(x.shape[0]):
-        for k, e in enumerate(ids[t]):
-            if not 0 <= e < w13.shape[0]:
-                continue
-            gu = (w13[e] @ xs[t])[None]
-            if act_quant:
-                h = dequantize_block_fp8(*silu_mul_quant_fp8_ref(gu, block[1]), (1, block[1]))[0]
-            else:
-                h = F.silu(gu[0, :inter]) * gu[0, inter:]
-            out[t] += topk_weights[t, k].float() * (w2[e] @ h)
+    for e in range(w13.shape[0]):
+        tokens, ks = (topk_ids == e).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        gu = xs[tokens] @ w13[e].T
+        if act_quant:
+            h = dequantize_block_fp8(*silu_mul_quant_fp8_ref(gu, block[1]), (1, block[1]))
+        else:
+            h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        out.index_add_(0, tokens, topk_weights[tokens, ks].float()[:, None] * (h @ w2[e].T))
     return out.to(x.dtype)
