@@ -94,6 +94,17 @@ def w8a8_bound(x, q13, s13, q2, s2, weights, ids):
     return out + slack
 
 
+def test_reference_routed_and_dense_agree():
+    """The twin's two schedules (routed pairs on the CPU; every row weighted, sync-free, elsewhere) give the same
+    sums, with an expert id outside [0, E) (another rank's) skipped by both."""
+    x, q13, s13, q2, s2, weights, ids = _problem(9, 4, 256, 128, 2, seed=13)
+    ids[0, 1] = 7
+    for act_quant in (False, True):
+        routed = fused_moe_fp8_ref(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant, routed=True)
+        dense = fused_moe_fp8_ref(x, q13, s13, q2, s2, weights, ids, act_quant=act_quant, routed=False)
+        assert _rel(dense, routed) < 1e-6 and routed.abs().sum() > 0
+
+
 @pytest.mark.parametrize("hidden,inter", [(256, 128), (192, 192)])
 def test_weight_only_matches_dequantized_fp32(hidden, inter):
     problem = _problem(9, 4, hidden, inter, 2)

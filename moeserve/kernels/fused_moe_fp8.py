@@ -243,7 +243,9 @@ MAX_W8A8_TILE = 128 * 128  # accumulator elements of a W8A8 program (128 x 256 w
 # sweep): the sorted W8A8 GEMMs beat every GEMV tile at T = 8 (81.9 us against 99.2), the weight-only GEMV wins at
 # T = 1 (21.3 against 27.5)
 FP8_DECODE_MAX_PAIRS = 32
-FP8_GEMV_SAME_K_PAIRS = 16  # GEMV calls up to this many pairs keep bf16's K step (fp8_plan)
+# K step of the FP8 GEMV (both decode tiles; bf16's are 256 and 128 columns): H200 sweep, T = 1 / 2, 21.3 / 32.8 us
+# against 26.0 / 40.1 at 512 columns
+FP8_GEMV_BLOCK_K = 256
 
 
 def resolve_act_quant(act_quant: bool | None, decode: bool) -> bool:
@@ -274,12 +276,9 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool |
     def in_group(tile):
         return replace(tile, block_k=min(tile.block_k, block[1]))
 
-    if plan.decode:
-        if num_tokens * top_k <= FP8_GEMV_SAME_K_PAIRS:  # H200 sweep, T = 1 / 2: bf16's K step, 21.3 / 32.8 us
-            return plan  # against 26.0 / 40.1 with the doubled one
-        # the bf16 GEMV's bytes per K step: twice its columns (a step may span scale groups)
-        return replace(plan, gate_up=replace(plan.gate_up, block_k=2 * plan.gate_up.block_k),
-                       down=replace(plan.down, block_k=2 * plan.down.block_k))
+    if plan.decode:  # a K step may span scale groups (the GEMV dequantizes per group inside it)
+        return replace(plan, gate_up=replace(plan.gate_up, block_k=FP8_GEMV_BLOCK_K),
+                       down=replace(plan.down, block_k=FP8_GEMV_BLOCK_K))
     tuned = tuned_tiles(num_tokens, problem, gpu_name(problem.device), dtype_label=_table_label(act_quant))
     if tuned is not None and tuned[0].block_m == tuned[1].block_m:
         plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
@@ -516,10 +515,13 @@ def fused_moe_fp8_ref(
     *,
     act_quant: bool,
     block: tuple[int, int] = WEIGHT_BLOCK,
+    routed: bool | None = None,
 ) -> torch.Tensor:
-    """Plain fp32 torch on the dequantized weights, expert by expert over the (token, k) pairs routed to it;
-    `act_quant` quantizes x per token-group and h per pair-group with the kernels' twins first. The test oracle
-    (act_quant False: the unquantized reference of both variants)."""
+    """Plain fp32 torch on the dequantized weights, expert by expert; `act_quant` quantizes x per token-group and h
+    per pair-group with the kernels' twins first. The test oracle (act_quant False: the unquantized reference of both
+    variants), and the torch MoE backend's W8A8. `routed` (default: on the CPU) runs each expert over the pairs routed
+    to it; else over every row, weighted 0 where not routed (no host sync: a CUDA graph can hold it), as
+    moe_experts_torch does."""
     _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
     w13 = dequantize_w13_fp8(w13_fp8, w13_scale_inv, block)
     w2 = dequantize_block_fp8(w2_fp8, w2_scale_inv, block)
@@ -529,14 +531,25 @@ def fused_moe_fp8_ref(
         q, s = quantize_groups_fp8_ref(xs, block[1])
         xs = dequantize_block_fp8(q, s, (1, block[1]))
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    if routed is None:
+        routed = x.device.type == "cpu"
     for e in range(w13.shape[0]):
-        tokens, ks = (topk_ids == e).nonzero(as_tuple=True)
-        if tokens.numel() == 0:
-            continue
+        if routed:
+            tokens, ks = (topk_ids == e).nonzero(as_tuple=True)
+            if tokens.numel() == 0:
+                continue
+            weight = topk_weights[tokens, ks].float()[:, None]
+        else:
+            tokens = slice(None)
+            weight = (topk_weights.float() * (topk_ids == e)).sum(-1, keepdim=True)
         gu = xs[tokens] @ w13[e].T
         if act_quant:
             h = dequantize_block_fp8(*silu_mul_quant_fp8_ref(gu, block[1]), (1, block[1]))
         else:
             h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        out.index_add_(0, tokens, topk_weights[tokens, ks].float()[:, None] * (h @ w2[e].T))
+        y = weight * (h @ w2[e].T)
+        if routed:
+            out.index_add_(0, tokens, y)
+        else:
+            out += y
     return out.to(x.dtype)
