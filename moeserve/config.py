@@ -56,8 +56,8 @@ class EngineConfig:
     quantization: str | None = None
     # how FP8 products treat activations: "auto" quantizes them per token-group of 128 (W8A8, as the checkpoints'
     # activation_scheme "dynamic" asks) where a call is a GEMM and not where it is a GEMV (decode rows); "dynamic"
-    # always (GEMVs too: every row's activations rounded alike whatever its batch); "none" never (weight-only: the fp8 tile
-    # dequantized in the K loop, exact against the dequantized weights, slower from 64 rows on Hopper)
+    # always (GEMVs too: every row's activations rounded alike whatever its batch); "none" never (weight-only: the
+    # fp8 tile dequantized in the K loop, exact against the dequantized weights, slower from 64 rows on Hopper)
     fp8_activations: str = "auto"
 
     # memory and batching
