@@ -273,8 +273,9 @@ def test_demo_model_perplexity_in_fp8_within_one_percent_of_bf16(demo_dir):
     within 1 % of the unquantized engine's (its bf16 checkpoint served in float32 on the CPU; measured: 19.18 ->
     19.33, +0.8 %, over its 504 tokens), weight-only (the CPU's auto). With every activation quantized too
     (--fp8-activations dynamic: the W8A8 the GPU runs for prompts, through the kernels' twins) the bound is 2 %:
-    measured 19.46, +1.5 % (W8A8 in the experts alone +0.8 %, in the attention projections alone +0.5 %: a 135 M
-    model's activations lose more to e4m3 than a 30 B model's are reported to). About 100 s on 2 CPU cores with the
+    measured +0.9 % (19.35) with the twin's per-expert matmuls, +1.5 % (19.46) with its earlier per-pair matvecs —
+    fp32 summation order alone moves activations across e4m3 rounding boundaries, and over 504 tokens that moves
+    the perplexity by half a percent (benchmarks/session13/fp8_ppl_split.py). About 100 s on 2 CPU cores with the
     demo model built: marked slow."""
     def engine(**kw):
         return Engine(EngineConfig(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=1024, **kw))
