@@ -141,7 +141,7 @@ def test_quantization_at_load_is_the_fp8_checkpoint(engines):
 def test_fp8_activations_none_is_the_dequantized_path_and_dynamic_stays_close(setup):
     """--fp8-activations none (weight-only everywhere) scores prompts as the torch backend on the dequantized
     weights does, to bf16 rounding; dynamic (W8A8 everywhere, GEMVs included) within the activation quantization's
-    error of it, with the same greedy tokens on these short runs."""
+    error of it, and its greedy tokens within that error of the best under weight-only scores."""
     _, fp8, _ = setup
     ps = prompts([9, 14, 6, 11], seed=6)
     score = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
@@ -151,6 +151,15 @@ def test_fp8_activations_none_is_the_dequantized_path_and_dynamic_stays_close(se
         for g, w in zip(got, ref):
             diffs = [abs(a.logprob - b.logprob) for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:])]
             assert max(diffs) < bound, setting
+    # Greedy tokens on a random tiny model: its logits are nearly flat, so two settings within the bound above may
+    # pick different tokens at a near-tie (call 1 of session 14: the first token differed). What must hold: every
+    # token dynamic's graphs pick is, under the weight-only engine's own scores, within the activation
+    # quantization's error of that engine's best token at the same position: each setting's logprobs lie within its
+    # bound of the reference's, so a token's two scores differ by at most 0.05 + 0.15, and a gap twice that.
     sp = SamplingParams(max_tokens=6, **GREEDY)
-    none, dynamic = (make(fp8, fp8_activations=s).generate(ps, sp) for s in ("none", "dynamic"))
-    assert [r.token_ids for r in dynamic] == [r.token_ids for r in none]
+    dynamic = make(fp8, fp8_activations="dynamic").generate(ps, sp)
+    rescore = SamplingParams(max_tokens=1, prompt_logprobs=1, **GREEDY)
+    scored = make(fp8, fp8_activations="none").generate([p + r.token_ids for p, r in zip(ps, dynamic)], rescore)
+    for p, s in zip(ps, scored):
+        for tok in s.prompt_logprobs[len(p):]:
+            assert tok.top[0][1] - tok.logprob < 2 * (0.05 + 0.15), (tok.token_id, tok.top)
