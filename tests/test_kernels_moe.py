@@ -512,7 +512,8 @@ EPILOGUE_VARIANTS = {"default": {},
                      "walk": {"lora_epilogue_items": 0},
                      "items2": {"lora_epilogue_items": 2},
                      "items4": {"lora_epilogue_items": 4},
-                     "apart": {"lora_epilogue": False}}
+                     "apart": {"lora_epilogue": False},
+                     "apart_slot_sorted": {"lora_epilogue": False, "lora_slot_sorted": True, "lora_epilogue_items": 0}}
 
 
 @pytest.mark.gpu
