@@ -693,7 +693,7 @@ def test_tuned_table_lookup(tmp_path):
 def test_lora_calls_above_the_apart_threshold_run_the_tuned_no_lora_tiles(monkeypatch):
     """Where the table has the problem, a LoRA call with more pairs than LORA_APART_MIN_PAIRS runs the no-LoRA
     call's tiles and options with the expands apart (so its rows without an adapter are the no-LoRA call's);
-    smaller ones keep the epilogue plan; from LORA_SLOT_SORTED_MIN_PAIRS the rows go in adapter-slot order."""
+    smaller ones keep the epilogue plan."""
     h200 = moe_plan.tile_table()
     (device, key), _ = next(iter(h200.items()))
     problem = moe_plan.MoEProblem(*key[:4], getattr(torch, key[4]), torch.device("cpu"))
@@ -707,10 +707,6 @@ def test_lora_calls_above_the_apart_threshold_run_the_tuned_no_lora_tiles(monkey
         assert (lora.y_fp32, lora.fused_act) == (base.y_fp32, base.fused_act)
         small = moe_plan.default_plan(moe_plan.LORA_APART_MIN_PAIRS // top_k, top_k, problem=problem, lora=True)
         assert small.lora_epilogue and not small.decode
-        # prefill sizes also order each expert's rows by adapter slot, on the same base tiles
-        prefill = moe_plan.default_plan(moe_plan.LORA_SLOT_SORTED_MIN_PAIRS // top_k, top_k, problem=problem,
-                                        lora=True)
-        assert prefill.lora_slot_sorted and not prefill.lora_epilogue and not lora.lora_slot_sorted
     finally:
         moe_plan.default_plan.cache_clear()
 

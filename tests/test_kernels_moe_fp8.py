@@ -467,8 +467,8 @@ def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num
 
 
 def test_fused_moe_fp8_with_lora_rows_in_slot_order_are_bitwise_the_plain_alignment(monkeypatch):
-    """At prefill sizes the LoRA plan orders each expert's rows by adapter slot (moe_plan.LORA_SLOT_SORTED_MIN_PAIRS);
-    the FP8 sorted path follows it, and since rows are independent its output is bitwise the plain alignment's,
+    """A LoRA plan that orders each expert's rows by adapter slot (MoEPlan.lora_slot_sorted): the FP8 sorted path
+    follows it as the bf16 one does, and since rows are independent its output is bitwise the plain alignment's,
     weight-only and W8A8."""
     problem = _problem(40, 4, 256, 128, 2, seed=11)
     lora = _lora_args(40, 4, 256, 128, torch.Generator(device=DEV).manual_seed(12))

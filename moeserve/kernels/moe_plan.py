@@ -7,8 +7,7 @@ adds a table of one's own in front of the shipped one). Problems the table does 
 of `heuristic_plan`. Calls with LoRA up to LORA_APART_MIN_PAIRS take the heuristic's LoRA tiles (its epilogue was
 tuned on those) with the table's options (bf16 top-k partials, SiLU*up by its own kernel), which decide how rows
 without an adapter round; larger ones run the table's tiles themselves with the LoRA expands after the GEMMs
-(MoEPlan.lora_epilogue=False), so their rows without an adapter are bitwise the no-LoRA call's, and from
-LORA_SLOT_SORTED_MIN_PAIRS with each expert's rows in adapter-slot order.
+(MoEPlan.lora_epilogue=False), so their rows without an adapter are bitwise the no-LoRA call's.
 
 Every plan is fitted to the dtype it runs in and the device's shared memory before use (`fit_tile`): a tile
 chosen for bf16 would ask fp32 for more than the GPU has.
@@ -71,9 +70,12 @@ class MoEPlan:
     lora_apart_warps: int = 4  # warps of an apart expand program
     # sorted path: the GEMMs read their weight tiles through TMA descriptors (Hopper and later) instead of pointers
     weights_tma: bool = False
-    # sorted path with LoRA: the rows of each expert block in the order of their adapter slot (the torch alignment,
-    # moe_align_ref with the slots as sub-keys), so that at prefill sizes a block's row tiles hold one or two slots
-    # where they held every slot, and the LoRA walks fewer items (default_plan from LORA_SLOT_SORTED_MIN_PAIRS)
+    # sorted path with LoRA, a prototype (off in every shipped plan): the rows of each expert block in the order of
+    # their adapter slot (the torch alignment, moe_align_ref with the slots as sub-keys), so that at prefill sizes a
+    # block's row tiles hold one or two slots where they held every slot, and the LoRA walks fewer items. In a CUDA
+    # graph (H200, T = 8,192, 4 rank-16 adapters, expands walking items one by one) it beat the engine's plan by 9 %
+    # (2,140 vs 2,362 us), 2 % at 4,096, and lost at 2,048; in the engine's eager prefill it lost: `bench prefill`'s
+    # protocol with every prompt on an adapter ran at 0.547 of base with it, 0.641 without (FP8: 0.492 / 0.659)
     lora_slot_sorted: bool = False
 
 
@@ -234,12 +236,6 @@ def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
 LORA_APART_MIN_PAIRS = 2048
 LORA_APART = dict(lora_epilogue=False, lora_gate_up_splits=1, lora_down_splits=1, lora_epilogue_items=4,
                   lora_apart_tile=(64, 128))
-# From this many pairs an apart LoRA call also puts each expert's rows in adapter-slot order, its expands walking one
-# item at a time (MoEPlan.lora_slot_sorted): a row tile then holds one or two slots where it held all of them, which
-# pays for the torch alignment's extra launches only at prefill sizes. H200, 4 rank-16 adapters on every row, us,
-# engine plan / slot-sorted walk: T=512 490 / 650, T=2048 832 / 939, T=4096 1315 / 1294, T=8192 2330 / 2130 and
-# 2362 / 2140 (two runs)
-LORA_SLOT_SORTED_MIN_PAIRS = 4096 * 8
 
 
 @functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step: the lookups and fitting once per shape
@@ -257,8 +253,6 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: 
                 plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
             elif num_tokens * top_k > LORA_APART_MIN_PAIRS:
                 plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2], **LORA_APART)
-                if num_tokens * top_k >= LORA_SLOT_SORTED_MIN_PAIRS:
-                    plan = replace(plan, lora_slot_sorted=True, lora_epilogue_items=0)
             else:  # LoRA calls keep their own tiles but take the options, which decide how base rows round
                 plan = replace(plan, **tuned[2])
     return fit_plan(plan, problem.dtype, problem.device)
