@@ -27,11 +27,6 @@ def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x32 / x32.new_full((), scale)).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE)
 
 
-def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp8 values times their scale, in float32."""
-    return x.float() * scale
-
-
 def write_kv_slots(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float = 1.0) -> None:
     """x [T, n_kv, d] into cache [blocks, block_size, n_kv, d] at the flat slots [T]: cast to the cache's dtype, or
     quantized with `scale` where the cache is fp8."""
