@@ -272,6 +272,20 @@ def test_bad_kv_cache_dtype_is_refused_naming_the_flag(checkpoint, value, capsys
     assert "--kv-cache-dtype" in err and "fp8_e4m3" in err
 
 
+def test_fp8_kv_is_refused_on_a_gpu_without_e4m3(checkpoint, monkeypatch):
+    """An A100 (8.0) has no e4m3 conversions for the kernels: refused at start, naming the flag (the device is faked:
+    the check runs before any CUDA call that would need one)."""
+    import moeserve.config
+    from moeserve.kernels import pdl
+
+    monkeypatch.setattr(moeserve.config, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(pdl, "supported", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype \(--kv-cache-dtype\) fp8_e4m3 needs a CUDA device of "
+                                         r"compute capability 8.9 or later; 'cuda' has 8.0"):
+        EngineConfig(model=str(checkpoint), device="cuda", kv_cache_dtype="fp8", pdl=False).resolve()
+
+
 def test_lora_on_fp8_kv_matches_peft_and_leaves_rows_without_adapter_alone(checkpoint, tmp_path):
     path, pm = make_peft_adapter(FAMILY, tmp_path / "ad", kind="attn", rank=4, seed=1,
                                  config_overrides=INTERPRETED_LAYERS)
