@@ -24,6 +24,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # torch's names of the serving dtyp
 BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 FP8_ACTIVATIONS = ("auto", "dynamic", "none")  # fp8_activations (models/quantization.py ACT_QUANT)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # kv_cache_dtype, vLLM's values ("fp8" is "fp8_e4m3")
 
 
 def flag(field_name: str) -> str:
@@ -68,6 +69,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True  # reuse KV blocks of prompt prefixes (keyed by adapter version)
     block_size: int = 16
+    # how K and V are stored: "auto" in `dtype`; "fp8" (= "fp8_e4m3"): float8_e4m3fn, each layer's K and V divided by
+    # a scale of their own (the checkpoint's self_attn.k_scale / v_scale, else 1.0): one byte per element, so a
+    # memory budget holds twice the blocks of bf16 and decode attention reads half the bytes
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.90  # fraction of free device memory for the KV cache (cuda)
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; overrides gpu_memory_utilization
     num_kv_blocks: int | None = None  # explicit block count (tests); overrides both
@@ -146,6 +151,21 @@ class EngineConfig:
                              f"{self.device!r} has none: leave it unset or pass --no-pdl")
         self.pdl = resolve_pdl(self.pdl, available)
 
+    def _resolve_kv_cache_dtype(self, on_cuda: bool) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{flag('kv_cache_dtype')} must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"
+        if self.kv_cache_dtype != "auto" and on_cuda:
+            import torch
+
+            capability = torch.cuda.get_device_capability(torch.device(self.device))
+            if capability < (8, 9):  # the kernels convert e4m3 where the hardware has it (Ada, Hopper and later)
+                raise ValueError(f"{flag('kv_cache_dtype')} {self.kv_cache_dtype} needs a CUDA device of compute "
+                                 f"capability 8.9 or later; {self.device!r} has {capability[0]}.{capability[1]}: "
+                                 "leave it auto")
+
     def resolve(self) -> "EngineConfig":
         """Resolve "auto" values, then validate; idempotent."""
         if self._resolved:
@@ -214,6 +234,7 @@ class EngineConfig:
         if self.fp8_activations == "dynamic" and self.moe_backend == "torch" and self.enable_lora:
             raise ValueError(f"{flag('fp8_activations')} dynamic on the torch MoE backend takes no expert LoRA: use "
                              f"{flag('moe_backend')} triton (CUDA or the Triton interpreter) or leave it auto")
+        self._resolve_kv_cache_dtype(on_cuda)
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"{flag('lora_dir')} {self.lora_dir!r} is not a directory")
         if self.lora_modules:
@@ -260,13 +281,21 @@ class EngineConfig:
         return ExecOptions(device=torch.device(self.device), dtype=self.torch_dtype,
                            attention_backend=self.attention_backend, moe_backend=self.moe_backend,
                            linear_backend=self.linear_backend, pdl=self.pdl, weights=weights,
-                           unquantized_modules=unquantized)
+                           unquantized_modules=unquantized,
+                           kv_cache_dtype=None if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The dtype the KV cache is stored in: `dtype` for "auto", float8_e4m3fn for fp8."""
+        import torch
+
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -5,7 +5,7 @@ import argparse
 import re
 from dataclasses import MISSING, fields
 
-from moeserve.config import BACKENDS, DTYPES, FP8_ACTIVATIONS, LOAD_FORMATS, EngineConfig
+from moeserve.config import BACKENDS, DTYPES, FP8_ACTIVATIONS, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
 from moeserve.errors import LoRAAdapterError
 from moeserve.lora.names import validate_adapter_name
 
@@ -111,6 +111,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: on)")
     g.add_argument("--block-size", type=int, default=_default("block_size"),
                    help="tokens per KV-cache block, a power of two (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default=_default("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
+                   help="how K and V are stored: auto = --dtype; fp8 (= fp8_e4m3): float8_e4m3fn divided by a "
+                        "per-layer scale (the checkpoint's self_attn.k_scale / v_scale, else 1.0), one byte per "
+                        "element: twice the blocks in the same memory, half the bytes read by decode attention")
     g.add_argument("--gpu-memory-utilization", type=float, default=_default("gpu_memory_utilization"),
                    help="fraction of free GPU memory given to the KV cache (default: %(default)s)")
     g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,

@@ -89,6 +89,9 @@ class ExecOptions:
     # checkpoint module names (or runs of their dotted parts) kept in the stored dtype whatever `weights` says: a
     # checkpoint's modules_to_not_convert / ignored_layers
     unquantized_modules: tuple[str, ...] = ()
+    # how the KV cache is stored: None (the default) in `dtype`; float8_e4m3fn: each layer's K and V divided by their
+    # scale (Attention.k_scale / v_scale), clamped to the e4m3 range and rounded (kernels/kv_fp8.py)
+    kv_cache_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.norm_backend is None:
@@ -102,8 +105,15 @@ class ExecOptions:
             raise ValueError(f"pdl must be a boolean, got {self.pdl!r}")
         if self.weights.method not in WEIGHT_METHODS:
             raise ValueError(f"weight format {self.weights.method!r} is not implemented (known: fp8)")
+        if self.kv_cache_dtype not in (None, self.dtype, torch.float8_e4m3fn):
+            raise ValueError(f"kv_cache_dtype must be the activation dtype {self.dtype} or torch.float8_e4m3fn, got "
+                             f"{self.kv_cache_dtype}")
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
+
+    @property
+    def kv_cache_fp8(self) -> bool:
+        return self.kv_cache_dtype == torch.float8_e4m3fn
 
     def weight_format(self, *names: str) -> WeightFormat:
         """How the base weight of a module is stored and multiplied, `names` its checkpoint module names (several

@@ -40,3 +40,22 @@ def test_pipelined_steps_decode_the_synchronous_steps_tokens(graphed, slots):
         assert seq.num_computed_tokens == ref.num_computed_tokens == PROMPT - 1 + STEPS + WARMUP_STEPS
     # later steps read earlier steps' tokens: a pipelined input left unresolved would not decode these
     assert len({t for s in sync for t in s.output_token_ids}) > 1
+
+
+def test_fp8_kv_cache_is_filled_in_fp8_and_its_floor_counts_one_byte_per_element():
+    """`bench decode --kv-cache-dtype fp8`: the prompt context drawn N(0, 1) and stored e4m3 (no fp8 normal_ exists),
+    the step decodes on it, and the roofline floor counts the KV cache at one byte per element."""
+    from moeserve.bench.decode import floor_bytes
+
+    bench = DecodeBench(SPEC, max_bs=2, steps=2, device="cpu", dtype=torch.float32, backend="torch",
+                        kv_cache_dtype="fp8")
+    k_cache, v_cache = bench.runner.kv_caches[0]
+    assert k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
+    values = k_cache.float()
+    assert values.isfinite().all() and 0.8 < values.std().item() < 1.2
+    seqs = bench.sequences(2, [-1, -1])
+    bench.run_steps(seqs, sync_steps=True)
+    assert all(len(s.output_token_ids) == 2 + WARMUP_STEPS for s in seqs)
+    B, ctx = 256, 512
+    kv_bytes = SPEC.num_layers * B * ctx * 2 * SPEC.kv_size * 2  # bf16
+    assert floor_bytes(SPEC, B, ctx, []) - floor_bytes(SPEC, B, ctx, [], kv_fp8=True) == kv_bytes / 2

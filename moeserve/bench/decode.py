@@ -25,7 +25,7 @@ import torch
 
 from moeserve.bench import layer_profile
 from moeserve.bench.common import bandwidths, graph_time_us
-from moeserve.config import EngineConfig
+from moeserve.config import KV_CACHE_DTYPES, EngineConfig
 from moeserve.lora.slot_pool import LoRASlotPool
 from moeserve.models import loader
 from moeserve.model_spec import ModelSpec
@@ -59,9 +59,11 @@ def preset_spec(name: str, num_layers: int | None = None) -> ModelSpec:
     return ModelSpec(max_position_embeddings=4096, **p)
 
 
-def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int], fp8: bool = False) -> float:
+def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int], fp8: bool = False,
+                kv_fp8: bool = False) -> float:
     """Bytes a decode step must read: weights touched + KV + LoRA touched (bf16; with `fp8` the attention, expert
-    and shared-expert weights at one byte, their block scales 1/4,096 of that left out)."""
+    and shared-expert weights at one byte, their block scales 1/4,096 of that left out; with `kv_fp8` the KV cache
+    at one byte per element)."""
     H, E, k, inter = spec.hidden_size, spec.num_experts, spec.top_k, spec.moe_intermediate_size
     attn = H * (spec.q_size + 2 * spec.kv_size) + spec.q_size * H
     touched = E * (1 - (1 - k / E) ** B)
@@ -69,7 +71,7 @@ def floor_bytes(spec: ModelSpec, B: int, ctx: int, lora_tokens: list[int], fp8: 
     shared = 3 * H * spec.shared_expert_intermediate_size
     quantized = (attn + experts + shared) / (2 if fp8 else 1)  # in bf16 elements: halved bytes in FP8
     per_layer = quantized + E * H
-    kv = B * ctx * 2 * spec.kv_size
+    kv = B * ctx * 2 * spec.kv_size / (2 if kv_fp8 else 1)  # in bf16 elements, as above
     lora = 0.0
     for n in lora_tokens:  # tokens per active adapter
         lora += RANK * (3 * H + spec.q_size + 2 * spec.kv_size + spec.q_size + H)  # q/k/v/o A and B
@@ -104,7 +106,8 @@ def timed_steps(runner, sb: ScheduledBatch, steps: int, warmup: int = WARMUP_STE
 class DecodeBench:
     def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
                  backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None,
-                 pdl: bool | None = None, quantization: str | None = None, fp8_activations: str = "auto"):
+                 pdl: bool | None = None, quantization: str | None = None, fp8_activations: str = "auto",
+                 kv_cache_dtype: str = "auto"):
         self.spec, self.steps, self.device = spec, steps, torch.device(device)
         self.dtype, self.graph_factory = dtype, graph_factory
         self.max_len = PROMPT + steps + 16
@@ -112,14 +115,18 @@ class DecodeBench:
                                 max_model_len=self.max_len, max_num_seqs=max_bs, block_size=16,
                                 moe_backend=backend, attention_backend=backend,
                                 linear_backend=linear_backend or backend, pdl=pdl,
-                                quantization=quantization, fp8_activations=fp8_activations).resolve()
+                                quantization=quantization, fp8_activations=fp8_activations,
+                                kv_cache_dtype=kv_cache_dtype).resolve()
         self.model = loader.random_model(spec, self.cfg.exec_options())
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
         blocks = max_bs * -(-self.max_len // 16) + 2
         self.runner.allocate_kv_cache(blocks)
         for k_cache, v_cache in self.runner.kv_caches:  # prompt context: random K/V (prefill excluded)
-            k_cache.normal_()
-            v_cache.normal_()
+            for cache in (k_cache, v_cache):
+                if cache.dtype == torch.float8_e4m3fn:  # normal_ has no fp8 kernel: drawn in float32, then cast
+                    cache.copy_(torch.randn(cache.shape, device=cache.device))
+                else:
+                    cache.normal_()
         self.pool = None
 
     def attach_lora_pool(self) -> None:
@@ -226,6 +233,8 @@ def main(argv=None) -> int:
                     help="base weights in block-wise FP8 (drawn, then quantized; LoRA stays bf16)")
     ap.add_argument("--fp8-activations", default="auto", choices=("auto", "dynamic", "none"),
                     help="with --quantization fp8: the engine flag of that name (auto: W8A8 GEMMs, weight-only GEMVs)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="the engine flag of that name: fp8 stores K and V in float8_e4m3fn (scales 1.0)")
     ap.add_argument("--sync-steps", action="store_true",
                     help="time the synchronous step (batch built, graph run, tokens picked and read back before the "
                          "next step starts) instead of the engine's pipelined one")
@@ -240,7 +249,8 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     spec = preset_spec(args.preset, args.layers)
     bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend, pdl=args.pdl,
-                        quantization=args.quantization, fp8_activations=args.fp8_activations)
+                        quantization=args.quantization, fp8_activations=args.fp8_activations,
+                        kv_cache_dtype=args.kv_cache_dtype)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results: dict[str, dict[int, float]] = {m: {} for m in modes}
@@ -283,7 +293,7 @@ def main(argv=None) -> int:
             slots = slots_for(mode, B)
             per_adapter = [sum(1 for s in slots if s == a) for a in range(NUM_ADAPTERS)]
             fb = floor_bytes(spec, B, PROMPT + args.steps // 2, [n for n in per_adapter if n],
-                             fp8=args.quantization == "fp8")
+                             fp8=args.quantization == "fp8", kv_fp8=bench.cfg.kv_cache_dtype != "auto")
             row[mode] = {"tok_s": B / step, "step_ms": step * 1e3, "efficiency": fb / bw / step}
         rows.append(row)
     ratios = {"idle-dual/base": ("idle-dual", "base"), "idle-dual/idle-single": ("idle-dual", "idle-single"),
@@ -294,7 +304,8 @@ def main(argv=None) -> int:
 
     timed_step = "sync" if args.sync_steps else "pipelined"
     print(f"\nDecode tokens/s ({args.preset}, {spec.num_layers} layers, {args.steps} {timed_step} steps, "
-          f"context {PROMPT}, read BW {bw / 1e12:.2f} TB/s, PDL {'on' if bench.cfg.pdl else 'off'}; eff = roofline floor / step)")
+          f"context {PROMPT}, read BW {bw / 1e12:.2f} TB/s, PDL {'on' if bench.cfg.pdl else 'off'}, "
+          f"KV cache {bench.cfg.kv_cache_dtype}; eff = roofline floor / step)")
     head = f"{'B':>5} " + " ".join(f"{m:>20s}" for m in modes) + " " + " ".join(f"{r:>22s}" for r in ratios)
     print(head)
     for row in rows:
@@ -307,6 +318,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = {"quantization": args.quantization, "fp8_activations": args.fp8_activations,
+               "kv_cache_dtype": bench.cfg.kv_cache_dtype,
                "preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
                "read_bandwidth": bw, "gpu": torch.cuda.get_device_name(), "rows": rows, "capture": capture,
                "layer_budget": budgets, "pdl": bench.cfg.pdl, "linear_backend": bench.cfg.linear_backend,

@@ -73,10 +73,11 @@ def layer_regions(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, 
     qkv_w = attn.qkv_proj.weight
     add("qkv_proj", lambda: attn.qkv_proj(state["h_res"][0], batch.lora),
         qkv_w.numel() * _elem(qkv_w) + T * (H + q_size + 2 * kv_size) * b, "qkv")
-    # reads qkv and a cos/sin row per token, writes q and this step's K/V into the cache
+    # reads qkv and a cos/sin row per token, writes q and this step's K/V into the cache (in the cache's dtype)
     add("qk_norm+rotary+kv_write",
         lambda: attn.qk_norm_rotary_write_kv(state["qkv"], batch.positions, batch.attn, k_cache, v_cache),
-        2 * T * (q_size + 2 * kv_size) * b + 2 * T * d * _elem(attn.rotary.cos), "q")
+        T * (2 * q_size + 2 * kv_size) * b + 2 * T * kv_size * _elem(k_cache) + 2 * T * d * _elem(attn.rotary.cos),
+        "q")
     add("attention", lambda: attn.attend(state["q"], batch.attn, k_cache, v_cache),
         T * ctx_len * 2 * kv_size * _elem(k_cache) + 2 * T * q_size * b, "o")
     o_w = attn.o_proj.weight

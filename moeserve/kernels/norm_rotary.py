@@ -5,7 +5,8 @@
 - `qk_norm_rotary_write_kv`: splits the fused qkv projection output, applies the q/k RMSNorm (per head
   or over all heads of a token), clip_qkv, rotary (rotate-half) and writes K and V into the paged cache
   at the slot mapping; returns q [T, nh, d]. Grid (T, q head groups + 1): the last program of a token
-  does its K and V heads.
+  does its K and V heads. An fp8 cache (kernels/kv_fp8.py) gets K / k_scale and V / v_scale, clamped to ±448
+  and rounded to nearest even: bitwise `quantize_kv` of the activation-dtype values.
 
 Every rounding point of the torch code is reproduced: values are computed in fp32 and rounded to the
 activation dtype wherever torch would hold an intermediate in it (the residual sum, the normalised row
@@ -19,6 +20,8 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import pdl as pdl_launch
+from moeserve.kernels.fp8 import rne_e4m3
+from moeserve.kernels.kv_fp8 import KV_FP8_DTYPE, KV_FP8_MAX, write_kv_slots
 
 NORM_MODES = {"none": 0, "head": 1, "full": 2}
 
@@ -96,6 +99,15 @@ def fused_add_rms_norm_ref(x, residual, weight, eps):
 
 
 @triton.jit
+def _quantize_kv(x, scale, FP8_MAX: tl.constexpr):
+    """fp32 values -> e4m3: x / scale (correctly rounded, as torch divides), clamped to the finite range (e4m3fn has
+    no infinity), rounded to nearest even on the grid first so that the cast is exact (kernels/fp8.py rne_e4m3)."""
+    x = tl.math.div_rn(x, tl.full(x.shape, scale, tl.float32))
+    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return rne_e4m3(x).to(tl.float8e4nv)
+
+
+@triton.jit
 def _norm_rotate_heads(src, w_ptr, head0, cos1, sin1, cos2, sin2, eps, clip,
                        NHEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                        BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -133,10 +145,11 @@ def _norm_rotate_heads(src, w_ptr, head0, cos1, sin1, cos2, sin2, eps, clip,
 
 @triton.jit
 def _qk_norm_rotary_kv_kernel(qkv_ptr, qkv_stride, pos_ptr, cos_ptr, sin_ptr, cos_stride, qw_ptr, kw_ptr,
-                              q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, eps, clip,
+                              q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, eps, clip, k_scale, v_scale,
                               NH: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                               BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                              NORM: tl.constexpr, CLIP: tl.constexpr, USE_PDL: tl.constexpr):
+                              NORM: tl.constexpr, CLIP: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                              USE_PDL: tl.constexpr):
     pdl_launch.enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
@@ -164,15 +177,22 @@ def _qk_norm_rotary_kv_kernel(qkv_ptr, qkv_stride, pos_ptr, cos_ptr, sin_ptr, co
         k1, k2, k_offs, k_mask = _norm_rotate_heads(row + NH * D, kw_ptr, 0, cos1, sin1, cos2, sin2, eps, clip,
                                                     NKV, D, HALF, BLOCK_KH, BLOCK_HALF, NORM, CLIP, act)
         k_row = k_cache_ptr + slot * (NKV * D)
-        tl.store(k_row + k_offs, k1.to(act).to(cache_t), mask=k_mask)
-        tl.store(k_row + k_offs + HALF, k2.to(act).to(cache_t), mask=k_mask)
+        if KV_FP8:  # k1, k2 hold activation-dtype values already
+            tl.store(k_row + k_offs, _quantize_kv(k1, k_scale, FP8_MAX), mask=k_mask)
+            tl.store(k_row + k_offs + HALF, _quantize_kv(k2, k_scale, FP8_MAX), mask=k_mask)
+        else:
+            tl.store(k_row + k_offs, k1.to(act).to(cache_t), mask=k_mask)
+            tl.store(k_row + k_offs + HALF, k2.to(act).to(cache_t), mask=k_mask)
         v_src = row + (NH + NKV) * D
         v_row = v_cache_ptr + slot * (NKV * D)
         for half in tl.static_range(2):
             v = tl.load(v_src + k_offs + half * HALF, mask=k_mask, other=0.0)
             if CLIP:
                 v = tl.minimum(tl.maximum(v.to(tl.float32), -clip), clip).to(act)
-            tl.store(v_row + k_offs + half * HALF, v.to(cache_t), mask=k_mask)
+            if KV_FP8:
+                tl.store(v_row + k_offs + half * HALF, _quantize_kv(v.to(tl.float32), v_scale, FP8_MAX), mask=k_mask)
+            else:
+                tl.store(v_row + k_offs + half * HALF, v.to(cache_t), mask=k_mask)
 
 
 def default_q_heads_per_program(num_tokens: int, num_heads: int) -> int:
@@ -185,10 +205,13 @@ def qk_norm_rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: tor
                             q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
                             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             clip_qkv: float | None = None, q_heads_per_program: int | None = None,
-                            num_warps: int = 4, pdl: bool = False) -> torch.Tensor:
+                            num_warps: int = 4, pdl: bool = False, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """qkv [T, (nh + 2 nkv) d] -> q [T, nh, d]; K and V land in k_cache/v_cache [blocks, block_size, nkv, d]
     at slot_mapping [T]. cos/sin: the rotary table [max_pos, d] (rotate-half layout, cos[j] == cos[j + d/2]).
-    qk_norm "head": weights [d]; "full": weights [nh d] and [nkv d], one norm over a token's heads."""
+    qk_norm "head": weights [d]; "full": weights [nh d] and [nkv d], one norm over a token's heads.
+    float8_e4m3fn caches store K / k_scale and V / v_scale (kernels/kv_fp8.py quantize_kv); other caches ignore
+    the scales."""
     T = qkv.shape[0]
     nh, nkv, d = num_heads, num_kv_heads, head_dim
     if qkv.shape[1] != (nh + 2 * nkv) * d or qkv.stride(1) != 1:
@@ -198,6 +221,8 @@ def qk_norm_rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: tor
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not cache.is_contiguous() or cache.shape[-2:] != (nkv, d):
             raise ValueError(f"{name} {tuple(cache.shape)} is not a contiguous [blocks, block_size, {nkv}, {d}]")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} differ")
     if qk_norm not in NORM_MODES:
         raise ValueError(f"qk_norm {qk_norm!r} is not one of {sorted(NORM_MODES)}")
     norm = NORM_MODES[qk_norm]
@@ -230,16 +255,16 @@ def qk_norm_rotary_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: tor
     _qk_norm_rotary_kv_kernel[grid](
         qkv, qkv.stride(0), positions, cos, sin, cos.stride(0),
         q_norm_weight if norm else dummy, k_norm_weight if norm else dummy,
-        q, k_cache, v_cache, slot_mapping, eps, float(clip_qkv or 0.0),
+        q, k_cache, v_cache, slot_mapping, eps, float(clip_qkv or 0.0), float(k_scale), float(v_scale),
         NH=nh, NKV=nkv, D=d, HALF=d // 2, BLOCK_QH=block_q, BLOCK_KH=triton.next_power_of_2(nkv),
-        BLOCK_HALF=triton.next_power_of_2(d // 2), NORM=norm, CLIP=clip_qkv is not None, USE_PDL=pdl,
-        num_warps=num_warps, launch_pdl=pdl)
+        BLOCK_HALF=triton.next_power_of_2(d // 2), NORM=norm, CLIP=clip_qkv is not None,
+        KV_FP8=k_cache.dtype == KV_FP8_DTYPE, FP8_MAX=KV_FP8_MAX, USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
     return q
 
 
 def qk_norm_rotary_write_kv_ref(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim, qk_norm,
                                 q_norm_weight, k_norm_weight, eps, k_cache, v_cache, slot_mapping,
-                                clip_qkv=None) -> torch.Tensor:
+                                clip_qkv=None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The twin of qk_norm_rotary_write_kv in plain torch, same rounding points."""
     T, nh, nkv, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
     q, k, v = qkv.split((nh * d, nkv * d, nkv * d), dim=-1)
@@ -258,6 +283,6 @@ def qk_norm_rotary_write_kv_ref(qkv, positions, cos, sin, num_heads, num_kv_head
         return x * c + torch.cat((-x2, x1), dim=-1) * s
 
     q, k = rotate(q), rotate(k)
-    k_cache.view(-1, nkv, d)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, nkv, d)[slot_mapping] = v.to(v_cache.dtype)
+    write_kv_slots(k_cache, slot_mapping, k, k_scale)
+    write_kv_slots(v_cache, slot_mapping, v, v_scale)
     return q

@@ -3,7 +3,10 @@
 Cache layout (per layer): k_cache, v_cache [num_blocks, block_size, n_kv_heads, head_dim].
 block_tables [B, max_blocks] int32 maps a sequence's logical block j to a physical block;
 block 0 is a dummy the engine never hands out, so padded rows may point at it.
-GQA: query head h reads kv head h // (n_heads // n_kv_heads). Every program handles all the
+GQA: query head h reads kv head h // (n_heads // n_kv_heads).
+An fp8 cache (kernels/kv_fp8.py: K / k_scale and V / v_scale stored float8_e4m3fn) is read as its e4m3 values,
+converted exactly to the compute dtype; k_scale is folded into the softmax scale and v_scale multiplies the output,
+so no tile is ever dequantized. Every program handles all the
 query heads of one kv head (as extra rows of its tile), so each K/V tile is read once.
 
 Decode is flash-decoding: programs (sequence, kv head, split) each reduce a contiguous range
@@ -108,7 +111,8 @@ def _online_softmax_step(q, m, l, acc, table, pos, valid, q_pos, k_ptr, v_ptr, k
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    qk_scale,  # softmax scale * k_scale * log2(e): the kernel works in base 2
+    v_scale,  # the fp8 cache's V scale (1.0 otherwise): the output is sum p v_fp8 / l times it
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -154,7 +158,7 @@ def _decode_split_kernel(
                                          stride_vh, BLOCK_SIZE, False, COMPUTE, DOT_PRECISION)
 
     nonempty = l > 0
-    o = acc / tl.where(nonempty, l, 1.0)[:, None]  # empty split / padded row: acc is 0
+    o = acc / tl.where(nonempty, l, 1.0)[:, None] * v_scale  # empty split / padded row: acc is 0
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -203,8 +207,10 @@ def _check_cache(q, k_cache, v_cache):
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                           num_splits: int | None = None, out=None, pdl: bool = False) -> torch.Tensor:
+                           num_splits: int | None = None, out=None, pdl: bool = False, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence. q [B, n_heads, head_dim] -> [B, n_heads, head_dim] (q dtype).
+    k_scale / v_scale: what the cache's values are multiplied by to be K and V (an fp8 cache's scales; 1.0 else).
 
     context_lens counts the sequence's tokens in the cache including the current one; rows with
     context 0 (padding) output zeros and read no cache. Launch shapes depend only on tensor
@@ -221,12 +227,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     if num_splits is None:
         num_splits = default_num_splits(batch, n_kv, block_tables.shape[1], block_size, q.device)
     _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
-                   block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2, pdl=pdl)
+                   block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2, pdl=pdl, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
-                   block_n, num_warps, num_stages, pdl=False):
+                   block_n, num_warps, num_stages, pdl=False, k_scale=1.0, v_scale=1.0):
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     batch = q.shape[0]
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -239,7 +245,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     _decode_split_kernel[(batch, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, float(v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -270,7 +276,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -321,18 +327,19 @@ def _prefill_kernel(
                                          qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                          stride_vh, BLOCK_SIZE, True, COMPUTE, DOT_PRECISION)
 
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale: float,
-                            max_query_len: int, pdl: bool = False) -> torch.Tensor:
+                            max_query_len: int, pdl: bool = False, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention for S packed query chunks. q [T, n_heads, head_dim] -> same shape, q dtype.
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its
     tokens in the cache after this chunk, so query i sits at position seq_lens[s] - q_len + i
-    and attends to cache positions 0..itself (earlier chunks included).
+    and attends to cache positions 0..itself (earlier chunks included). k_scale / v_scale: as for decode.
     """
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     out = torch.empty((q.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -345,7 +352,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     grid = (triton.cdiv(max_query_len, tokens), num_seqs, n_kv)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E, float(v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -364,12 +371,12 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
 # plain-torch references (fp32, one sequence at a time)
 
 
-def _gather_kv(k_cache, v_cache, block_table, length: int):
-    """The first `length` cached tokens of one sequence: [length, n_kv, head_dim] fp32 each."""
+def _gather_kv(k_cache, v_cache, block_table, length: int, k_scale: float = 1.0, v_scale: float = 1.0):
+    """The first `length` cached tokens of one sequence: [length, n_kv, head_dim] fp32 each, times their scales."""
     block_size = k_cache.shape[1]
     blocks = block_table[: math.ceil(length / block_size)].long()
-    k = k_cache[blocks].flatten(0, 1)[:length].float()
-    v = v_cache[blocks].flatten(0, 1)[:length].float()
+    k = k_cache[blocks].flatten(0, 1)[:length].float() * k_scale
+    v = v_cache[blocks].flatten(0, 1)[:length].float() * v_scale
     return k, v
 
 
@@ -383,27 +390,29 @@ def _attend(q, k, v, scale, mask):
     return torch.einsum("hml,lhd->mhd", torch.softmax(scores, dim=-1), v)
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-    """fp32 reference of paged_decode_attention (returns fp32)."""
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale: float = 1.0,
+                               v_scale: float = 1.0) -> torch.Tensor:
+    """fp32 reference of paged_decode_attention (returns fp32): the cache dequantized (times its scales) first."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, length in enumerate(context_lens.tolist()):
         if length == 0:
             continue
-        k, v = _gather_kv(k_cache, v_cache, block_tables[b], length)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[b], length, k_scale, v_scale)
         mask = torch.ones(1, length, dtype=torch.bool, device=q.device)
         out[b] = _attend(q[b : b + 1], k, v, scale, mask)[0]
     return out
 
 
-def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale) -> torch.Tensor:
-    """fp32 reference of paged_prefill_attention (returns fp32)."""
+def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """fp32 reference of paged_prefill_attention (returns fp32): the cache dequantized (times its scales) first."""
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     starts = query_start_loc.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
-        k, v = _gather_kv(k_cache, v_cache, block_tables[s], seq_len)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[s], seq_len, k_scale, v_scale)
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
         out[lo:hi] = _attend(q[lo:hi], k, v, scale, mask)

@@ -13,6 +13,10 @@ which keeps them (FP8 module), quantizes a plain part the same way (`--quantizat
 part into a plain module. Under tensor parallelism a rank reads the scale blocks of its slice of the weight; a
 slice that does not start and end on a 128 boundary is refused by name. Loading streams: a layer's tensors are
 read, converted and written into the model before the next layer's are read.
+
+FP8 KV cache (--kv-cache-dtype fp8): a layer's `self_attn.k_scale` / `self_attn.v_scale` (one float each, as FP8
+checkpoints carry them) become its attention's K / V scales, every rank reading them whole; a layer without them
+keeps 1.0. With a cache in the activation dtype they are not read (the unused-tensor warning names them).
 """
 from __future__ import annotations
 
@@ -96,6 +100,19 @@ class _Tensors:
     def check_blocks(self, name: str, shape: tuple[int, ...], halves: bool) -> None:
         """Raise where this reader's slice of weight `name` would cut a 128 x 128 scale block (a whole read never
         does)."""
+
+    def scalar(self, name: str) -> float:
+        """A tensor holding one positive finite value (shape [] or [1]), whole on every rank, as a float."""
+        if name not in self.where:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        t = self.handles[self.where[name]].get_tensor(name)
+        if t.numel() != 1 or not t.is_floating_point():
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)} {t.dtype}, expected one float")
+        v = t.float().item()
+        if not 0.0 < v < float("inf"):
+            raise CheckpointError(f"tensor {name!r} is {v}, expected a positive finite scale")
+        self.used.add(name)
+        return v
 
     def plain(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor in `dtype`: cast, or dequantized where the checkpoint stores it FP8."""
@@ -261,6 +278,10 @@ def load_model(model_dir: str | Path, spec: ModelSpec, options: ExecOptions = TO
             q_name, k_name = (f"{p}self_attn.{n}.weight" for n in module_tree.QK_NORMS)
             put(attn.q_norm.weight, q_name, (spec.q_size if full else spec.head_dim,))
             put(attn.k_norm.weight, k_name, (spec.kv_size if full else spec.head_dim,))
+        if attn.kv_cache_fp8:
+            for kind in ("k_scale", "v_scale"):
+                if tensors.has(f"{p}self_attn.{kind}"):
+                    setattr(attn, kind, tensors.scalar(f"{p}self_attn.{kind}"))
         _load_projections(layer, tensors, spec, put)
         if layer.is_sparse:
             _load_experts(layer.mlp, tensors, spec, i)

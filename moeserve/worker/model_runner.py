@@ -66,6 +66,7 @@ class ModelRunner:
         self.spec = spec
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_cache_torch_dtype  # float8_e4m3fn: one byte per element, twice the blocks of bf16
         self.model = model if model is not None else load_model(
             model_dir, spec, config.exec_options(), progress=progress, load_format=config.load_format,
             seed=config.seed)
@@ -101,7 +102,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int | None = None) -> int:
         cfg = self.config
-        per_block = kv_bytes_per_block(self.spec, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.spec, self.block_size, self.kv_dtype)
         if num_blocks is None:
             num_blocks = cfg.num_kv_blocks
         if num_blocks is None:
@@ -126,13 +127,14 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_blocks(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(self.spec, num_blocks, self.block_size, self.kv_dtype, self.device)
         self.model.bind_kv_caches(self.kv_caches)
         self.num_kv_blocks = num_blocks
-        per_block = kv_bytes_per_block(self.spec, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.spec, self.block_size, self.kv_dtype)
         pool = f", LoRA slot pool {format_bytes(self.lora_pool.nbytes)}" if self.lora_pool is not None else ""
-        logger.info("KV cache: %d blocks x %d tokens (%s) beside weights %s%s", num_blocks, self.block_size,
-                    format_bytes(num_blocks * per_block), format_bytes(self.weight_bytes()), pool)
+        logger.info("KV cache: %d blocks x %d tokens in %s (%s) beside weights %s%s", num_blocks, self.block_size,
+                    str(self.kv_dtype).removeprefix("torch."), format_bytes(num_blocks * per_block),
+                    format_bytes(self.weight_bytes()), pool)
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Reallocate the cache with num_blocks blocks (tensor parallelism: every rank takes the smallest count);
