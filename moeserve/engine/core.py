@@ -121,13 +121,15 @@ class EngineCore:
         shapes = [(b, 1) for b in eager_decode_sizes(cfg.max_num_seqs, low or None)]
         if shapes and cfg.attention_backend == "triton":
             # imported here, not at the top: it imports triton, which `import moeserve` (and the CLI) should not pay
-            from moeserve.kernels.paged_attention import DECODE_BLOCK_N, MAX_DECODE_SPLITS, default_num_splits
+            from moeserve.kernels.paged_attention import MAX_DECODE_SPLITS, decode_tile, default_num_splits
 
             n_kv = self.runner.spec.num_kv_heads  # this rank's KV heads (the runner's spec is its rank's)
+            block_n = decode_tile(self.runner.kv_dtype.itemsize)[0]
             # contexts past MAX_DECODE_SPLITS tiles give no split count of their own
-            max_blocks = min(self.runner.max_blocks_per_seq, -(-MAX_DECODE_SPLITS * DECODE_BLOCK_N // cfg.block_size))
+            max_blocks = min(self.runner.max_blocks_per_seq, -(-MAX_DECODE_SPLITS * block_n // cfg.block_size))
             shapes += decode_split_shapes(range(low + 1, cfg.max_num_seqs + 1), max_blocks, lambda b, blocks:
-                                          default_num_splits(b, n_kv, blocks, cfg.block_size, self.runner.device))
+                                          default_num_splits(b, n_kv, blocks, cfg.block_size, self.runner.device,
+                                                             block_n))
         warm_up(self.runner, counts, self.lora_manager is not None, cfg.block_size, sorted(set(shapes)),
                 max_seq_tokens=cfg.max_model_len - 1)
 
