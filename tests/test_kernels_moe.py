@@ -129,31 +129,6 @@ def test_align_by_expert_matches_reference(num_tokens, top_k, num_experts, block
     _check_alignment_invariants(ref, ids, groups, num_experts, block_m)
 
 
-def test_align_ref_orders_each_group_by_sub_key():
-    """moe_align_ref with sub-keys (the adapter slot of each pair's token): the blocks, groups and padding of the
-    plain alignment, each group's pairs in sub-key order."""
-    num_tokens, top_k, num_experts, block_m = 60, 2, 5, 8
-    gen = torch.Generator(DEV).manual_seed(3)
-    _, ids = _route(num_tokens, num_experts, top_k, gen, empty_expert=1)
-    ids[0, 0] = -1
-    keys = torch.randint(0, 4, (num_tokens, 1), generator=gen, device=DEV).expand(num_tokens, top_k)
-    plain = moe_align_ref(ids, num_experts, block_m)
-    ordered = moe_align_ref(ids, num_experts, block_m, sub_keys=keys, num_sub_keys=4)
-    assert torch.equal(ordered.block_groups, plain.block_groups) and torch.equal(ordered.num_padded, plain.num_padded)
-    groups = [e if 0 <= e < num_experts else None for e in ids.flatten().tolist()]
-    _check_alignment_invariants(ordered, ids, groups, num_experts, block_m)
-    flat_keys = keys.flatten().tolist()
-    rows = ordered.sorted_ids.tolist()
-    for g in range(num_experts):
-        mine = [flat_keys[p] for p in rows if p < ids.numel() and groups[p] == g]
-        assert mine == sorted(mine)
-    assert len(set(flat_keys)) > 1
-
-
-# --------------------------------------------------------------------------------------------
-# fused MoE (+ LoRA), CPU fp32
-
-
 def _moe_problem(num_tokens, top_k, num_experts, hidden, inter, seed, dtype=torch.float32,
                  std=0.1, device=DEV, empty_expert=None):
     gen = torch.Generator(device).manual_seed(seed)
@@ -360,20 +335,6 @@ def test_sorted_lora_apart_in_sub_blocks_matches_references():
     assert torch.isfinite(base).all()
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["epilogue", "apart"])
-def test_sorted_lora_with_rows_in_slot_order_matches_references(apart):
-    """lora_slot_sorted (each expert's rows in adapter-slot order, by the torch alignment): the references of every
-    sorted LoRA plan, and bitwise the same plan on the plain alignment (rows are independent)."""
-    problem = _mixed_lora_problem(40, 64, 32, seed=15)
-    tile = GemmTile(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=1)
-    plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue=not apart, lora_apart_tile=(16, 32))
-    _check_sorted_lora(*problem, replace(plan, lora_slot_sorted=True))
-    moe, ranks, slots, clean, _ = problem
-    lora = MoELoRAArgs(slots, ranks, *clean)
-    assert torch.equal(_bits(fused_moe(*moe, lora, plan=replace(plan, lora_slot_sorted=True))),
-                       _bits(fused_moe(*moe, lora, plan=plan)))
-
-
 def test_sorted_lora_epilogue_options_are_checked():
     problem, ranks, slots, clean, _ = _mixed_lora_problem(24, 64, 32, seed=12)
     lora = MoELoRAArgs(slots, ranks, *clean)
@@ -512,8 +473,7 @@ EPILOGUE_VARIANTS = {"default": {},
                      "walk": {"lora_epilogue_items": 0},
                      "items2": {"lora_epilogue_items": 2},
                      "items4": {"lora_epilogue_items": 4},
-                     "apart": {"lora_epilogue": False},
-                     "apart_slot_sorted": {"lora_epilogue": False, "lora_slot_sorted": True, "lora_epilogue_items": 0}}
+                     "apart": {"lora_epilogue": False}}
 
 
 @pytest.mark.gpu

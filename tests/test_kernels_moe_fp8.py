@@ -40,10 +40,8 @@ from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     fused_moe_fp8_ref,
     quantize_w13_fp8,
 )
-from moeserve.kernels import fused_moe as fused_moe_module  # noqa: E402
 from moeserve.kernels import fused_moe_fp8 as fused_moe_fp8_module  # noqa: E402
 from moeserve.kernels import moe_plan  # noqa: E402
-from moeserve.kernels.moe_align import moe_align_ref  # noqa: E402
 from moeserve.kernels.moe_plan import GemmTile, MoEPlan, MoEProblem  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -464,32 +462,6 @@ def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num
         out = fused_moe_fp8(*problem, act_quant=True, lora=lora, **plan)
         assert torch.equal(out[no_adapter], base[True][no_adapter]), separate_up
         assert _rel(out, ref) < 0.08, separate_up
-
-
-def test_fused_moe_fp8_with_lora_rows_in_slot_order_are_bitwise_the_plain_alignment(monkeypatch):
-    """A LoRA plan that orders each expert's rows by adapter slot (MoEPlan.lora_slot_sorted): the FP8 sorted path
-    follows it as the bf16 one does, and since rows are independent its output is bitwise the plain alignment's,
-    weight-only and W8A8."""
-    problem = _problem(40, 4, 256, 128, 2, seed=11)
-    lora = _lora_args(40, 4, 256, 128, torch.Generator(device=DEV).manual_seed(12))
-    plan = _small_plan(fused_act=False)
-    plain = {q: fused_moe_fp8(*problem, act_quant=q, lora=lora, plan=plan) for q in (False, True)}
-    lora_plan = fused_moe_fp8_module.default_plan
-    sorted_plans = []
-
-    def slot_sorted(*args, **kw):
-        sorted_plans.append(replace(lora_plan(*args, **kw), lora_slot_sorted=True, lora_epilogue_items=0))
-        return sorted_plans[-1]
-
-    monkeypatch.setattr(fused_moe_fp8_module, "default_plan", slot_sorted)
-    aligned = []
-    monkeypatch.setattr(fused_moe_fp8_module, "align_pairs",
-                        lambda *a: aligned.append(fused_moe_module.align_pairs(*a)) or aligned[-1])
-    for q in (False, True):
-        assert torch.equal(fused_moe_fp8(*problem, act_quant=q, lora=lora, plan=plan), plain[q]), q
-    assert sorted_plans and aligned  # the path ran, and its rows did move:
-    plain_rows = moe_align_ref(problem[-1], 4, plan.gate_up.block_m).sorted_ids
-    assert not torch.equal(aligned[-1].sorted_ids, plain_rows)
 
 
 @pytest.mark.gpu

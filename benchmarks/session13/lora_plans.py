@@ -10,6 +10,9 @@ on 128 x 128 and 64 x 128 tiles (accumulators that leave registers for it), besi
 runs.
 
     PYTHONPATH=. python benchmarks/session13/lora_plans.py --out DIR [--batches 256,512,2048,8192]
+
+The slot-sorted prototype lost in the engine's prefill (session 14, call 2) and was removed after it: the script
+runs on a tree before that removal (e.g. 0e271a4).
 """
 import argparse
 import json

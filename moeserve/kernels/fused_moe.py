@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeserve.kernels import pdl as pdl_launch
-from moeserve.kernels.moe_align import AlignedBlocks, moe_align, moe_align_ref
+from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
@@ -492,16 +492,6 @@ def _epilogue_items(plan: MoEPlan) -> int:
     return items
 
 
-def align_pairs(topk_ids, num_experts: int, block_m: int, lora, plan: MoEPlan, pdl: bool) -> AlignedBlocks:
-    """Expert blocks of the sorted path; with LoRA and plan.lora_slot_sorted each expert's rows in adapter-slot order
-    (the torch alignment with the slots as sub-keys, rows without an adapter first)."""
-    if lora is None or not plan.lora_slot_sorted:
-        return moe_align(topk_ids, num_experts, block_m, pdl=pdl)
-    num_slots = lora.slot_ranks.shape[0]
-    slot_keys = (lora.token_slots.long() + 1).clamp(0, num_slots)[:, None].expand(topk_ids.shape)
-    return moe_align_ref(topk_ids, num_experts, block_m, sub_keys=slot_keys, num_sub_keys=num_slots + 1)
-
-
 def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -513,7 +503,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     if plan.down.block_m != t.block_m:
         raise ValueError("gate_up and down share one alignment: block_m must match")
     has_lora = lora is not None
-    aligned = align_pairs(topk_ids, num_experts, t.block_m, lora, plan, pdl)
+    aligned = moe_align(topk_ids, num_experts, t.block_m, pdl=pdl)
     num_blocks = aligned.block_groups.numel()
     up_half = has_lora and lora.up_a is not None
     apart = has_lora and not plan.lora_epilogue  # plain GEMMs, then lora_expand_act / lora_expand_down

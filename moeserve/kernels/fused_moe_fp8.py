@@ -60,7 +60,8 @@ from moeserve.kernels.fp8 import (
     silu_mul_quant_fp8,
     silu_mul_quant_fp8_ref,
 )
-from moeserve.kernels.fused_moe import _block_tile, _lora_expand_rows, _topk_sum, align_pairs, silu_mul_rows
+from moeserve.kernels.fused_moe import _block_tile, _lora_expand_rows, _topk_sum, silu_mul_rows
+from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import (
     lora_block_shrink,
     lora_expand_act,
@@ -406,8 +407,8 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
+    aligned = moe_align(topk_ids, num_experts, plan.gate_up.block_m, pdl=pdl)
     lp = lora_plan
-    aligned = align_pairs(topk_ids, num_experts, plan.gate_up.block_m, lora, lp, pdl)
 
     def shrink(src, a, from_gate_up, splits):
         return lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,

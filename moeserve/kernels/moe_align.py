@@ -190,13 +190,9 @@ def moe_align_ref(
     topk_ids: torch.Tensor,
     num_experts: int,
     block_m: int,
-    sub_keys: torch.Tensor | None = None,
-    num_sub_keys: int = 1,
 ) -> AlignedBlocks:
     """Same result with plain torch ops (sort / scatter / cumsum / searchsorted); also
-    sync-free, so it can be captured too, at the cost of ~15 launches. `sub_keys` [T, K] (values in
-    [0, num_sub_keys)): the pairs of each group in the order of their sub-key (e.g. the token's adapter slot),
-    groups padded as without."""
+    sync-free, so it can be captured too, at the cost of ~15 launches."""
     num_pairs = topk_ids.numel()
     dev = topk_ids.device
     max_blocks = align_max_blocks(num_pairs, num_experts, block_m)
@@ -205,9 +201,6 @@ def moe_align_ref(
     experts = topk_ids.reshape(-1).long()
     valid = (experts >= 0) & (experts < num_experts)
     groups = torch.where(valid, experts, num_experts)
-    order_key = groups
-    if sub_keys is not None:
-        order_key = groups * num_sub_keys + sub_keys.reshape(-1).long().clamp(0, num_sub_keys - 1)
 
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(0, groups, torch.ones_like(groups))
@@ -216,7 +209,7 @@ def moe_align_ref(
     ends = padded.cumsum(0)
     firsts = counts.cumsum(0) - counts  # sorted position of each group's first pair
 
-    order = torch.sort(order_key, stable=True).indices
+    order = torch.sort(groups, stable=True).indices
     sorted_groups = groups[order]
     g = sorted_groups.clamp(max=num_experts - 1)
     rows = ends[g] - padded[g] + torch.arange(num_pairs, device=dev) - firsts[g]

@@ -70,13 +70,6 @@ class MoEPlan:
     lora_apart_warps: int = 4  # warps of an apart expand program
     # sorted path: the GEMMs read their weight tiles through TMA descriptors (Hopper and later) instead of pointers
     weights_tma: bool = False
-    # sorted path with LoRA, a prototype (off in every shipped plan): the rows of each expert block in the order of
-    # their adapter slot (the torch alignment, moe_align_ref with the slots as sub-keys), so that at prefill sizes a
-    # block's row tiles hold one or two slots where they held every slot, and the LoRA walks fewer items. In a CUDA
-    # graph (H200, T = 8,192, 4 rank-16 adapters, expands walking items one by one) it beat the engine's plan by 9 %
-    # (2,140 vs 2,362 us), 2 % at 4,096, and lost at 2,048; in the engine's eager prefill it lost: `bench prefill`'s
-    # protocol with every prompt on an adapter ran at 0.547 of base with it, 0.641 without (FP8: 0.492 / 0.659)
-    lora_slot_sorted: bool = False
 
 
 @dataclass(frozen=True)
