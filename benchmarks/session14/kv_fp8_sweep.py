@@ -24,7 +24,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="64,256,512")
+    ap.add_argument("--more-splits", action="store_true",
+                    help="instead: both caches, split counts 1x / 2x / 4x the default (call 6)")
     args = ap.parse_args()
+    if args.more_splits:
+        return more_splits(args)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for batch in map(int, args.batches.split(",")):
@@ -64,6 +68,38 @@ def main() -> None:
         del sets, fp8_sets
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "kv_fp8_sweep.json").write_text(json.dumps(rows, indent=1))
+
+
+def more_splits(args) -> None:
+    """bf16 and fp8 caches at 1x, 2x and 4x the default split count (a latency-bound kernel may want more programs in
+    flight than three per SM), 64- and 128-token steps, 2-4 stages."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        kv_bytes = batch * CTX * N_KV * HEAD_DIM * 2 * 2
+        sets, ctx_lens = decode_setup(batch, CTX, copies_for(kv_bytes), gen)
+        caches = {"bf16": sets, "fp8": [(q, quantize_kv(k, 1.0), quantize_kv(v, 1.0), t) for q, k, v, t in sets]}
+        outs = [torch.empty_like(s[0]) for s in sets]
+        splits0 = default_num_splits(batch, N_KV, sets[0][3].shape[1], BLOCK_SIZE, torch.device("cuda"))
+        for cache, cache_sets in caches.items():
+            res = {}
+            for block_n, stages, mult in itertools.product((64, 128), (2, 3, 4), (1, 2, 4)):
+                splits = splits0 * mult
+                fns = [lambda s=s, o=o: _launch_decode(*s, ctx_lens, HEAD_DIM ** -0.5, splits, o, block_n=block_n,
+                                                       num_warps=4, num_stages=stages)
+                       for s, o in zip(cache_sets, outs)]
+                try:
+                    res[(block_n, stages, splits)] = graph_time_us(fns)
+                except Exception as exc:
+                    print(f"  {cache} {block_n} s{stages} splits {splits}: {type(exc).__name__}")
+            for key, us in res.items():
+                rows.append(dict(batch=batch, cache=cache, block_n=key[0], stages=key[1], splits=key[2], us=us))
+            best = sorted(res, key=res.get)[:4]
+            print(f"B={batch} {cache}: (64, 2, {splits0}) {res.get((64, 2, splits0), float('nan')):.1f} us; best "
+                  + ", ".join(f"{k} {res[k]:.1f}" for k in best), flush=True)
+        del sets, caches
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "kv_splits_sweep.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
