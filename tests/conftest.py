@@ -99,6 +99,32 @@ def demo_dir(tmp_path_factory):
     return upcycle.demo_model_path(tmp_path_factory.mktemp("moeserve_cache"), progress=False)
 
 
+# KV blocks of 16 tokens for the demo engines the tests build: a 1,024-token sequence and some. The CPU default
+# (every sequence at full length, capped at 2 GiB for this model) zeroes 2 GiB per engine (~2 s of CPU each).
+DEMO_KV_BLOCKS = 80
+
+
+@pytest.fixture(scope="session")
+def demo_engine_config(demo_dir):
+    """EngineConfig(**overrides) of the demo model as the tests serve it: float32 on the CPU, a small KV cache."""
+    from moeserve import EngineConfig
+
+    def make(**overrides):
+        return EngineConfig(**{**dict(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=1024,
+                                      num_kv_blocks=DEMO_KV_BLOCKS), **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def demo_engine(demo_engine_config):
+    """The demo model (its bf16 checkpoint) served in float32 on the CPU, built once for the tests that only read
+    it (no adapters, nothing they rely on kept between requests)."""
+    from moeserve import Engine
+
+    return Engine(demo_engine_config())
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """family -> folder of a tiny random checkpoint (per-expert layout, with tokenizer)."""
