@@ -311,7 +311,8 @@ def test_sorted_lora_mixed_ranks_matches_references(shape):
 
 def _check_sorted_lora(problem, ranks, slots, clean, dirty, plan):
     """`dirty` (NaN where nothing may be read) through `plan` against fp32 fused_moe_ref and the torch backend
-    with `clean`; the LoRA delta itself; rows without an adapter bitwise the no-LoRA call's. Returns the latter."""
+    with `clean`; the LoRA delta itself; rows without an adapter bitwise the no-LoRA call's. Returns both calls'
+    outputs (LoRA, no LoRA)."""
     x, w13, w2, weights, ids = problem
     _assert_blocks_mix_slots(ids, slots, ranks, SMALL_TILE.block_m)
     out = fused_moe(*problem, MoELoRAArgs(slots, ranks, *dirty), plan=plan)
@@ -325,7 +326,7 @@ def _check_sorted_lora(problem, ranks, slots, clean, dirty, plan):
     assert _rel(out - base, ref - ref_base) < 1e-4
     no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
     assert torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
-    return base
+    return out, base
 
 
 # the group sizes plans pick: 2 (default_plan at up to 512 pairs), 4 (above, and the LoRA-apart plan). A group of
@@ -336,7 +337,7 @@ def test_sorted_lora_epilogue_variants_match_references(items):
     walked) on the mixed-rank case: blocks hold up to 6 (slot, rank step) items (ranks 8, 16, 64),
     more than any group; NaN wherever the kernels must not read."""
     problem = _mixed_lora_problem(24, 64, 32, seed=11)
-    base = _check_sorted_lora(*problem, replace(SMALL_PLAN, lora_epilogue_items=items))
+    _, base = _check_sorted_lora(*problem, replace(SMALL_PLAN, lora_epilogue_items=items))
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
 
 
@@ -348,7 +349,7 @@ def test_sorted_lora_apart_from_the_gemms_matches_references(items, fused_act):
     read; rows without an adapter bitwise the no-LoRA call of the same plan, whichever way it applies SiLU*up."""
     problem = _mixed_lora_problem(24, 64, 32, seed=13)
     plan = replace(SMALL_PLAN, lora_epilogue=False, lora_epilogue_items=items, fused_act=fused_act)
-    base = _check_sorted_lora(*problem, plan)
+    _, base = _check_sorted_lora(*problem, plan)
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
 
 
@@ -356,22 +357,21 @@ def test_sorted_lora_apart_in_sub_blocks_matches_references():
     """Expand programs that take a part of an alignment block (32-row blocks, 16-row expand programs)."""
     tile = GemmTile(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=1)
     plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue=False, lora_apart_tile=(16, 32))
-    base = _check_sorted_lora(*_mixed_lora_problem(40, 64, 32, seed=14), plan)
+    _, base = _check_sorted_lora(*_mixed_lora_problem(40, 64, 32, seed=14), plan)
     assert torch.isfinite(base).all()
 
 
 @pytest.mark.parametrize("apart", [False, True], ids=["epilogue", "apart"])
 def test_sorted_lora_with_rows_in_slot_order_matches_references(apart):
     """lora_slot_sorted (each expert's rows in adapter-slot order, by the torch alignment): the references of every
-    sorted LoRA plan, and bitwise the same plan on the plain alignment (rows are independent)."""
+    sorted LoRA plan, and bitwise the same plan on the plain alignment (rows are independent; both on the pool with
+    NaN wherever nothing may be read)."""
     problem = _mixed_lora_problem(40, 64, 32, seed=15)
     tile = GemmTile(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=1)
     plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue=not apart, lora_apart_tile=(16, 32))
-    _check_sorted_lora(*problem, replace(plan, lora_slot_sorted=True))
-    moe, ranks, slots, clean, _ = problem
-    lora = MoELoRAArgs(slots, ranks, *clean)
-    assert torch.equal(_bits(fused_moe(*moe, lora, plan=replace(plan, lora_slot_sorted=True))),
-                       _bits(fused_moe(*moe, lora, plan=plan)))
+    slot_sorted, _ = _check_sorted_lora(*problem, replace(plan, lora_slot_sorted=True))
+    moe, ranks, slots, _, dirty = problem
+    assert torch.equal(_bits(slot_sorted), _bits(fused_moe(*moe, MoELoRAArgs(slots, ranks, *dirty), plan=plan)))
 
 
 def test_sorted_lora_epilogue_options_are_checked():
