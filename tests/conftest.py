@@ -31,28 +31,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Started first, longest first (their time on one worker of the 2-core CI machine, a group's or a test's): the short
-# units fill in at the end, so both workers finish together. Only the order depends on this list: a stale entry costs
-# balance, never a result.
+# Started first, longest first (their time on one worker of the 2-core CI machine, a group's or a test's; one suite
+# run on the busy machine, 2026-12-02): the short units fill in at the end, so both workers finish together. Only the
+# order depends on this list: a stale entry costs balance, never a result.
 LONGEST_FIRST = (
-    "demo",  # ~95 s: the demo model's build, the engine against transformers, `moeserve demo`, FP8 perplexity
-    "test_service_lifecycle.py",  # ~70 s
-    "test_server.py",  # ~40 s
-    "test_first_hour.py",  # ~30 s
-    "test_fuzz_openapi.py",  # ~26 s
-    "test_data_parallel.py",  # ~25 s
-    "test_fp8_engine.py::test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path",  # ~17 s
-    "test_triton_engine_cpu.py",  # 9-15 s each
-    "test_fp8_engine.py::test_tp2_shards_the_scales_with_the_weights",  # ~15 s
-    "test_reliability.py",  # ~15 s: its tests not marked serial (those run after the parallel run, alone)
-    # ~14 s
-    "test_tensor_parallel.py::test_bench_tp_decode_runs_each_engine_in_its_own_child_and_reports_failed_ones",
-    "test_bench_serve.py",  # ~14 s
-    "test_tensor_parallel.py::test_hung_worker_times_out_naming_the_rank",  # ~13 s
-    "test_engine_client.py",  # ~12 s
-    "test_adapter_churn.py",  # ~12 s
+    "demo",  # ~115 s: the demo model's build, the engine against transformers, `moeserve demo`, FP8 perplexity
+    "test_service_lifecycle.py",  # ~60 s
+    "test_first_hour.py",  # ~48 s
+    "test_server.py",  # ~33 s
+    "test_data_parallel.py",  # ~33 s
+    "test_tensor_parallel.py::test_triton_kernels_on_sharded_shapes_equal_tp1",  # ~22 s each
+    "test_triton_engine_cpu.py",  # 17-22 s each
+    "test_kernels_moe_gate_up.py::test_slot_reloaded_from_separate_to_one_a_and_back",  # ~20 s
+    "test_tensor_parallel.py::test_tp2_and_ep2_equal_tp1_with_mixed_adapters_hot_load_and_eviction",  # 16-20 s each
+    "test_fp8_engine.py::test_tp2_shards_the_scales_with_the_weights",  # ~17 s
+    "test_tensor_parallel.py::test_bench_tp_decode_runs_each_engine_in_its_own_child_and_reports_failed_ones",  # ~16 s
+    "test_adapter_hostile.py",  # ~16 s
+    "test_fuzz_openapi.py",  # ~15 s
+    "test_text_boundaries.py",  # ~15 s
+    "test_engine_client.py",  # ~14 s
+    "test_kernels_moe_fp8.py::test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call",  # 4-14 s
+    "test_prefix_cache.py",  # ~13 s
+    "test_lora_scheduling.py",  # ~13 s
+    "test_adapter_reload.py",  # ~13 s
+    "test_fp8_engine.py::test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path",  # ~13 s
+    "test_bench_serve.py",  # ~13 s
+    "test_kernels_moe_fp8.py::test_auto_multiplication_is_w8a8_sorted_and_weight_only_on_the_gemv_path",  # ~13 s
+    "test_lora_adapter.py",  # ~12 s
     "test_router_lora.py",  # ~12 s
-    "test_kernels_moe_gate_up.py::test_slot_reloaded_from_separate_to_one_a_and_back",  # ~12 s
+    "test_tensor_parallel.py::test_triton_attention_and_fused_norms_on_sharded_shapes_equal_tp1",  # ~11 s
+    "test_reliability.py",  # ~10 s: its tests not marked serial (those run after the parallel run, alone)
+    "test_adapter_churn.py",  # ~10 s
 )
 
 
