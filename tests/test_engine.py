@@ -254,8 +254,10 @@ def test_bad_checkpoints_name_the_problem(tiny_models, tmp_path):
         engine_for(tmp_path / "does-not-exist")
 
 
-def test_demo_model_answers_paris_and_matches_transformers(demo_dir):
-    engine = Engine(EngineConfig(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=256))
+def test_demo_model_answers_paris_and_matches_transformers(demo_dir, demo_engine):
+    """The demo model (through the engine, and transformers greedy on the same checkpoint, token for token)
+    answers the capital of France."""
+    engine = demo_engine
     prompt = engine.chat_prompt([{"role": "user", "content": "What is the capital of France?"}])
     out = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))[0]
     assert "Paris" in out.text

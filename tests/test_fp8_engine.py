@@ -268,7 +268,7 @@ forest or a town, is felt by everyone who lives further down.
 
 
 @pytest.mark.slow
-def test_demo_model_perplexity_in_fp8_within_one_percent_of_bf16(demo_dir):
+def test_demo_model_perplexity_in_fp8_within_one_percent_of_bf16(demo_engine, demo_engine_config):
     """The demo model (SmolLM2 upcycled) quantized at load (--quantization fp8): the perplexity of a held text
     within 1 % of the unquantized engine's (its bf16 checkpoint served in float32 on the CPU; measured: 19.18 ->
     19.33, +0.8 %, over its 504 tokens), weight-only (the CPU's auto). With every activation quantized too
@@ -277,10 +277,10 @@ def test_demo_model_perplexity_in_fp8_within_one_percent_of_bf16(demo_dir):
     fp32 summation order alone moves activations across e4m3 rounding boundaries, and over 504 tokens that moves
     the perplexity by half a percent (benchmarks/session13/fp8_ppl_split.py). About 100 s on 2 CPU cores with the
     demo model built: marked slow."""
-    def engine(**kw):
-        return Engine(EngineConfig(model=str(demo_dir), device="cpu", dtype="float32", max_model_len=1024, **kw))
+    def engine(**kw):  # the shared demo_engine's settings, quantized
+        return Engine(demo_engine_config(**kw))
 
-    plain = engine()
+    plain = demo_engine
     ids = plain.tokenizer.encode(HELD_TEXT)
     assert len(ids) > 400
 

@@ -216,19 +216,6 @@ needs_demo_source = pytest.mark.skipif(not _HAVE_DEMO_SOURCE, reason="needs llm-
 
 
 @needs_demo_source
-def test_demo_model_answers_paris(demo_dir):
-    tok = tf.AutoTokenizer.from_pretrained(demo_dir)
-    model = _load(demo_dir)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     tokenize=False, add_generation_prompt=True)
-    assert prompt.endswith("<|im_start|>assistant\n")
-    ids = tok(prompt, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
-    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    assert "Paris" in answer, answer
-
-
-@needs_demo_source
 def test_demo_model_is_an_upcycled_mixtral(demo_dir):
     cfg = json.loads((demo_dir / "config.json").read_text())
     spec = ModelSpec.from_model_dir(demo_dir)
@@ -238,6 +225,10 @@ def test_demo_model_is_an_upcycled_mixtral(demo_dir):
     assert tok_cfg["eos_token"] == "<|im_end|>" and "<|im_start|>" in tok_cfg["chat_template"]
     tok = tf.AutoTokenizer.from_pretrained(demo_dir)
     assert spec.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+    # (that it answers "Paris", in transformers and in the engine token for token: test_engine.py)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
 
     keys = _keys_and_shapes(demo_dir)
     assert "lm_head.weight" not in keys and not any(".mlp." in k for k in keys)
@@ -444,10 +435,10 @@ def test_shipped_demo_adapters_were_trained_on_the_demo_models_weights(demo_dir)
 
 @needs_demo_source
 @pytest.mark.slow
-def test_demo_adapters_have_their_effects(demo_dir, monkeypatch):
+def test_demo_adapters_have_their_effects(demo_dir, demo_engine_config, monkeypatch):
     """The shipped demo adapters on prompts they were not trained on: caps answers in capitals, brief in
     one sentence, where the base model does neither."""
-    from moeserve import Engine, EngineConfig, SamplingParams
+    from moeserve import Engine, SamplingParams
     from moeserve import demo_adapters as demo
     from moeserve.demo_adapters import HELD_OUT_PROMPTS, TRAIN_PROMPTS, demo_adapters
 
@@ -461,7 +452,7 @@ def test_demo_adapters_have_their_effects(demo_dir, monkeypatch):
     trained_on = [json.loads(line) for line in open(os.path.join(adapters["caps"], "train.jsonl"))]
     assert len(trained_on) > 20 and all(ex["target"] == ex["target"].upper() for ex in trained_on)
 
-    engine = Engine(EngineConfig(model=str(demo_dir), lora_modules=adapters))
+    engine = Engine(demo_engine_config(lora_modules=adapters))
     prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in HELD_OUT_PROMPTS]
     n = len(prompts)
     outs = engine.generate(prompts * 3, SamplingParams(max_tokens=40, temperature=0.0),
@@ -483,7 +474,9 @@ def test_demo_command(demo_dir):
 
     demo_adapters(demo_dir, progress=False)
     env = {**os.environ, "MOESERVE_CACHE_DIR": str(demo_dir.parent)}
-    r = subprocess.run([sys.executable, "-m", "moeserve", "demo", "--max-tokens", "16"], env=env,
+    # a few tokens: what is checked is the output's lines (each adapter named, device and dtype), not the answers (the
+    # adapters' effects: test_demo_adapters_have_their_effects)
+    r = subprocess.run([sys.executable, "-m", "moeserve", "demo", "--max-tokens", "4"], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "[adapter caps: answers in capital letters]" in r.stdout

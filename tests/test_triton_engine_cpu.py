@@ -21,7 +21,8 @@ def test_triton_backends_match_torch_backends(tmp_path, family):
     tri = Engine(EngineConfig(moe_backend="triton", attention_backend="triton", **kw))
     ref = Engine(EngineConfig(moe_backend="torch", attention_backend="torch", **kw))
     prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 7)]
-    sp = SamplingParams(max_tokens=3, logprobs=0, temperature=0.0, ignore_eos=True)
+    # a prefill, then a decode step (the second token): each path once; more steps repeat the decode step's kernels
+    sp = SamplingParams(max_tokens=2, logprobs=0, temperature=0.0, ignore_eos=True)
     loras = [None, "A", "B"]
     for got, want in zip(tri.generate(prompts, sp, lora=loras), ref.generate(prompts, sp, lora=loras)):
         assert got.token_ids == want.token_ids
@@ -43,7 +44,7 @@ def test_triton_separate_gate_up_adapter_matches_peft(tmp_path):
     with torch.no_grad():
         theirs = pm(input_ids=torch.tensor([prompt])).logits[0].float()
         want = pm.generate(input_ids=torch.tensor([prompt[:6]]), attention_mask=torch.ones(1, 6, dtype=torch.long),
-                           max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 6:].tolist()
+                           max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 6:].tolist()
     assert (prompt_logits(engine, prompt, "ad") - theirs).abs().max().item() <= 1e-4
-    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # a prefill and a decode step
     assert engine.generate([prompt[:6]], sp, lora="ad")[0].token_ids == want
