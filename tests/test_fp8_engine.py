@@ -19,7 +19,7 @@ from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.kernels.fp8 import dequantize_block_fp8
 from moeserve.models.tiny import FP8_QUANTIZATION_CONFIG, TINY_FAMILIES, fp8_state, make_tiny
 
-from engine_probe import prompt_logits
+from engine_probe import prompt_ids, prompt_logits, transformers_greedy
 from peft_fixtures import INTERPRETED_LAYERS, make_peft_adapter, save_base_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -34,11 +34,6 @@ def engine_for(path, **kw) -> Engine:
 def hf_model(path):
     return tf.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
-
-
-def prompt_ids(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n,), generator=g).tolist()
 
 
 def _weights_file(folder):
@@ -97,10 +92,7 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(tmp_path
     assert (prompt_logits(engine, ids) - theirs).abs().max().item() <= TOL
     prompt = prompt_ids(9, seed=2)
     out = engine.generate([prompt], SamplingParams(max_tokens=16, **GREEDY))[0]
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                            max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert out.token_ids == want[0, len(prompt):].tolist()
+    assert out.token_ids == transformers_greedy(ref, prompt, 16)
 
 
 def test_modules_to_not_convert_stay_as_stored(tmp_path):

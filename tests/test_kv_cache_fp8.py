@@ -29,7 +29,7 @@ from moeserve.kernels.paged_attention import (  # noqa: E402
 from moeserve.layers.attention import TorchAttentionBackend  # noqa: E402
 from moeserve.layers.batch import AttentionMetadata  # noqa: E402
 
-from engine_probe import prompt_logits  # noqa: E402
+from engine_probe import prompt_ids, prompt_logits, transformers_greedy  # noqa: E402
 from peft_fixtures import INTERPRETED_LAYERS, make_peft_adapter, save_base_checkpoint, tiny_base_model  # noqa: E402
 from test_kernels_attention_lora import QWEN3, make_cache, rel_err  # noqa: E402
 from test_kernels_norm_rotary import CASES, _attention, _gen  # noqa: E402
@@ -205,10 +205,6 @@ def reference(model):
     return model
 
 
-def prompt_ids(n, seed):
-    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_fp8_kv_engine_matches_transformers_with_quantized_kv(checkpoint):
     engine = engine_for(checkpoint, kv_cache_dtype="fp8")
     assert engine.config.kv_cache_dtype == "fp8_e4m3"  # "fp8" is its alias
@@ -230,10 +226,7 @@ def test_fp8_kv_engine_matches_transformers_with_quantized_kv(checkpoint):
     # greedy decode: each step's K/V written to the cache quantized, read back by the decode attention
     prompt = prompt_ids(9, seed=2)
     out = engine.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0]
-    with torch.no_grad():
-        want = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                            max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert out.token_ids == want[0, len(prompt):].tolist()
+    assert out.token_ids == transformers_greedy(ref, prompt, 8)
 
 
 def test_fp8_kv_triton_backend_matches_torch_backend(checkpoint):
