@@ -315,6 +315,32 @@ def test_sorted_lora_epilogue_variants_match_references(items):
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
 
 
+@pytest.mark.parametrize("items,block_m", [(2, 16), (4, 32)], ids=["items2_m16", "items4_m32"])
+def test_sorted_lora_in_place_matches_references(items, block_m):
+    """The epilogue accumulating into the GEMM's own accumulator (lora_in_place: every item in groups, no kept copy
+    of the accumulator) on the mixed-rank case: blocks hold more items than a group, so the groups loop; rows
+    without an adapter keep the no-LoRA call's bits (they add exact zeros)."""
+    tile = replace(SMALL_TILE, block_m=block_m)
+    plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue_items=items, lora_in_place=True)
+    problem = _mixed_lora_problem(40, 64, 32, seed=15)
+    base = _check_sorted_lora(*problem, plan)
+    assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=replace(SMALL_PLAN, gate_up=tile, down=tile))))
+    with pytest.raises(ValueError, match="lora_in_place"):
+        fused_moe(*problem[0], MoELoRAArgs(problem[2], problem[1], *problem[3]),
+                  plan=replace(plan, lora_epilogue_items=0))
+
+
+@pytest.mark.parametrize("items,fused_act", [(2, True), (8, False)], ids=["items2_act", "items8_h"])
+def test_sorted_lora_shrink_fused_in_the_gemms_matches_references(items, fused_act):
+    """The shrinks in the GEMMs' main loops (lora_fused_shrink) on the mixed-rank case, NaN wherever the kernels
+    must not read: a group of 2 leaves blocks with more items (ranks 8, 16, 64: up to 6), whose rows are read again;
+    one of 8 covers every block at once. The down GEMM's A both ways (SiLU*up as it loads, h by its own kernel)."""
+    plan = replace(SMALL_PLAN, lora_epilogue_items=items, lora_fused_shrink=True, fused_act=fused_act)
+    problem = _mixed_lora_problem(24, 64, 32, seed=16)
+    base = _check_sorted_lora(*problem, plan)
+    assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=replace(SMALL_PLAN, fused_act=fused_act))))
+
+
 @pytest.mark.parametrize("items", [0, 4], ids=["walk", "items4"])
 def test_sorted_lora_apart_from_the_gemms_matches_references(items):
     """The expands after plain GEMMs (lora_epilogue=False: SiLU*up with the gate_up deltas by its own kernel, the
@@ -476,6 +502,7 @@ EPILOGUE_VARIANTS = {"default": {},
                      "walk": {"lora_epilogue_items": 0},
                      "items2": {"lora_epilogue_items": 2},
                      "items4": {"lora_epilogue_items": 4},
+                     "in_place4": {"lora_epilogue_items": 4, "lora_in_place": True},
                      "apart": {"lora_epilogue": False}}
 
 

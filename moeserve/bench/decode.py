@@ -107,19 +107,20 @@ class DecodeBench:
     def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
                  backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None,
                  pdl: bool | None = None, quantization: str | None = None, fp8_activations: str = "auto",
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", block_size: int = 16):
         self.spec, self.steps, self.device = spec, steps, torch.device(device)
         self.dtype, self.graph_factory = dtype, graph_factory
         self.max_len = PROMPT + steps + 16
         self.cfg = EngineConfig(model="random", device=device, dtype=str(dtype).split(".")[-1],
-                                max_model_len=self.max_len, max_num_seqs=max_bs, block_size=16,
+                                max_model_len=self.max_len, max_num_seqs=max_bs, block_size=block_size,
                                 moe_backend=backend, attention_backend=backend,
                                 linear_backend=linear_backend or backend, pdl=pdl,
                                 quantization=quantization, fp8_activations=fp8_activations,
                                 kv_cache_dtype=kv_cache_dtype).resolve()
         self.model = loader.random_model(spec, self.cfg.exec_options())
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
-        blocks = max_bs * -(-self.max_len // 16) + 2
+        self.block_size = block_size
+        blocks = max_bs * -(-self.max_len // block_size) + 2
         self.runner.allocate_kv_cache(blocks)
         for k_cache, v_cache in self.runner.kv_caches:  # prompt context: random K/V (prefill excluded)
             for cache in (k_cache, v_cache):
@@ -145,7 +146,7 @@ class DecodeBench:
         self.runner.lora_pool = self.pool
 
     def sequences(self, B: int, slots: list[int]) -> list[Sequence]:
-        seqs, bs = [], 16
+        seqs, bs = [], self.block_size
         for i in range(B):
             s = Sequence(f"b{i}", [1] * PROMPT, SamplingParams(max_tokens=self.steps + 8, temperature=0.0))
             s.block_table = [1 + i * -(-self.max_len // bs) + j for j in range(-(-self.max_len // bs))]
@@ -235,6 +236,8 @@ def main(argv=None) -> int:
                     help="with --quantization fp8: the engine flag of that name (auto: W8A8 GEMMs, weight-only GEMVs)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the engine flag of that name: fp8 stores K and V in float8_e4m3fn (scales 1.0)")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="the engine flag of that name: tokens per KV cache block (a power of two)")
     ap.add_argument("--sync-steps", action="store_true",
                     help="time the synchronous step (batch built, graph run, tokens picked and read back before the "
                          "next step starts) instead of the engine's pipelined one")
@@ -250,7 +253,7 @@ def main(argv=None) -> int:
     spec = preset_spec(args.preset, args.layers)
     bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend, pdl=args.pdl,
                         quantization=args.quantization, fp8_activations=args.fp8_activations,
-                        kv_cache_dtype=args.kv_cache_dtype)
+                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results: dict[str, dict[int, float]] = {m: {} for m in modes}

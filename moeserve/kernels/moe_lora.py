@@ -271,23 +271,17 @@ def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, o
 
 
 @triton.jit
-def lora_expand_group(slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
-                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
-    """Operands of the block's first ITEMS (slot, rank step) items, all loads issued at once, laid
-    side by side along the rank: s [BLOCK_M, ITEMS * RANK_STEP] (the shrink of a row sits only in
-    the columns of its own slot's items, 0 elsewhere) and b [ITEMS * RANK_STEP, BLOCK_N], so one
-    dot s @ b adds every item's delta. Returns (s, b, rows covered, slot and rank start of the
-    item after them: where lora_expand_rest's walk goes on). Columns of missing items are masked."""
+def lora_group_columns(cur, r0, slots, row_ranks, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
+    """The ITEMS (slot, rank step) items of a block from item (cur, r0) on, laid side by side along the rank: for
+    each of ITEMS * RANK_STEP columns its slot and rank column, and whether it is real (false for missing items and
+    beyond a slot's rank); then the slot and rank start of the item after them. A scalar walk, no memory traffic."""
     cols: tl.constexpr = ITEMS * RANK_STEP
     col = tl.arange(0, cols)
     col_item = col // RANK_STEP
     col_slot = tl.full([cols], _NO_SLOT, tl.int32)
     col_r = col % RANK_STEP
     col_rank = tl.zeros([cols], dtype=tl.int32)
-    cur = _next_slot(slots, -1)
-    r0 = cur * 0
-    for i in tl.static_range(ITEMS):  # scalar walk over the item list: no memory traffic
+    for i in tl.static_range(ITEMS):
         rank = tl.max(tl.where(slots == cur, row_ranks, 0), 0)
         here = col_item == i
         col_slot = tl.where(here, cur, col_slot)
@@ -296,7 +290,42 @@ def lora_expand_group(slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n
         more = r0 + RANK_STEP < rank
         cur = tl.where(more, cur, _next_slot(slots, cur))
         r0 = tl.where(more, r0 + RANK_STEP, 0)
-    col_ok = col_r < col_rank  # false for missing items (rank 0) and beyond a slot's rank
+    return col_slot, col_r, col_r < col_rank, cur, r0
+
+
+@triton.jit
+def lora_group_a_tile(a_ptr, expert, col_slot, col_r, col_ok, offs_k, k_ok, stride_al, stride_ae, stride_ar):
+    """[BLOCK_K, columns] tile of a group's A's (lora_group_columns): column c is A[slot c, expert][rank column c,
+    offs_k], zeros where the column or k is not real. What a GEMM's main loop multiplies its own A-operand tile by
+    to shrink in passing (MoEPlan.lora_fused_shrink)."""
+    ptrs = (a_ptr + tl.where(col_ok, col_slot, 0).to(tl.int64)[None, :] * stride_al
+            + expert.to(tl.int64) * stride_ae + col_r[None, :] * stride_ar + offs_k[:, None])
+    return tl.load(ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+
+
+@triton.jit
+def lora_group_expand(acc, shrink, slots, col_slot, col_r, col_ok, b_ptr, expert, offs_n, N,
+                      stride_bl, stride_be, stride_bn):
+    """acc + every row's delta from a group's shrink [BLOCK_M, columns] (fp32, every row against every column:
+    a row keeps the columns of its own slot only), accumulated into acc itself (rows without an adapter add exact
+    zeros)."""
+    match = (slots[:, None] == col_slot[None, :]) & col_ok[None, :]
+    b_ptrs = (b_ptr + tl.where(col_ok, col_slot, 0).to(tl.int64)[:, None] * stride_bl
+              + expert.to(tl.int64) * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + col_r[:, None])
+    b = tl.load(b_ptrs, mask=col_ok[:, None] & (offs_n < N)[None, :], other=0.0)
+    return tl.dot(tl.where(match, shrink, 0.0).to(b.dtype), b, acc)
+
+
+@triton.jit
+def lora_expand_group(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
+                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
+    """Operands of the block's ITEMS (slot, rank step) items from item (cur, r0) on, all loads issued
+    at once, laid side by side along the rank: s [BLOCK_M, ITEMS * RANK_STEP] (the shrink of a row
+    sits only in the columns of its own slot's items, 0 elsewhere) and b [ITEMS * RANK_STEP,
+    BLOCK_N], so one dot s @ b adds every item's delta. Returns (s, b, rows covered, slot and rank
+    start of the item after them: where the walk goes on). Columns of missing items are masked."""
+    col_slot, col_r, col_ok, cur, r0 = lora_group_columns(cur, r0, slots, row_ranks, RANK_STEP, ITEMS)
     match = (slots[:, None] == col_slot[None, :]) & col_ok[None, :]
     s_ptrs = scratch_ptr + rows.to(tl.int64)[:, None] * stride_sr + col_r[None, :]
     s = tl.load(s_ptrs, mask=match, other=0.0)
@@ -338,22 +367,47 @@ def lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratc
 
 
 @triton.jit
+def lora_expand_in_place(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
+                         stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                         K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
+    """acc plus every row's expand, ITEMS (slot, rank step) items a dot, each dot accumulating into acc itself as
+    one more K step of the GEMM would: no copy of acc stays live (64- and 128-row tiles have no registers for
+    one), and a row without an adapter adds exact zeros, so its values are the no-LoRA call's (a -0.0 could
+    come back +0.0; a GEMM accumulator that starts at +0.0 is never -0.0 unless every product of a row is)."""
+    cur = _next_slot(slots, -1)
+    r0 = cur * 0
+    while cur < _NO_SLOT:
+        s, b, _, cur, r0 = lora_expand_group(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
+                                             offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                                             K_SPLITS, RANK_STEP, ITEMS)
+        acc = tl.dot(s.to(b.dtype), b, acc)
+    return acc
+
+
+@triton.jit
 def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, scratch_ptr, b_ptr,
                         expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                         separate_ptr, stride_sh, up_col0, BLOCK_M: tl.constexpr,
                         K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr,
-                        ITEMS: tl.constexpr, KEEP_ROWS: tl.constexpr = True):
+                        ITEMS: tl.constexpr, KEEP_ROWS: tl.constexpr = True, IN_PLACE: tl.constexpr = False):
     """The LoRA epilogue of a sorted-path GEMM tile (block pid_m, columns offs_n): acc plus every
     row's expand, shrink partials at scratch rows pid_m * BLOCK_M + i. ITEMS > 0: that many (slot,
-    rank step) items in one dot, then the rest walked (lora_expand_group / _rest); 0: the plain
+    rank step) items in one dot, then the rest walked (lora_expand_group / _rest), or with IN_PLACE
+    every item in groups of ITEMS accumulated into acc itself (lora_expand_in_place); 0: the plain
     walk (lora_block_expand), the only one that walks up halves (UP_HALF; see there for
     separate_ptr, stride_sh, up_col0)."""
     tl.static_assert(not UP_HALF or ITEMS == 0, "the up halves are walked by lora_block_expand only")
+    tl.static_assert(not IN_PLACE or (ITEMS > 0 and not KEEP_ROWS), "in place: groups of items, no kept rows")
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-    if ITEMS > 0:
+    if IN_PLACE:
+        acc = lora_expand_in_place(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
+                                   stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP,
+                                   ITEMS)
+    elif ITEMS > 0:
+        first = _next_slot(slots, -1)
         s, b, covered, cur, r0 = lora_expand_group(
-            slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N, stride_sk, stride_sr,
+            first, first * 0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N, stride_sk, stride_sr,
             stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, ITEMS)
         acc = lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratch_ptr,
                                b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,

@@ -57,6 +57,15 @@ class MoEPlan:
     # lost or tied on the H200 at every T and were removed.)
     lora_epilogue_items: int = 0  # >0 (power of 2): that many (slot, rank step) items loaded at
     #                              once and added in one dot, the rest walked as with 0
+    # the epilogue's dots accumulate into the GEMM accumulator itself, every item in groups of lora_epilogue_items
+    # (moe_lora.lora_expand_in_place): no copy of the accumulator for rows without an adapter, which is what lets
+    # 64- and 128-row tiles carry the epilogue (those rows add exact zeros; a pool's up halves still walk)
+    lora_in_place: bool = False
+    # the shrinks ride in the GEMMs' main loops: each N tile multiplies its A-operand tile by the block's first
+    # lora_epilogue_items (slot, rank step) items' A's as it goes, and expands them in place after the loop (no shrink
+    # kernels, no scratch; blocks with more items read their rows again for the rest; pools with separate up A's
+    # take the shrink kernels)
+    lora_fused_shrink: bool = False
     # sorted path: the per-pair outputs summed over top-k kept in fp32 (else in the activations' dtype: half the
     # bytes written and read again at large T); SiLU*up applied as the down GEMM loads its A tile (else by its
     # own kernel into [pairs, I], which the down GEMM then reads as a plain operand)
