@@ -330,17 +330,6 @@ def test_sorted_lora_in_place_matches_references(items, block_m):
                   plan=replace(plan, lora_epilogue_items=0))
 
 
-@pytest.mark.parametrize("items,fused_act", [(2, True), (8, False)], ids=["items2_act", "items8_h"])
-def test_sorted_lora_shrink_fused_in_the_gemms_matches_references(items, fused_act):
-    """The shrinks in the GEMMs' main loops (lora_fused_shrink) on the mixed-rank case, NaN wherever the kernels
-    must not read: a group of 2 leaves blocks with more items (ranks 8, 16, 64: up to 6), whose rows are read again;
-    one of 8 covers every block at once. The down GEMM's A both ways (SiLU*up as it loads, h by its own kernel)."""
-    plan = replace(SMALL_PLAN, lora_epilogue_items=items, lora_fused_shrink=True, fused_act=fused_act)
-    problem = _mixed_lora_problem(24, 64, 32, seed=16)
-    base = _check_sorted_lora(*problem, plan)
-    assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=replace(SMALL_PLAN, fused_act=fused_act))))
-
-
 @pytest.mark.parametrize("items", [0, 4], ids=["walk", "items4"])
 def test_sorted_lora_apart_from_the_gemms_matches_references(items):
     """The expands after plain GEMMs (lora_epilogue=False: SiLU*up with the gate_up deltas by its own kernel, the
@@ -681,9 +670,9 @@ def test_tuned_table_lookup(tmp_path):
 
 
 def test_lora_calls_above_the_apart_threshold_run_the_tuned_no_lora_tiles(monkeypatch):
-    """Where the table has the problem, a LoRA call with more pairs than LORA_APART_MIN_PAIRS runs the no-LoRA
-    call's tiles and options with the expands apart (so its rows without an adapter are the no-LoRA call's);
-    smaller ones keep the epilogue plan."""
+    """Where the table has the problem, a LoRA call runs the no-LoRA call's tiles and options (so its rows without an
+    adapter are the no-LoRA call's): with more pairs than LORA_APART_MIN_PAIRS the expands apart, with fewer in the
+    epilogues, in place."""
     h200 = moe_plan.tile_table()
     (device, key), _ = next(iter(h200.items()))
     problem = moe_plan.MoEProblem(*key[:4], getattr(torch, key[4]), torch.device("cpu"))
@@ -695,8 +684,11 @@ def test_lora_calls_above_the_apart_threshold_run_the_tuned_no_lora_tiles(monkey
         base, lora = (moe_plan.default_plan(large, top_k, problem=problem, lora=flag) for flag in (False, True))
         assert not lora.lora_epilogue and (lora.gate_up, lora.down) == (base.gate_up, base.down)
         assert (lora.y_fp32, lora.fused_act) == (base.y_fp32, base.fused_act)
-        small = moe_plan.default_plan(moe_plan.LORA_APART_MIN_PAIRS // top_k, top_k, problem=problem, lora=True)
-        assert small.lora_epilogue and not small.decode
+        for tokens in (moe_plan.DECODE_MAX_PAIRS // top_k + 1, moe_plan.LORA_APART_MIN_PAIRS // top_k):
+            base, small = (moe_plan.default_plan(tokens, top_k, problem=problem, lora=flag) for flag in (False, True))
+            assert small.lora_epilogue and small.lora_in_place and not small.decode
+            assert (small.gate_up, small.down, small.y_fp32, small.fused_act) == (
+                base.gate_up, base.down, base.y_fp32, base.fused_act)
     finally:
         moe_plan.default_plan.cache_clear()
 

@@ -26,6 +26,8 @@ def candidates(t: int, problem: MoEProblem, which: str = "in_place") -> dict:
     base = default_plan(t, kb.TOP_K, problem=problem)
     tuned = replace(base, lora_epilogue=True, lora_in_place=True)
     out = {"engine": engine}
+    if which == "engine":  # call 3: the engine's plan alone (after it took the winner)
+        return {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in out.items()}
     if which == "fused":  # call 2: the shrinks in the GEMMs' main loops, against call 1's best (in place, 2 items)
         out["tuned_in_place_i2_s11"] = replace(tuned, lora_epilogue_items=2, lora_gate_up_splits=1,
                                                lora_down_splits=1)
@@ -56,7 +58,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="64,256,512,1024,2048,4096,8192")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--candidates", default="in_place", choices=("in_place", "fused"))
+    ap.add_argument("--candidates", default="in_place", choices=("in_place", "fused", "engine"))
     ap.add_argument("--split-pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="the best plan's per-kernel split with PDL (each kernel's span then includes its wait for "
                          "the one before) or without")

@@ -40,12 +40,6 @@ from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
     lora_block_epilogue,
-    _NO_SLOT,
-    _next_slot,
-    block_slots,
-    lora_group_a_tile,
-    lora_group_columns,
-    lora_group_expand,
     lora_block_shrink,
     lora_expand_act,
     lora_expand_down,
@@ -101,26 +95,6 @@ def _weight_tile(b_ptrs, w_desc, row0, k0, K, offs_k, EVEN_K: tl.constexpr, W_TM
         return tl.load(b_ptrs, mask=(offs_k < K - k0)[:, None], other=0.0)
 
 
-@triton.jit
-def _x_tile(x_rows, k0, pair_ok, offs_k, K, EVEN_K: tl.constexpr):
-    """The gate_up GEMM's A tile of one K step: the block's token rows of x, columns k0 + offs_k."""
-    if EVEN_K:
-        return tl.load(x_rows + k0, mask=pair_ok[:, None], other=0.0)
-    return tl.load(x_rows + k0, mask=pair_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-
-
-@triton.jit
-def _act_tile(gu_rows, k0, pair_ok, offs_k, K, dtype, EVEN_K: tl.constexpr, FUSED_ACT: tl.constexpr):
-    """The down GEMM's A tile of one K step: h = silu(g) * u of the block's gu rows (FUSED_ACT), else the rows of
-    h itself, columns k0 + offs_k, in `dtype`."""
-    mask = pair_ok[:, None] if EVEN_K else pair_ok[:, None] & (offs_k < K - k0)[None, :]
-    gate = tl.load(gu_rows + k0, mask=mask, other=0.0)
-    if FUSED_ACT:
-        up = tl.load(gu_rows + k0 + K, mask=mask, other=0.0)
-        return silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype)
-    return gate
-
-
 @triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, gu_ptr, sorted_ids_ptr, block_groups_ptr,
@@ -128,62 +102,43 @@ def _moe_gate_up_kernel(
     num_pairs, top_k, N, K,
     stride_xt, stride_we, stride_wn, stride_gu,
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-    separate_ptr, stride_sh, up_col0, w_desc, lora_a_ptr, stride_al, stride_ae, stride_ar,
+    separate_ptr, stride_sh, up_col0, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
     UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1,
-    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False, LORA_FUSED: tl.constexpr = False,
+    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
     columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand),
     which takes the plain walk (LORA_ITEMS 0). With LoRA the kernel waits for the shrink just
-    launched only before its epilogue (late wait). LORA_FUSED (no up halves): no shrink before it; the main
-    loop shrinks x by the block's first LORA_ITEMS (slot, rank step) items as it goes (lora_fused_columns) and
-    the epilogue expands them into acc, a block with more items reading its rows again for the rest."""
-    late = HAS_LORA and not LORA_FUSED
-    pdl_launch.enter_late(USE_PDL, late)
+    launched only before its epilogue (late wait)."""
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
-        pdl_launch.late(USE_PDL, late)
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
     tokens = (pairs // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LORA_FUSED:
-        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-        cur = _next_slot(slots, -1)
-        col_slot, col_r, col_ok, cur, r0 = lora_group_columns(cur, cur * 0, slots, row_ranks, RANK_STEP, LORA_ITEMS)
-        shrink = tl.zeros((BLOCK_M, LORA_ITEMS * RANK_STEP), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = _x_tile(x_rows, k0, pair_ok, offs_k, K, EVEN_K)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=pair_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=pair_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
         b = _weight_tile(b_ptrs, w_desc, expert * N + pid_n * BLOCK_N, k0, K, offs_k, EVEN_K, W_TMA)
         acc = tl.dot(a, b.to(a.dtype), acc)
-        if LORA_FUSED:
-            shrink = tl.dot(a, lora_group_a_tile(lora_a_ptr, expert, col_slot, col_r, col_ok, k0 + offs_k,
-                                                 offs_k < K - k0, stride_al, stride_ae, stride_ar), shrink)
+        a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    pdl_launch.late(USE_PDL, late)
-    if LORA_FUSED:
-        acc = lora_group_expand(acc, shrink, slots, col_slot, col_r, col_ok, lora_b_ptr, expert, offs_n, N,
-                                stride_bl, stride_be, stride_bn)
-        while cur < _NO_SLOT:  # items beyond the group: shrink the rows again per group (pools of many slots)
-            col_slot, col_r, col_ok, cur, r0 = lora_group_columns(cur, r0, slots, row_ranks, RANK_STEP, LORA_ITEMS)
-            shrink = tl.zeros((BLOCK_M, LORA_ITEMS * RANK_STEP), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                shrink = tl.dot(_x_tile(x_rows, k0, pair_ok, offs_k, K, EVEN_K),
-                                lora_group_a_tile(lora_a_ptr, expert, col_slot, col_r, col_ok, k0 + offs_k,
-                                                  offs_k < K - k0, stride_al, stride_ae, stride_ar), shrink)
-            acc = lora_group_expand(acc, shrink, slots, col_slot, col_r, col_ok, lora_b_ptr, expert, offs_n, N,
-                                    stride_bl, stride_be, stride_bn)
-    elif HAS_LORA:
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    if HAS_LORA:
         acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
                                   lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
                                   stride_be, stride_bn, separate_ptr, stride_sh, up_col0, BLOCK_M,
@@ -200,59 +155,49 @@ def _moe_down_kernel(
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
     num_pairs, top_k, N, K,
     stride_gu, stride_we, stride_wn, stride_y,
-    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, w_desc, lora_a_ptr, stride_al, stride_ae, stride_ar,
+    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, USE_PDL: tl.constexpr,
     LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1, FUSED_ACT: tl.constexpr = True,
-    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False, LORA_FUSED: tl.constexpr = False,
+    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded (FUSED_ACT; else gu_ptr holds h itself, [pairs, K]); the routing weight scales
-    base and delta together. y is stored in y_ptr's dtype. LORA_FUSED: the shrink of h rides in the main
-    loop, as in _moe_gate_up_kernel."""
-    late = HAS_LORA and not LORA_FUSED
-    pdl_launch.enter_late(USE_PDL, late)
+    base and delta together. y is stored in y_ptr's dtype."""
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
-        pdl_launch.late(USE_PDL, late)
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    gu_rows = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_k[None, :]
+    gate_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if LORA_FUSED:
-        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-        cur = _next_slot(slots, -1)
-        col_slot, col_r, col_ok, cur, r0 = lora_group_columns(cur, cur * 0, slots, row_ranks, RANK_STEP, LORA_ITEMS)
-        shrink = tl.zeros((BLOCK_M, LORA_ITEMS * RANK_STEP), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = _act_tile(gu_rows, k0, pair_ok, offs_k, K, w_ptr.dtype.element_ty, EVEN_K, FUSED_ACT)
+        if EVEN_K:
+            gate = tl.load(gate_ptrs, mask=pair_ok[:, None], other=0.0)
+            if FUSED_ACT:
+                up = tl.load(gate_ptrs + K, mask=pair_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            gate = tl.load(gate_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+            if FUSED_ACT:
+                up = tl.load(gate_ptrs + K, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
         b = _weight_tile(b_ptrs, w_desc, expert * N + pid_n * BLOCK_N, k0, K, offs_k, EVEN_K, W_TMA)
+        if FUSED_ACT:
+            a = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(b.dtype)
+        else:
+            a = gate
         acc = tl.dot(a, b, acc)
-        if LORA_FUSED:
-            shrink = tl.dot(a, lora_group_a_tile(lora_a_ptr, expert, col_slot, col_r, col_ok, k0 + offs_k,
-                                                 offs_k < K - k0, stride_al, stride_ae, stride_ar), shrink)
+        gate_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    pdl_launch.late(USE_PDL, late)
-    if LORA_FUSED:
-        acc = lora_group_expand(acc, shrink, slots, col_slot, col_r, col_ok, lora_b_ptr, expert, offs_n, N,
-                                stride_bl, stride_be, stride_bn)
-        while cur < _NO_SLOT:  # items beyond the group, as in _moe_gate_up_kernel
-            col_slot, col_r, col_ok, cur, r0 = lora_group_columns(cur, r0, slots, row_ranks, RANK_STEP, LORA_ITEMS)
-            shrink = tl.zeros((BLOCK_M, LORA_ITEMS * RANK_STEP), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                shrink = tl.dot(_act_tile(gu_rows, k0, pair_ok, offs_k, K, lora_a_ptr.dtype.element_ty, EVEN_K,
-                                          FUSED_ACT),
-                                lora_group_a_tile(lora_a_ptr, expert, col_slot, col_r, col_ok, k0 + offs_k,
-                                                  offs_k < K - k0, stride_al, stride_ae, stride_ar), shrink)
-            acc = lora_group_expand(acc, shrink, slots, col_slot, col_r, col_ok, lora_b_ptr, expert, offs_n, N,
-                                    stride_bl, stride_be, stride_bn)
-    elif HAS_LORA:  # no up halves here: slots_ptr stands in for the unread separate flags
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    if HAS_LORA:  # no up halves here: slots_ptr stands in for the unread separate flags
         acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
                                   lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
                                   stride_be, stride_bn, slots_ptr, 0, N, BLOCK_M, K_SPLITS, RANK_STEP,
@@ -565,8 +510,6 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     apart = has_lora and not plan.lora_epilogue  # plain GEMMs, then lora_expand_act / lora_expand_down
     in_epilogue = has_lora and not apart
     in_place = in_epilogue and plan.lora_in_place  # the epilogue's dots accumulate into the GEMM's own acc
-    # the shrinks ride in the GEMMs' main loops (pools with separate up A's take the shrink kernels)
-    fused = in_epilogue and plan.lora_fused_shrink and not up_half
 
     def shrink(from_gate_up, src, splits, activated=False):
         a = lora.down_a if from_gate_up else lora.gate_up_a
@@ -576,40 +519,35 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
                                  up_a=lora.up_a if up_half and not from_gate_up else None, pdl=pdl,
                                  activated=activated)
 
-    def epilogue_lora(from_gate_up, src, splits):
+    def epilogue_lora(from_gate_up, src, splits, activated=False):
         """Launch args of a GEMM's LoRA epilogue; runs the shrink of that GEMM's input first."""
         if not in_epilogue:
-            return (topk_ids, topk_ids, x, x), (0,) * 5, 1, (x, 0, 0, 0)  # unused placeholders
+            return (topk_ids, topk_ids, x, x), (0,) * 5, 1  # unused placeholders
         b = lora.down_b if from_gate_up else lora.gate_up_b
-        a = lora.down_a if from_gate_up else lora.gate_up_a
-        if b.stride(3) != 1 or a.stride(3) != 1:
-            raise ValueError(f"LoRA {'down' if from_gate_up else 'gate_up'} buffers must be contiguous along the "
-                             f"rank (B {tuple(b.shape)}) and along the input (A {tuple(a.shape)})")
-        a_args = (a, *a.stride()[:3])
-        if fused:  # no shrink kernel, no scratch: b stands in for the unread scratch pointer
-            return (lora.token_slots, lora.slot_ranks, b, b), (0, 0, *b.stride()[:3]), 1, a_args
-        shrunk = shrink(from_gate_up, src, splits)
+        if b.stride(3) != 1:
+            raise ValueError(f"LoRA {'down' if from_gate_up else 'gate_up'} B buffer must be contiguous along the "
+                             f"rank (stride {b.stride(3)}, shape {tuple(b.shape)})")
+        shrunk = shrink(from_gate_up, src, splits, activated)
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
-                (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3], a_args)
+                (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])
 
     items = _epilogue_items(plan) if has_lora else 0  # lora=None: the kernels compile as without the option
-    if (in_place or fused) and items == 0:
-        raise ValueError("lora_in_place and lora_fused_shrink add groups of items: lora_epilogue_items must be > 0")
+    if in_place and items == 0:
+        raise ValueError("lora_in_place adds groups of items: lora_epilogue_items must be > 0")
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
     w13_desc, w2_desc, w_tma = weight_descs(w13, w2, plan)
     shrunk_x = shrink(False, x, plan.lora_gate_up_splits) if apart else None
-    ptrs, strides, k_splits, a_args = epilogue_lora(False, x, plan.lora_gate_up_splits)
+    ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
     halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half and in_epilogue else (topk_ids, 0, two_i)
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
         x, w13, gu, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, two_i, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves, w13_desc, *a_args,
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves, w13_desc,
         W_TMA=w_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, UP_HALF=up_half and in_epilogue,
         LORA_ITEMS=0 if up_half or not in_epilogue else items,  # up halves: the walk only
-        LORA_IN_PLACE=in_place, LORA_FUSED=fused, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        LORA_IN_PLACE=in_place, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
 
     # the down GEMM's A: gu with SiLU*up applied as it loads, or h computed by its own kernel (with the gate_up
     # LoRA deltas added first when they run apart)
@@ -623,15 +561,16 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=dev)
     t = plan.down
     shrunk_h = shrink(True, act, plan.lora_down_splits, activated=True) if apart else None
-    ptrs, strides, k_splits, a_args = epilogue_lora(True, gu, plan.lora_down_splits)
+    # the down shrink reads h where a kernel wrote it (H200, T=256: 42 us from gu's gate and up, 18 from h at 1,024)
+    ptrs, strides, k_splits = epilogue_lora(True, act, plan.lora_down_splits, activated=not fused_act)
     _moe_down_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
         act, w2, y, topk_weights, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides, w2_desc, *a_args,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides, w2_desc,
         W_TMA=w_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, LORA_ITEMS=items if in_epilogue else 0, LORA_IN_PLACE=in_place, LORA_FUSED=fused,
-        GROUP_M=t.group_m, FUSED_ACT=fused_act,
+        RANK_STEP=RANK_STEP, LORA_ITEMS=items if in_epilogue else 0, LORA_IN_PLACE=in_place, GROUP_M=t.group_m,
+        FUSED_ACT=fused_act,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
     if apart:
         lora_expand_down(y, topk_weights, shrunk_h, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile,

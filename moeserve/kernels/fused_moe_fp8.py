@@ -71,11 +71,13 @@ from moeserve.kernels.moe_lora import (
     silu_mul,
 )
 from moeserve.kernels.moe_plan import (
+    LORA_APART,
     MoEPlan,
     MoEProblem,
     default_plan,
     fit_tile,
     gpu_name,
+    heuristic_plan,
     smem_limit,
     tuned_tiles,
 )
@@ -258,6 +260,20 @@ def resolve_act_quant(act_quant: bool | None, decode: bool) -> bool:
 def _table_label(act_quant: bool) -> str:
     """The dtype column of moe_tiles.json for FP8 expert weights multiplied this way."""
     return "fp8_w8a8" if act_quant else "fp8_w"
+
+
+# the pairs up to which the apart pass takes the heuristic's LoRA options (shrinks split, 2 or 4 expand items); the
+# bf16 path's in-place epilogue plans (moe_plan.LORA_IN_PLACE) are not for the FP8 GEMMs, which have no LoRA epilogue
+APART_HEURISTIC_MAX_PAIRS = 2048
+
+
+@functools.lru_cache(maxsize=4096)
+def apart_lora_options(num_tokens: int, top_k: int) -> MoEPlan:
+    """The LoRA options of the apart pass (shrink splits, lanes and warps; expand items, tiles and warps): the
+    heuristic plan's up to APART_HEURISTIC_MAX_PAIRS, moe_plan.LORA_APART's above (as the bf16 path ran them up to
+    session 14, when they were measured with FP8)."""
+    plan = heuristic_plan(num_tokens, top_k, decode=False, lora=True)
+    return plan if num_tokens * top_k <= APART_HEURISTIC_MAX_PAIRS else replace(plan, **LORA_APART)
 
 
 @functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step, as default_plan
@@ -489,8 +505,7 @@ def fused_moe_fp8(
     args = (x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights, topk_ids, act_quant)
     if plan.decode or lora is None:
         return forward(*args, plan, block, pdl, weight_scale == "product", lora)
-    lora_plan = default_plan(num_tokens, topk_ids.shape[1], decode=False, lora=True,
-                             problem=replace(problem, dtype=torch.bfloat16))
+    lora_plan = apart_lora_options(num_tokens, topk_ids.shape[1])
     if not plan.fused_act:  # h by its own kernel with or without LoRA: one pass (the table's plans, W8A8 always)
         return _sorted_forward(*args, plan, block, pdl, weight_scale == "product", lora, lora_plan)
     out = forward(*args, plan, block, pdl, weight_scale == "product")

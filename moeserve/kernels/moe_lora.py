@@ -294,29 +294,6 @@ def lora_group_columns(cur, r0, slots, row_ranks, RANK_STEP: tl.constexpr, ITEMS
 
 
 @triton.jit
-def lora_group_a_tile(a_ptr, expert, col_slot, col_r, col_ok, offs_k, k_ok, stride_al, stride_ae, stride_ar):
-    """[BLOCK_K, columns] tile of a group's A's (lora_group_columns): column c is A[slot c, expert][rank column c,
-    offs_k], zeros where the column or k is not real. What a GEMM's main loop multiplies its own A-operand tile by
-    to shrink in passing (MoEPlan.lora_fused_shrink)."""
-    ptrs = (a_ptr + tl.where(col_ok, col_slot, 0).to(tl.int64)[None, :] * stride_al
-            + expert.to(tl.int64) * stride_ae + col_r[None, :] * stride_ar + offs_k[:, None])
-    return tl.load(ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-
-
-@triton.jit
-def lora_group_expand(acc, shrink, slots, col_slot, col_r, col_ok, b_ptr, expert, offs_n, N,
-                      stride_bl, stride_be, stride_bn):
-    """acc + every row's delta from a group's shrink [BLOCK_M, columns] (fp32, every row against every column:
-    a row keeps the columns of its own slot only), accumulated into acc itself (rows without an adapter add exact
-    zeros)."""
-    match = (slots[:, None] == col_slot[None, :]) & col_ok[None, :]
-    b_ptrs = (b_ptr + tl.where(col_ok, col_slot, 0).to(tl.int64)[:, None] * stride_bl
-              + expert.to(tl.int64) * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn + col_r[:, None])
-    b = tl.load(b_ptrs, mask=col_ok[:, None] & (offs_n < N)[None, :], other=0.0)
-    return tl.dot(tl.where(match, shrink, 0.0).to(b.dtype), b, acc)
-
-
-@triton.jit
 def lora_expand_group(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                       K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):

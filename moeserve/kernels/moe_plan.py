@@ -4,10 +4,9 @@ The sorted path's base tiles come from a table of tuned tiles shipped as data (`
 GPU name, dtype and problem shape (experts, hidden, intermediate, top-k), one entry per token count tuned
 (`python -m benchmarks.kernels.kernels --tune` regenerates it for another GPU or shape; `MOESERVE_MOE_TILES=PATH`
 adds a table of one's own in front of the shipped one). Problems the table does not hold take the heuristic
-of `heuristic_plan`. Calls with LoRA up to LORA_APART_MIN_PAIRS take the heuristic's LoRA tiles (its epilogue was
-tuned on those) with the table's options (bf16 top-k partials, SiLU*up by its own kernel), which decide how rows
-without an adapter round; larger ones run the table's tiles themselves with the LoRA expands after the GEMMs
-(MoEPlan.lora_epilogue=False), so their rows without an adapter are bitwise the no-LoRA call's.
+of `heuristic_plan`. Calls with LoRA run the table's tiles and options themselves, so their rows without an adapter
+get the no-LoRA call's values: up to LORA_APART_MIN_PAIRS with the expands in the GEMM epilogues, accumulating in
+place (MoEPlan.lora_in_place), larger ones with the expands after the GEMMs (MoEPlan.lora_epilogue=False).
 
 Every plan is fitted to the dtype it runs in and the device's shared memory before use (`fit_tile`): a tile
 chosen for bf16 would ask fp32 for more than the GPU has.
@@ -61,11 +60,6 @@ class MoEPlan:
     # (moe_lora.lora_expand_in_place): no copy of the accumulator for rows without an adapter, which is what lets
     # 64- and 128-row tiles carry the epilogue (those rows add exact zeros; a pool's up halves still walk)
     lora_in_place: bool = False
-    # the shrinks ride in the GEMMs' main loops: each N tile multiplies its A-operand tile by the block's first
-    # lora_epilogue_items (slot, rank step) items' A's as it goes, and expands them in place after the loop (no shrink
-    # kernels, no scratch; blocks with more items read their rows again for the rest; pools with separate up A's
-    # take the shrink kernels)
-    lora_fused_shrink: bool = False
     # sorted path: the per-pair outputs summed over top-k kept in fp32 (else in the activations' dtype: half the
     # bytes written and read again at large T); SiLU*up applied as the down GEMM loads its A tile (else by its
     # own kernel into [pairs, I], which the down GEMM then reads as a plain operand)
@@ -232,10 +226,16 @@ def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
     return rows[-1][1:]
 
 
-# Above this many pairs a LoRA call runs the tuned no-LoRA tiles with the expands apart (MoEPlan.lora_epilogue):
-# H200, 4 rank-16 adapters on every row, (MoE + LoRA) us, epilogue plan / apart: T=64 355 / 378, T=256 461 / 460,
-# T=512 561 / 497, T=2048 1107 / 859, T=8192 3540 / 2491 (shrinks unsplit, 64x128 expand programs, 4 items)
-LORA_APART_MIN_PAIRS = 2048
+# LoRA calls on the sorted path run the tuned no-LoRA tiles where the table has the problem. Up to this many pairs
+# the expands ride in the GEMM epilogues, accumulating into the GEMM's own accumulator one (slot, rank step) item a
+# dot, the shrinks unsplit (LORA_IN_PLACE); above, they run apart after plain GEMMs (LORA_APART). Either way a row
+# without an adapter gets the no-LoRA call's values. H200, 4 rank-16 adapters on every row, (MoE + LoRA) / MoE
+# (session 15, calls 1-2): T=64 1.19 in place / 1.21 the heuristic tiles' epilogue, T=256 1.29 / 1.37, T=512 1.36 /
+# 1.48 apart, T=1024 1.84 / 1.60 apart; in place with 2 items 1.21-1.39, 4 items 1.46-2.35, 8 spill. (Before: the
+# heuristic tiles' epilogue up to 2,048 pairs; apart at T=64 1.33, T=8192 1.70.)
+LORA_APART_MIN_PAIRS = 4096
+LORA_IN_PLACE = dict(lora_epilogue=True, lora_in_place=True, lora_epilogue_items=1, lora_gate_up_splits=1,
+                     lora_down_splits=1)
 LORA_APART = dict(lora_epilogue=False, lora_gate_up_splits=1, lora_down_splits=1, lora_epilogue_items=4,
                   lora_apart_tile=(64, 128))
 
@@ -251,10 +251,7 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: 
     if not plan.decode:
         tuned = tuned_tiles(num_tokens, problem, gpu_name(problem.device))
         if tuned is not None and tuned[0].block_m == tuned[1].block_m:
-            if not lora:
-                plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
-            elif num_tokens * top_k > LORA_APART_MIN_PAIRS:
-                plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2], **LORA_APART)
-            else:  # LoRA calls keep their own tiles but take the options, which decide how base rows round
-                plan = replace(plan, **tuned[2])
+            plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
+            if lora:
+                plan = replace(plan, **(LORA_APART if num_tokens * top_k > LORA_APART_MIN_PAIRS else LORA_IN_PLACE))
     return fit_plan(plan, problem.dtype, problem.device)
