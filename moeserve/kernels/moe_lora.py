@@ -18,8 +18,10 @@ for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
   expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`), so gu and y
   are written once (`lora_block_epilogue`). The plan's epilogue option
   (MoEPlan.lora_epilogue_items) loads a group of items at once and adds them in one dot
-  (`lora_expand_group`), walking the rest; default_plan loads 2 or 4 at block_m=16. The
-  gate_up expand of a pool with up halves always walks (`lora_block_expand`). (A second,
+  (`lora_expand_group`), walking the rest; with MoEPlan.lora_in_place every group's dot
+  accumulates into the GEMM accumulator itself (`lora_expand_in_place`, default_plan's choice
+  on the tuned tiles: one item a dot). The gate_up expand of a pool with up halves always
+  walks (`lora_block_expand`). (A second,
   (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 and
   was removed after cfefc5c; numbers in fused_moe.)
 
