@@ -6,7 +6,8 @@ medians), the LoRA delta's error against the fp32 reference, and the per-kernel 
 
     PYTHONPATH=. python benchmarks/session15/lora_inplace.py --out DIR [--batches 64,256,...] [--candidates fused]
 
-`--candidates fused` (call 2): the shrinks in the GEMMs' main loops (MoEPlan.lora_fused_shrink) on the tuned and on
+`--candidates shrinks`: the engine's in-place plan with its shrinks split over K, over more or fewer lanes, in 2
+warps, in 64-column steps (not yet run). `--candidates fused` (call 2): the shrinks in the GEMMs' main loops (MoEPlan.lora_fused_shrink) on the tuned and on
 smaller tiles, against call 1's best.
 """
 import argparse
@@ -27,6 +28,14 @@ def candidates(t: int, problem: MoEProblem, which: str = "in_place") -> dict:
     tuned = replace(base, lora_epilogue=True, lora_in_place=True)
     out = {"engine": engine}
     if which == "engine":  # call 3: the engine's plan alone (after it took the winner)
+        return {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in out.items()}
+    if which == "shrinks":  # next: the in-place plan's shrinks split over K, over lanes, in fewer warps
+        for gu, dn in ((2, 1), (4, 1), (2, 2), (4, 2)):
+            out[f"split_{gu}{dn}"] = replace(engine, lora_gate_up_splits=gu, lora_down_splits=dn)
+        for lanes in (1, 2, 8):
+            out[f"lanes_{lanes}"] = replace(engine, lora_shrink_lanes=lanes)
+        out["warps_2"] = replace(engine, lora_shrink_warps=2)
+        out["block_k_64"] = replace(engine, lora_shrink_block_k=64)
         return {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in out.items()}
     if which == "fused":  # call 2: the shrinks in the GEMMs' main loops, against call 1's best (in place, 2 items)
         out["tuned_in_place_i2_s11"] = replace(tuned, lora_epilogue_items=2, lora_gate_up_splits=1,
@@ -58,7 +67,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="64,256,512,1024,2048,4096,8192")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--candidates", default="in_place", choices=("in_place", "fused", "engine"))
+    ap.add_argument("--candidates", default="in_place", choices=("in_place", "fused", "engine", "shrinks"))
     ap.add_argument("--split-pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="the best plan's per-kernel split with PDL (each kernel's span then includes its wait for "
                          "the one before) or without")
