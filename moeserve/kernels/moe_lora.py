@@ -273,29 +273,6 @@ def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, o
 
 
 @triton.jit
-def lora_group_columns(cur, r0, slots, row_ranks, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
-    """The ITEMS (slot, rank step) items of a block from item (cur, r0) on, laid side by side along the rank: for
-    each of ITEMS * RANK_STEP columns its slot and rank column, and whether it is real (false for missing items and
-    beyond a slot's rank); then the slot and rank start of the item after them. A scalar walk, no memory traffic."""
-    cols: tl.constexpr = ITEMS * RANK_STEP
-    col = tl.arange(0, cols)
-    col_item = col // RANK_STEP
-    col_slot = tl.full([cols], _NO_SLOT, tl.int32)
-    col_r = col % RANK_STEP
-    col_rank = tl.zeros([cols], dtype=tl.int32)
-    for i in tl.static_range(ITEMS):
-        rank = tl.max(tl.where(slots == cur, row_ranks, 0), 0)
-        here = col_item == i
-        col_slot = tl.where(here, cur, col_slot)
-        col_r = tl.where(here, r0 + col % RANK_STEP, col_r)
-        col_rank = tl.where(here, rank, col_rank)
-        more = r0 + RANK_STEP < rank
-        cur = tl.where(more, cur, _next_slot(slots, cur))
-        r0 = tl.where(more, r0 + RANK_STEP, 0)
-    return col_slot, col_r, col_r < col_rank, cur, r0
-
-
-@triton.jit
 def lora_expand_group(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                       K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
@@ -304,7 +281,22 @@ def lora_expand_group(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, exper
     sits only in the columns of its own slot's items, 0 elsewhere) and b [ITEMS * RANK_STEP,
     BLOCK_N], so one dot s @ b adds every item's delta. Returns (s, b, rows covered, slot and rank
     start of the item after them: where the walk goes on). Columns of missing items are masked."""
-    col_slot, col_r, col_ok, cur, r0 = lora_group_columns(cur, r0, slots, row_ranks, RANK_STEP, ITEMS)
+    cols: tl.constexpr = ITEMS * RANK_STEP
+    col = tl.arange(0, cols)
+    col_item = col // RANK_STEP
+    col_slot = tl.full([cols], _NO_SLOT, tl.int32)
+    col_r = col % RANK_STEP
+    col_rank = tl.zeros([cols], dtype=tl.int32)
+    for i in tl.static_range(ITEMS):  # scalar walk over the item list: no memory traffic
+        rank = tl.max(tl.where(slots == cur, row_ranks, 0), 0)
+        here = col_item == i
+        col_slot = tl.where(here, cur, col_slot)
+        col_r = tl.where(here, r0 + col % RANK_STEP, col_r)
+        col_rank = tl.where(here, rank, col_rank)
+        more = r0 + RANK_STEP < rank
+        cur = tl.where(more, cur, _next_slot(slots, cur))
+        r0 = tl.where(more, r0 + RANK_STEP, 0)
+    col_ok = col_r < col_rank  # false for missing items (rank 0) and beyond a slot's rank
     match = (slots[:, None] == col_slot[None, :]) & col_ok[None, :]
     s_ptrs = scratch_ptr + rows.to(tl.int64)[:, None] * stride_sr + col_r[None, :]
     s = tl.load(s_ptrs, mask=match, other=0.0)
