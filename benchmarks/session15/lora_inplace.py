@@ -7,8 +7,8 @@ medians), the LoRA delta's error against the fp32 reference, and the per-kernel 
     PYTHONPATH=. python benchmarks/session15/lora_inplace.py --out DIR [--batches 64,256,...] [--candidates fused]
 
 `--candidates shrinks`: the engine's in-place plan with its shrinks split over K, over more or fewer lanes, in 2
-warps, in 64-column steps (not yet run). `--candidates fused` (call 2): the shrinks in the GEMMs' main loops (MoEPlan.lora_fused_shrink) on the tuned and on
-smaller tiles, against call 1's best.
+warps, in 64-column steps (not yet run). `--candidates fused` (call 2): the shrinks in the GEMMs' main loops
+(MoEPlan.lora_fused_shrink, commit 22030e3 only) on the tuned and on smaller tiles, against call 1's best.
 """
 import argparse
 import json

@@ -16,8 +16,8 @@ size always records the same kernels):
   blocks run before each GEMM (moe_lora), and the expands are added in the GEMM epilogues
   (before the routing weight; MoEPlan.lora_in_place: into the accumulator itself), so each
   touched adapter-expert weight is read about once per block and gu / y are written once;
-  or, at prefill sizes, apart after plain GEMMs (MoEPlan.lora_epilogue=False). A second, (slot, expert) alignment with separate LoRA
-  kernels measured slower or equal on the H200 (MoE + 4 rank-16 adapters / MoE at
+  or, at prefill sizes, apart after plain GEMMs (MoEPlan.lora_epilogue=False). A second,
+  (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 (MoE + 4 rank-16 adapters / MoE at
   T = 16/64/256/512: 1.43/1.42/1.45/1.53 against 1.26/1.37/1.49/1.54 here) and was removed
   after cfefc5c.
 
@@ -548,7 +548,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, UP_HALF=up_half and in_epilogue,
         LORA_ITEMS=0 if up_half or not in_epilogue else items,  # up halves: the walk only
-        LORA_IN_PLACE=in_place, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
+        LORA_IN_PLACE=in_place, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
+        num_stages=t.num_stages)
 
     # the down GEMM's A: gu with SiLU*up applied as it loads, or h computed by its own kernel (with the gate_up
     # LoRA deltas added first when they run apart)

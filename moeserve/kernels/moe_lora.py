@@ -342,7 +342,7 @@ def lora_expand_in_place(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert
                          stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                          K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
     """acc plus every row's expand, ITEMS (slot, rank step) items a dot, each dot accumulating into acc itself as
-    one more K step of the GEMM would: no copy of acc stays live (64- and 128-row tiles have no registers for
+    one more K step of the GEMM would: no copy of acc stays live (the tuned 64-row tiles have no registers for
     one), and a row without an adapter adds exact zeros, so its values are the no-LoRA call's (a -0.0 could
     come back +0.0; a GEMM accumulator that starts at +0.0 is never -0.0 unless every product of a row is)."""
     cur = _next_slot(slots, -1)

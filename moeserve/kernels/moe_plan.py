@@ -58,7 +58,8 @@ class MoEPlan:
     #                              once and added in one dot, the rest walked as with 0
     # the epilogue's dots accumulate into the GEMM accumulator itself, every item in groups of lora_epilogue_items
     # (moe_lora.lora_expand_in_place): no copy of the accumulator for rows without an adapter, which is what lets
-    # 64- and 128-row tiles carry the epilogue (those rows add exact zeros; a pool's up halves still walk)
+    # the tuned 16- to 64-row tiles carry the epilogue (those rows add exact zeros; a pool's up halves still walk;
+    # 128-row prefill tiles lose with it, session 15)
     lora_in_place: bool = False
     # sorted path: the per-pair outputs summed over top-k kept in fp32 (else in the activations' dtype: half the
     # bytes written and read again at large T); SiLU*up applied as the down GEMM loads its A tile (else by its
