@@ -133,6 +133,23 @@ def test_silu_mul_quant_kernel_matches_its_twin():
     assert (q.cpu().view(torch.uint8) != qr.view(torch.uint8)).float().mean() < 0.01
 
 
+def test_silu_mul_quant_with_h_returns_the_values_it_quantized():
+    """with_h (the LoRA down shrink's input): h is silu(g) * u rounded to gu's dtype, as the twin rounds it, and
+    quantizing that h per group gives back the kernel's own fp8 values and scales bitwise."""
+    gen = torch.Generator().manual_seed(5)
+    gu = (torch.randn(9, 2 * 256, generator=gen) * 3).to(torch.float16)
+    q, s, h = silu_mul_quant_fp8(gu.to(DEV), with_h=True)
+    q0, s0 = silu_mul_quant_fp8(gu.to(DEV))
+    assert h.dtype == torch.float16 and h.shape == (9, 256)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    g, u = gu[:, :256].float(), gu[:, 256:].float()
+    ref = (torch.nn.functional.silu(g) * u).to(torch.float16)
+    # exp may differ in the last fp32 bit: h within one fp16 ulp of the torch value
+    assert torch.allclose(h.cpu().float(), ref.float(), rtol=2.0**-10, atol=2.0**-24)
+    qh, sh = quantize_groups_fp8(h)
+    assert torch.equal(qh.view(torch.uint8), q.view(torch.uint8)) and torch.equal(sh, s)
+
+
 @pytest.mark.gpu
 @gpu
 def test_group_quant_kernel_bitwise_on_gpu_at_model_shapes():

@@ -429,13 +429,15 @@ def test_gpu_lora_apart_on_fp8_gemms_bf16():
                        MoEPlan(False, tile, tile, fused_act=False, y_fp32=False, lora_epilogue=False))
 
 
-@pytest.mark.parametrize("num_tokens,one_pass", [(3, False), (40, False), (40, True)])
-def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, one_pass):
+@pytest.mark.parametrize("num_tokens,one_pass,in_place", [(3, False, None), (40, False, False), (40, False, True),
+                                                           (40, True, True)])
+def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, one_pass, in_place):
     """fused_moe_fp8(lora=...): the adapter rows as fused_moe's fp32 reference with LoRA on the dequantized weights,
     the others bitwise the call without LoRA, on either path; with one A per slot, then with slot 0's own up A (a
     pool with lora_separate_gate_up). The LoRA-free calls they are compared with are the same for both pools.
-    6 pairs: the GEMV path; 80: the sorted path, with the heuristic's plan (SiLU*up in the down GEMM: two passes)
-    or `one_pass`, a plan with SiLU*up by its own kernel (one LoRA-apart pass)."""
+    6 pairs: the GEMV path; 80: the sorted path, with the heuristic's plan (SiLU*up in the down GEMM) or
+    `one_pass`, a plan with SiLU*up by its own kernel; the LoRA `in_place` (the GEMM epilogues; one pass either
+    way) or apart (two passes where the down GEMM applies SiLU*up; apart in one pass is the recipe tests')."""
     problem = _problem(num_tokens, 4, 256, 128, 2, seed=11)
     x, q13, s13, q2, s2, weights, ids = problem
     w13, w2 = dequantize_w13_fp8(q13, s13), dequantize_block_fp8(q2, s2)
@@ -444,6 +446,10 @@ def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num
         wide = GemmTile(block_n=128, block_k=256, num_warps=4, num_stages=1)
         plan = dict(plan=MoEPlan(True, wide, wide))
     base = {act_quant: fused_moe_fp8(*problem, act_quant=act_quant, **plan) for act_quant in (False, True)}
+    if in_place is not None:
+        options = fused_moe_fp8_module.lora_options(num_tokens, 2)
+        assert options.lora_epilogue and options.lora_in_place  # 80 pairs: the default is in place
+        plan["lora_plan"] = options if in_place else replace(options, **moe_plan.LORA_APART)
     ref_base = fused_moe_ref(x.float(), w13, w2, weights, ids).float()
     for separate_up in (False, True):
         gen = torch.Generator(device=DEV).manual_seed(12)

@@ -142,11 +142,13 @@ def fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8: tl.constexpr, SCALE_PRO
 
 @triton.jit(do_not_specialize=["num_rows"])  # sizes that vary by step: one compile
 def _quantize_groups_kernel(
-    x_ptr, q_ptr, scale_ptr, K, num_rows, stride_x, stride_q, stride_s,
+    x_ptr, q_ptr, scale_ptr, h_ptr, K, num_rows, stride_x, stride_q, stride_s, stride_h,
     GROUP: tl.constexpr, ROWS: tl.constexpr, SILU_MUL: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr,
+    WRITE_H: tl.constexpr = False,
 ):
     """One program per (ROWS rows, one group of GROUP columns). SILU_MUL: the quantized value is silu(x[:, c]) *
-    x[:, K + c] (x = [gate | up]), computed in fp32 and rounded to x's dtype."""
+    x[:, K + c] (x = [gate | up]), computed in fp32 and rounded to x's dtype; WRITE_H: that rounded value also
+    stored to h_ptr (x's dtype)."""
     pdl_launch.enter(USE_PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
@@ -156,13 +158,16 @@ def _quantize_groups_kernel(
     v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
     if SILU_MUL:  # h rounded to gu's dtype first, as lora_expand_act stores it (see silu_mul_quant_fp8)
         up = tl.load(ptrs + K, mask=ok, other=0.0).to(tl.float32)
-        v = silu_mul(v, up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        h = silu_mul(v, up).to(x_ptr.dtype.element_ty)
+        if WRITE_H:
+            tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_h + cols[None, :], h, mask=ok)
+        v = h.to(tl.float32)
     q, scale = quantize_tile_fp8(v, FP8_MAX)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], q, mask=ok)
     tl.store(scale_ptr + rows.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=row_ok)
 
 
-def _quantize_groups(x: torch.Tensor, k: int, group: int, silu_mul: bool, pdl: bool):
+def _quantize_groups(x: torch.Tensor, k: int, group: int, silu_mul: bool, pdl: bool, h: torch.Tensor | None = None):
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"expected a 2-D row-major activation, got {tuple(x.shape)} strides {x.stride()}")
     if group & (group - 1):
@@ -174,8 +179,10 @@ def _quantize_groups(x: torch.Tensor, k: int, group: int, silu_mul: bool, pdl: b
         return q, scale
     rows = max(1, min(16, 2048 // group))
     _quantize_groups_kernel[(triton.cdiv(m, rows), scale.shape[1])](
-        x, q, scale, k, m, x.stride(0), q.stride(0), scale.stride(0),
-        GROUP=group, ROWS=rows, SILU_MUL=silu_mul, FP8_MAX=FP8_MAX, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+        x, q, scale, q if h is None else h, k, m, x.stride(0), q.stride(0), scale.stride(0),
+        0 if h is None else h.stride(0),
+        GROUP=group, ROWS=rows, SILU_MUL=silu_mul, FP8_MAX=FP8_MAX, USE_PDL=pdl, WRITE_H=h is not None,
+        launch_pdl=pdl, num_warps=4)
     return q, scale
 
 
@@ -185,13 +192,18 @@ def quantize_groups_fp8(x: torch.Tensor, group: int = ACT_GROUP, pdl: bool = Fal
     return _quantize_groups(x, x.shape[-1], group, silu_mul=False, pdl=pdl)
 
 
-def silu_mul_quant_fp8(gu: torch.Tensor, group: int = ACT_GROUP, pdl: bool = False):
+def silu_mul_quant_fp8(gu: torch.Tensor, group: int = ACT_GROUP, pdl: bool = False, with_h: bool = False):
     """gu [M, 2I] = [gate | up] -> h = silu(gate) * up (in fp32, rounded to gu's dtype) quantized per (row, group):
     (q [M, I] fp8, scale [M, ceil(I/group)]). The down GEMM's A operand of the W8A8 MoE. h is rounded as
     moe_lora.lora_expand_act stores it, so that with LoRA, where h is lora_expand_act's output quantized by
     quantize_groups_fp8, the rows without an adapter are bitwise this. Bitwise `silu_mul_quant_fp8_ref` up to
     the exp of silu (Triton's and torch's may differ in the last fp32 bit; that can move a value across a
-    rounding boundary, rarely)."""
+    rounding boundary, rarely). `with_h`: also h itself in gu's dtype, the exact values quantized -> (q, scale,
+    h): what a LoRA shrink of h reads (it must never read the fp8 copy)."""
     if gu.shape[-1] % 2:
         raise ValueError(f"gate_up activation has an odd width {gu.shape[-1]}")
-    return _quantize_groups(gu, gu.shape[-1] // 2, group, silu_mul=True, pdl=pdl)
+    inter = gu.shape[-1] // 2
+    if not with_h:
+        return _quantize_groups(gu, inter, group, silu_mul=True, pdl=pdl)
+    h = torch.empty(gu.shape[0], inter, dtype=gu.dtype, device=gu.device)
+    return (*_quantize_groups(gu, inter, group, silu_mul=True, pdl=pdl, h=h), h)

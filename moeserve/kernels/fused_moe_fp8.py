@@ -25,18 +25,23 @@ own block row of scale_inv, so any BLOCK_N works. w13's scale rows are the gate'
 on its own ([E, 2 * ceil(I/128), ceil(H/128)]), as a checkpoint stores gate_proj and up_proj; with I a multiple of
 128 that is the same as blocking the fused [2I, H] matrix.
 
-LoRA (`lora`, MoELoRAArgs): the expands of this engine can run after plain GEMMs (MoEPlan.lora_epilogue=False:
-moe_lora.lora_expand_act on gu, lora_expand_down on y), which is how FP8 takes LoRA: the shrinks read x and the
-activated h in x's dtype, never the fp8 copies (W8A8 quantizes h after lora_expand_act added the gate_up deltas).
-Rows without an adapter must come out bitwise as in a call without LoRA:
+LoRA (`lora`, MoELoRAArgs): the shrinks read x and h = silu(g) * u in x's dtype, never their fp8 copies (the
+LoRA of a quantized base goes wrong exactly there). Rows without an adapter come out bitwise as in a call without
+LoRA:
 - decode (GEMV) path: as fused_moe's: the per-pair shrinks (moe_lora.lora_shrink_pairs, of x and of silu(g)*u read
   from gu) run before each GEMV, whose epilogue adds the pair's expand to its fp32 sum (gu before the down GEMV
   applies SiLU*up; y before the routing weight); a pair without an adapter adds an exact zero.
-- sorted path: where the plan applies SiLU*up by its own kernel (the tuned table's plans; W8A8 always), the rows
-  without an adapter of lora_expand_act's h are that kernel's rows, and a call with LoRA is one LoRA-apart pass.
-  Where the down GEMM reads gu with SiLU*up fused in (the heuristic's plans), the LoRA-apart recipe's h may round
-  differently; so that call runs the LoRA-free forward for every row and the LoRA-apart one for every row, and
-  keeps the second's rows where the token has an adapter (sync-free, graph-safe): a second expert pass.
+- sorted path, in place (up to FP8_LORA_IN_PLACE_MAX_PAIRS, `lora_options`): the bf16 path's in-place epilogue on
+  the FP8 GEMMs' own tiles: each GEMM adds the expands into its scaled fp32 accumulator before the routing weight
+  and its store, a row without an adapter adding exact zeros, so gu, h and y of such a row are the no-LoRA call's.
+  Under W8A8 the activation kernel also writes the bf16 h it quantizes (silu_mul_quant_fp8's with_h), which the
+  down shrink reads.
+- sorted path, apart (above): plain GEMMs, then moe_lora.lora_expand_act on gu (deltas and SiLU*up) and
+  lora_expand_down on y. W8A8 quantizes h after lora_expand_act. Where the plan applies SiLU*up by its own kernel
+  (the tuned table's plans; W8A8 always), the rows without an adapter of lora_expand_act's h are that kernel's
+  rows, and the call is one pass. Where the down GEMM reads gu with SiLU*up fused in (the heuristic's plans), the
+  apart recipe's h may round differently; so that call runs the LoRA-free forward for every row and the apart one
+  for every row, and keeps the second's rows where the token has an adapter (sync-free, graph-safe).
 """
 from __future__ import annotations
 
@@ -63,6 +68,8 @@ from moeserve.kernels.fp8 import (
 from moeserve.kernels.fused_moe import _block_tile, _lora_expand_rows, _topk_sum, silu_mul_rows
 from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import (
+    RANK_STEP,
+    lora_block_epilogue,
     lora_block_shrink,
     lora_expand_act,
     lora_expand_down,
@@ -72,6 +79,8 @@ from moeserve.kernels.moe_lora import (
 )
 from moeserve.kernels.moe_plan import (
     LORA_APART,
+    LORA_APART_MIN_PAIRS,
+    LORA_IN_PLACE,
     MoEPlan,
     MoEProblem,
     default_plan,
@@ -111,19 +120,29 @@ def _moe_fp8_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_groups_ptr,
     num_pairs, pairs_per_row, N, K, up_col0, up_scale_row0,
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
+    slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, top_k,
+    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, separate_ptr, stride_sh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
     ROUTE_WEIGHT: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
+    HAS_LORA: tl.constexpr = False, K_SPLITS: tl.constexpr = 1, RANK_STEP: tl.constexpr = 16,
+    UP_HALF: tl.constexpr = False,
 ):
-    """out[pair] = (w[pair] *) dequant(W_e) @ a[pair // pairs_per_row] for the BLOCK_M pairs of one aligned block,
-    one N tile. gate_up: a = x (rows are tokens, pairs_per_row = top_k); down: a = gu or h (rows are pairs).
-    FUSED_ACT (weight-only down): the A tile is silu(a[:, k]) * a[:, K + k]. ACT_FP8: a is fp8 with scales
-    a_scale[row, k-group]. Column n reads scale row n // SCALE_N, or for n >= up_col0 up_scale_row0 +
-    (n - up_col0) // SCALE_N (w13's separately blocked up half). SCALE_PRODUCT: see fp8_scaled_dot."""
-    pdl_launch.enter(USE_PDL)
+    """out[pair] = (w[pair] *) (dequant(W_e) @ a[pair // pairs_per_row] (+ B (A v) of the pair's adapter)) for the
+    BLOCK_M pairs of one aligned block, one N tile. gate_up: a = x (rows are tokens, pairs_per_row = top_k); down:
+    a = gu or h (rows are pairs). FUSED_ACT (weight-only down): the A tile is silu(a[:, k]) * a[:, K + k]. ACT_FP8:
+    a is fp8 with scales a_scale[row, k-group]. Column n reads scale row n // SCALE_N, or for n >= up_col0
+    up_scale_row0 + (n - up_col0) // SCALE_N (w13's separately blocked up half). SCALE_PRODUCT: see
+    fp8_scaled_dot. HAS_LORA: the bf16 path's in-place LoRA epilogue (moe_lora.lora_block_epilogue), its shrink
+    of the unquantized x or h precomputed in shrunk_ptr, added into the scaled fp32 accumulator before the routing
+    weight (a row without an adapter adds exact zeros); UP_HALF: gate_up of a pool with separate up A's (columns
+    >= up_col0 are the up rows), walked. With LoRA the kernel waits for the shrink launched just before it only
+    before its epilogue (pdl's late wait)."""
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
@@ -161,6 +180,12 @@ def _moe_fp8_gemm_kernel(
         acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    if HAS_LORA:
+        acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr, lora_b_ptr,
+                                  expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                                  separate_ptr, stride_sh, up_col0, BLOCK_M, K_SPLITS, RANK_STEP, UP_HALF,
+                                  0 if UP_HALF else 1, KEEP_ROWS=False, IN_PLACE=not UP_HALF)
     if ROUTE_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
@@ -262,18 +287,18 @@ def _table_label(act_quant: bool) -> str:
     return "fp8_w8a8" if act_quant else "fp8_w"
 
 
-# the pairs up to which the apart pass takes the heuristic's LoRA options (shrinks split, 2 or 4 expand items); the
-# bf16 path's in-place epilogue plans (moe_plan.LORA_IN_PLACE) are not for the FP8 GEMMs, which have no LoRA epilogue
-APART_HEURISTIC_MAX_PAIRS = 2048
+# Pairs up to which the FP8 sorted path runs its LoRA in place (the GEMM epilogues' expands accumulating into the
+# scaled accumulator, moe_plan.LORA_IN_PLACE's options); above, apart (moe_plan.LORA_APART's), as bf16's
+FP8_LORA_IN_PLACE_MAX_PAIRS = LORA_APART_MIN_PAIRS
 
 
 @functools.lru_cache(maxsize=4096)
-def apart_lora_options(num_tokens: int, top_k: int) -> MoEPlan:
-    """The LoRA options of the apart pass (shrink splits, lanes and warps; expand items, tiles and warps): the
-    heuristic plan's up to APART_HEURISTIC_MAX_PAIRS, moe_plan.LORA_APART's above (as the bf16 path ran them up to
-    session 14, when they were measured with FP8)."""
+def lora_options(num_tokens: int, top_k: int) -> MoEPlan:
+    """The LoRA options of an FP8 sorted-path call (in place or apart; shrink splits, lanes and warps; the apart
+    expands' items, tiles and warps) on the heuristic plan; its tiles are not read (fp8_plan gives those)."""
     plan = heuristic_plan(num_tokens, top_k, decode=False, lora=True)
-    return plan if num_tokens * top_k <= APART_HEURISTIC_MAX_PAIRS else replace(plan, **LORA_APART)
+    in_place = num_tokens * top_k <= FP8_LORA_IN_PLACE_MAX_PAIRS
+    return replace(plan, **(LORA_IN_PLACE if in_place else LORA_APART))
 
 
 @functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step, as default_plan
@@ -345,17 +370,31 @@ def _check_weights(x, w13, s13, w2, s2, block):
 
 
 def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs_per_row, n, k, up_col0,
-            up_scale_row0, tile, block, act_fp8, fused_act, route_weight, scale_product, pdl):
+            up_scale_row0, tile, block, act_fp8, fused_act, route_weight, scale_product, pdl, lora=None):
+    """`lora`: (MoELoRAArgs, its B for this GEMM, the block shrink of this GEMM's unquantized input
+    (lora_block_shrink: [(2,) splits, rows, R], the up halves where the pool has them), top_k): the in-place
+    LoRA epilogue."""
     num_blocks = aligned.block_groups.numel()
+    if lora is None:
+        lora_args, lora_opts = (topk_weights,) * 4 + (1,) + (0,) * 5 + (topk_weights, 0), {}
+    else:
+        args, b, shrunk, top_k = lora
+        if b.stride(3) != 1:
+            raise ValueError(f"LoRA B buffer must be contiguous along the rank (shape {tuple(b.shape)})")
+        up_half = shrunk.dim() == 4
+        lora_args = (args.token_slots, args.slot_ranks, b, shrunk, top_k, shrunk.stride(-3), shrunk.stride(-2),
+                     *b.stride()[:3], args.gate_up_separate if up_half else args.slot_ranks,
+                     shrunk.stride(0) if up_half else 0)
+        lora_opts = dict(HAS_LORA=True, K_SPLITS=shrunk.shape[-3], RANK_STEP=RANK_STEP, UP_HALF=up_half)
     _moe_fp8_gemm_kernel[(num_blocks * triton.cdiv(n, tile.block_n),)](
         a, a_scale, w, w_scale, out, topk_weights, aligned.sorted_ids, aligned.block_groups,
         num_pairs, pairs_per_row, n, k, up_col0, up_scale_row0,
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0),
+        out.stride(0), *lora_args,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
         SCALE_PRODUCT=scale_product, GROUP_M=tile.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        num_stages=tile.num_stages, **lora_opts)
 
 
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
@@ -416,8 +455,10 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
 
 def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
                     lora=None, lora_plan: MoEPlan | None = None):
-    """The sorted path; with `lora` the LoRA runs apart (shrink of x, plain gate_up GEMM, lora_expand_act applying
-    the deltas and SiLU*up, shrink of h, plain down GEMM, lora_expand_down), `lora_plan` giving its options."""
+    """The sorted path. With `lora`, `lora_plan` gives its options: lora_in_place, the shrinks of x and of h (never
+    their fp8 copies) launched just before each GEMM, whose epilogue adds the expands into its accumulator; else
+    apart (shrink of x, plain gate_up GEMM, lora_expand_act applying the deltas and SiLU*up, shrink of h, plain down
+    GEMM, lora_expand_down)."""
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
     inter = w2.shape[2]
@@ -425,40 +466,51 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     num_pairs = num_tokens * top_k
     aligned = moe_align(topk_ids, num_experts, plan.gate_up.block_m, pdl=pdl)
     lp = lora_plan
+    in_place = lora is not None and lp.lora_epilogue and lp.lora_in_place
 
-    def shrink(src, a, from_gate_up, splits):
+    def shrink(src, a, from_gate_up, splits, activated=True):
         return lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
                                  block_k=lp.lora_shrink_block_k, splits=splits, lanes=lp.lora_shrink_lanes,
-                                 num_warps=lp.lora_shrink_warps, pdl=pdl, activated=from_gate_up,
+                                 num_warps=lp.lora_shrink_warps, pdl=pdl, activated=from_gate_up and activated,
                                  up_a=lora.up_a if not from_gate_up else None)
 
-    shrunk_x = shrink(x, lora.gate_up_a, False, lp.lora_gate_up_splits) if lora is not None else None
     if act_quant:
         a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
     else:
         a, a_scale = x, topk_weights  # a_scale: an unread placeholder
+    # in place: the shrink right before its GEMM, whose main loop reads only older data (pdl's late wait)
+    shrunk_x = shrink(x, lora.gate_up_a, False, lp.lora_gate_up_splits) if lora is not None else None
     gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _launch(a, a_scale, w13, s13, gu, topk_weights, aligned, num_pairs, top_k, 2 * inter, hidden,
-            inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, scale_product, pdl)
+            inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, scale_product, pdl,
+            (lora, lora.gate_up_b, shrunk_x, top_k) if in_place else None)
 
-    fused_act = plan.fused_act and not act_quant and lora is None
+    fused_act = plan.fused_act and not act_quant and (lora is None or in_place)
     shrunk_h = None
-    if lora is not None:  # h with the gate_up deltas, in x's dtype: the down shrink reads it before any quantization
-        items = lp.lora_epilogue_items
-        h = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=items, tile=lp.lora_apart_tile,
+    if lora is not None and not in_place:  # h with the gate_up deltas, in x's dtype, read by the down shrink
+        h = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=lp.lora_epilogue_items, tile=lp.lora_apart_tile,
                             num_warps=lp.lora_apart_warps, pdl=pdl)
         shrunk_h = shrink(h, lora.down_a, True, lp.lora_down_splits)
         h, h_scale = quantize_groups_fp8(h, block[1], pdl=pdl) if act_quant else (h, topk_weights)
     elif act_quant:
-        h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
+        if in_place:  # the down shrink reads the bf16 h that is quantized, never its fp8 copy
+            h, h_scale, h_bf16 = silu_mul_quant_fp8(gu, block[1], pdl=pdl, with_h=True)
+            shrunk_h = shrink(h_bf16, lora.down_a, True, lp.lora_down_splits)
+        else:
+            h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
     elif fused_act:
         h, h_scale = gu, topk_weights
+        if in_place:  # SiLU*up of gu computed again by the shrink, as the down GEMM computes it
+            shrunk_h = shrink(gu, lora.down_a, True, lp.lora_down_splits, activated=False)
     else:
         h, h_scale = silu_mul_rows(gu, pdl), topk_weights
+        if in_place:
+            shrunk_h = shrink(h, lora.down_a, True, lp.lora_down_splits)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
-            hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl)
-    if lora is not None:
+            hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl,
+            (lora, lora.down_b, shrunk_h, top_k) if in_place else None)
+    if lora is not None and not in_place:
         lora_expand_down(y, topk_weights, shrunk_h, aligned, lora, top_k, items=lp.lora_epilogue_items,
                          tile=lp.lora_apart_tile, num_warps=lp.lora_apart_warps, pdl=pdl)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
@@ -480,6 +532,7 @@ def fused_moe_fp8(
     block: tuple[int, int] = WEIGHT_BLOCK,
     weight_scale: str = "tile",
     lora=None,
+    lora_plan: MoEPlan | None = None,
 ) -> torch.Tensor:
     """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32 scale_inv
     [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)], topk_weights
@@ -488,7 +541,8 @@ def fused_moe_fp8(
     (True) or sorted (False) path (default: by pair count, FP8_DECODE_MAX_PAIRS); `plan`: the tiles (default
     `fp8_plan`); `pdl`: every launch with programmatic dependent launch (kernels/pdl.py). `weight_scale`
     (weight-only sorted path): "tile" dequantizes each fp8 weight tile before its dot, "product" scales each K
-    step's product instead (fp8_scaled_dot's SCALE_PRODUCT)."""
+    step's product instead (fp8_scaled_dot's SCALE_PRODUCT). `lora_plan`: the sorted path's LoRA options
+    (default `lora_options`)."""
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"weight_scale {weight_scale!r}: choose 'tile' or 'product'")
     _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
@@ -505,8 +559,9 @@ def fused_moe_fp8(
     args = (x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights, topk_ids, act_quant)
     if plan.decode or lora is None:
         return forward(*args, plan, block, pdl, weight_scale == "product", lora)
-    lora_plan = apart_lora_options(num_tokens, topk_ids.shape[1])
-    if not plan.fused_act:  # h by its own kernel with or without LoRA: one pass (the table's plans, W8A8 always)
+    if lora_plan is None:
+        lora_plan = lora_options(num_tokens, topk_ids.shape[1])
+    if not plan.fused_act or (lora_plan.lora_epilogue and lora_plan.lora_in_place):  # one pass (module docstring)
         return _sorted_forward(*args, plan, block, pdl, weight_scale == "product", lora, lora_plan)
     out = forward(*args, plan, block, pdl, weight_scale == "product")
     # every row through the sorted path with the LoRA apart; the rows with an adapter keep that (module docstring)
