@@ -20,7 +20,7 @@ from benchmarks.kernels import kernels as kb
 from moeserve.bench.common import graph_time_us
 from moeserve.kernels.fused_moe import fused_moe, fused_moe_ref
 from moeserve.kernels.fused_moe_fp8 import fused_moe_fp8, lora_options
-from moeserve.kernels.moe_plan import LORA_APART, GemmTile, MoEProblem, default_plan, fit_plan
+from moeserve.kernels.moe_plan import LORA_APART, LORA_IN_PLACE, GemmTile, MoEProblem, default_plan, fit_plan
 
 
 def fp8_calls(weights, inputs, loras=None, lora_plan=None):
@@ -48,10 +48,7 @@ def bench_fp8(args, gen):
         inputs = [fb.make_inputs(t, gen) for _ in range(kb.NUM_SETS)]
         loras = [kb.lora_args(pools[i], t, "lora4_r16") for i in range(kb.NUM_SETS)]
         default = lora_options(t, kb.TOP_K)
-        cands = {"default": default, "apart": replace(default, **LORA_APART)}
-        if default.lora_in_place:
-            cands["in_place"] = default
-            del cands["default"]
+        cands = {"in_place": replace(default, **LORA_IN_PLACE), "apart": replace(default, **LORA_APART)}
         times = {}
         for _ in range(args.rounds):
             times.setdefault("base", []).append(graph_time_us(fp8_calls(weights, inputs)))

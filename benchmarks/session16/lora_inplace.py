@@ -8,7 +8,8 @@ medians), the LoRA delta's error against the fp32 reference, and the per-kernel 
 
 `--candidates shrinks`: the engine's in-place plan with its shrinks split over K, over more or fewer lanes, in 2
 warps, in 64-column steps. `--candidates prefill`: the in-place epilogue on 64- and 32-row tiles (group 8) at
-prefill sizes, against the engine's apart plan (the tuned 128-row tiles lose with it). `--candidates fused` (call 2): the shrinks in the GEMMs' main loops
+prefill sizes, against the engine's apart plan (the tuned 128-row tiles lose with it). `--candidates prologue`: the
+in-place expands before the main loop (MoEPlan.lora_prologue) on the tuned tiles, against apart and the epilogue. `--candidates fused` (call 2): the shrinks in the GEMMs' main loops
 (MoEPlan.lora_fused_shrink, commit 22030e3 only) on the tuned and on smaller tiles, against call 1's best.
 """
 import argparse
@@ -37,6 +38,12 @@ def candidates(t: int, problem: MoEProblem, which: str = "in_place") -> dict:
             out[f"lanes_{lanes}"] = replace(engine, lora_shrink_lanes=lanes)
         out["warps_2"] = replace(engine, lora_shrink_warps=2)
         out["block_k_64"] = replace(engine, lora_shrink_block_k=64)
+        return {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in out.items()}
+    if which == "prologue":  # the in-place expands before the main loop, on the tuned (128-row) tiles
+        for items in (1, 2):
+            out[f"prologue_i{items}"] = replace(engine, lora_epilogue=True, lora_in_place=True, lora_prologue=True,
+                                                lora_epilogue_items=items, lora_gate_up_splits=1, lora_down_splits=1)
+        out["epilogue_i1"] = replace(out["prologue_i1"], lora_prologue=False)
         return {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in out.items()}
     if which == "prefill":  # the in-place epilogue on 64- and 32-row tiles at prefill sizes, against apart
         for bm, bn_gu, bn_dn, bk, w, st in ((64, 128, 128, 64, 4, 3), (64, 128, 128, 64, 8, 3),
@@ -77,7 +84,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="64,256,512,1024,2048,4096,8192")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--candidates", default="in_place", choices=("in_place", "fused", "engine", "shrinks", "prefill"))
+    ap.add_argument("--candidates", default="in_place", choices=("in_place", "fused", "engine", "shrinks", "prefill", "prologue"))
     ap.add_argument("--split-pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="the best plan's per-kernel split with PDL (each kernel's span then includes its wait for "
                          "the one before) or without")
