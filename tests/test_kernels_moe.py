@@ -315,16 +315,13 @@ def test_sorted_lora_epilogue_variants_match_references(items):
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
 
 
-@pytest.mark.parametrize("items,block_m,prologue", [(2, 16, False), (4, 32, False), (1, 16, True)],
-                         ids=["items2_m16", "items4_m32", "prologue_items1_m16"])
-def test_sorted_lora_in_place_matches_references(items, block_m, prologue):
+@pytest.mark.parametrize("items,block_m", [(2, 16), (4, 32)], ids=["items2_m16", "items4_m32"])
+def test_sorted_lora_in_place_matches_references(items, block_m):
     """The epilogue accumulating into the GEMM's own accumulator (lora_in_place: every item in groups, no kept copy
     of the accumulator) on the mixed-rank case: blocks hold more items than a group, so the groups loop; rows
-    without an adapter keep the no-LoRA call's bits (they add exact zeros). `prologue`: the same expands before the
-    main loop, into the zero accumulator (lora_prologue)."""
+    without an adapter keep the no-LoRA call's bits (they add exact zeros)."""
     tile = replace(SMALL_TILE, block_m=block_m)
-    plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue_items=items, lora_in_place=True,
-                   lora_prologue=prologue)
+    plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue_items=items, lora_in_place=True)
     problem = _mixed_lora_problem(40, 64, 32, seed=15)
     base = _check_sorted_lora(*problem, plan)
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=replace(SMALL_PLAN, gate_up=tile, down=tile))))

@@ -61,9 +61,6 @@ class MoEPlan:
     # the tuned 16- to 64-row tiles carry the epilogue (those rows add exact zeros; a pool's up halves still walk;
     # 128-row prefill tiles lose with it, session 15)
     lora_in_place: bool = False
-    # with lora_in_place: the expands run before the GEMM's main loop, into its zero accumulator, instead of after
-    # it (a row without an adapter still starts the K steps at +0.0); the GEMM then waits for its shrink first
-    lora_prologue: bool = False
     # sorted path: the per-pair outputs summed over top-k kept in fp32 (else in the activations' dtype: half the
     # bytes written and read again at large T); SiLU*up applied as the down GEMM loads its A tile (else by its
     # own kernel into [pairs, I], which the down GEMM then reads as a plain operand)
