@@ -475,7 +475,7 @@ def test_gpu_fused_moe_bf16_qwen3_shapes(num_tokens, with_lora):
 @pytest.mark.parametrize("num_tokens", [256, 4096])
 def test_gpu_weights_by_tma_match_pointer_loads_bitwise(num_tokens):
     """The shipped table's TMA weight loads at Qwen3-30B-A3B shapes: bitwise the same plan by pointers, without
-    and with adapters (the apart LoRA path at 4,096)."""
+    and with adapters (the in-place LoRA epilogue on the 128-row tiles at 4,096)."""
     x, w13, w2, weights, ids, lora = _qwen3_problem(num_tokens, 3 + num_tokens, True)
     for adapters in (None, lora):
         plan = default_plan(num_tokens, ids.shape[1], lora=adapters is not None,
@@ -669,26 +669,23 @@ def test_tuned_table_lookup(tmp_path):
     assert moe_plan.tuned_tiles(10, other, "GPU X", table) is None
 
 
-def test_lora_calls_above_the_apart_threshold_run_the_tuned_no_lora_tiles(monkeypatch):
+def test_lora_calls_run_the_tuned_no_lora_tiles_in_place(monkeypatch):
     """Where the table has the problem, a LoRA call runs the no-LoRA call's tiles and options (so its rows without an
-    adapter are the no-LoRA call's): with more pairs than LORA_APART_MIN_PAIRS the expands apart, with fewer in the
-    epilogues, in place."""
+    adapter are the no-LoRA call's), the expands in the epilogues, in place, at every size of the sorted path."""
     h200 = moe_plan.tile_table()
-    (device, key), _ = next(iter(h200.items()))
+    (device, key), rows = next(iter(h200.items()))
     problem = moe_plan.MoEProblem(*key[:4], getattr(torch, key[4]), torch.device("cpu"))
     monkeypatch.setattr(moe_plan, "gpu_name", lambda device_: device)
     moe_plan.default_plan.cache_clear()
     try:
         top_k = key[3]
-        large = moe_plan.LORA_APART_MIN_PAIRS // top_k + 1
-        base, lora = (moe_plan.default_plan(large, top_k, problem=problem, lora=flag) for flag in (False, True))
-        assert not lora.lora_epilogue and (lora.gate_up, lora.down) == (base.gate_up, base.down)
-        assert (lora.y_fp32, lora.fused_act) == (base.y_fp32, base.fused_act)
-        for tokens in (moe_plan.DECODE_MAX_PAIRS // top_k + 1, moe_plan.LORA_APART_MIN_PAIRS // top_k):
-            base, small = (moe_plan.default_plan(tokens, top_k, problem=problem, lora=flag) for flag in (False, True))
-            assert small.lora_epilogue and small.lora_in_place and not small.decode
-            assert (small.gate_up, small.down, small.y_fp32, small.fused_act) == (
-                base.gate_up, base.down, base.y_fp32, base.fused_act)
+        for tokens in (moe_plan.DECODE_MAX_PAIRS // top_k + 1, *(row[0] for row in rows), rows[-1][0] * 2):
+            base, lora = (moe_plan.default_plan(tokens, top_k, problem=problem, lora=flag) for flag in (False, True))
+            if base.decode:
+                continue
+            assert lora.lora_epilogue and lora.lora_in_place and not lora.decode, tokens
+            assert (lora.gate_up, lora.down, lora.y_fp32, lora.fused_act, lora.weights_tma) == (
+                base.gate_up, base.down, base.y_fp32, base.fused_act, base.weights_tma), tokens
     finally:
         moe_plan.default_plan.cache_clear()
 

@@ -5,8 +5,8 @@ GPU name, dtype and problem shape (experts, hidden, intermediate, top-k), one en
 (`python -m benchmarks.kernels.kernels --tune` regenerates it for another GPU or shape; `MOESERVE_MOE_TILES=PATH`
 adds a table of one's own in front of the shipped one). Problems the table does not hold take the heuristic
 of `heuristic_plan`. Calls with LoRA run the table's tiles and options themselves, so their rows without an adapter
-get the no-LoRA call's values: up to LORA_APART_MIN_PAIRS with the expands in the GEMM epilogues, accumulating in
-place (MoEPlan.lora_in_place), larger ones with the expands after the GEMMs (MoEPlan.lora_epilogue=False).
+get the no-LoRA call's values, with the expands in the GEMM epilogues, accumulating in place (MoEPlan.lora_in_place;
+the expands after the GEMMs, MoEPlan.lora_epilogue=False, remain an option plans may take).
 
 Every plan is fitted to the dtype it runs in and the device's shared memory before use (`fit_tile`): a tile
 chosen for bf16 would ask fp32 for more than the GPU has.
@@ -227,14 +227,15 @@ def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
     return rows[-1][1:]
 
 
-# LoRA calls on the sorted path run the tuned no-LoRA tiles where the table has the problem. Up to this many pairs
-# the expands ride in the GEMM epilogues, accumulating into the GEMM's own accumulator one (slot, rank step) item a
-# dot, the shrinks unsplit (LORA_IN_PLACE); above, they run apart after plain GEMMs (LORA_APART). Either way a row
-# without an adapter gets the no-LoRA call's values. H200, 4 rank-16 adapters on every row, (MoE + LoRA) / MoE
-# (session 15, calls 1-2): T=64 1.19 in place / 1.21 the heuristic tiles' epilogue, T=256 1.29 / 1.37, T=512 1.36 /
-# 1.48 apart, T=1024 1.84 / 1.60 apart; in place with 2 items 1.21-1.39, 4 items 1.46-2.35, 8 spill. (Before: the
-# heuristic tiles' epilogue up to 2,048 pairs; apart at T=64 1.33, T=8192 1.70.)
-LORA_APART_MIN_PAIRS = 4096
+# LoRA calls on the sorted path run the tuned no-LoRA tiles and options where the table has the problem, so a row
+# without an adapter gets the no-LoRA call's values, with the expands in the GEMM epilogues accumulating into the
+# GEMM's own accumulator one (slot, rank step) item a dot, the shrinks unsplit (LORA_IN_PLACE), at every size.
+# H200, 4 rank-16 adapters on every row, (MoE + LoRA) / MoE: T=64 1.14, 256 1.23, 512 1.25 (session 16 call 1);
+# T=1,024 / 2,048 / 4,096 / 8,192 1.41 / 1.44 / 1.52 / 1.38 on the 128-row tiles, against 1.63 / 1.75 / 1.85 / 1.71
+# with the expands apart after plain GEMMs (LORA_APART, what plans ran above 4,096 pairs until session 16; call 3),
+# and in the engine's prefill with every prompt on an adapter 0.775 of base against 0.650 apart (call 4). Still
+# there as an option: LORA_APART; the expands before the main loop lost to the epilogue (commit 2c25622); in place
+# with 2 items 1.21-1.39, 4 items 1.46-2.35, 8 spill (session 15).
 LORA_IN_PLACE = dict(lora_epilogue=True, lora_in_place=True, lora_epilogue_items=1, lora_gate_up_splits=1,
                      lora_down_splits=1)
 LORA_APART = dict(lora_epilogue=False, lora_gate_up_splits=1, lora_down_splits=1, lora_epilogue_items=4,
@@ -254,5 +255,5 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: 
         if tuned is not None and tuned[0].block_m == tuned[1].block_m:
             plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
             if lora:
-                plan = replace(plan, **(LORA_APART if num_tokens * top_k > LORA_APART_MIN_PAIRS else LORA_IN_PLACE))
+                plan = replace(plan, **LORA_IN_PLACE)
     return fit_plan(plan, problem.dtype, problem.device)
