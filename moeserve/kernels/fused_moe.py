@@ -14,9 +14,10 @@ size always records the same kernels):
   grouped GEMMs: gate_up -> [pairs, 2I], and down with SiLU*up fused into its A-operand
   load, routing weight applied in the epilogue. LoRA: shrinks grouped by the same expert
   blocks run before each GEMM (moe_lora), and the expands are added in the GEMM epilogues
-  (before the routing weight; MoEPlan.lora_in_place: into the accumulator itself), so each
-  touched adapter-expert weight is read about once per block and gu / y are written once;
-  or, at prefill sizes, apart after plain GEMMs (MoEPlan.lora_epilogue=False). A second,
+  (before the routing weight; MoEPlan.lora_in_place: into the accumulator itself, what the
+  engine's plans run at every size), so each touched adapter-expert weight is read about once
+  per block and gu / y are written once; or, as an option, apart after plain GEMMs
+  (MoEPlan.lora_epilogue=False), which reads and writes gu and y again. A second,
   (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 (MoE + 4 rank-16 adapters / MoE at
   T = 16/64/256/512: 1.43/1.42/1.45/1.53 against 1.26/1.37/1.49/1.54 here) and was removed
   after cfefc5c.

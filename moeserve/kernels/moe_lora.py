@@ -390,9 +390,8 @@ def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr,
     return acc
 
 
-# Expands after plain GEMMs (MoEPlan.lora_epilogue=False): the GEMMs run the tuned no-LoRA tiles (128-row
-# blocks at prefill sizes, whose accumulators leave no registers for an epilogue walk) and these two
-# memory-bound kernels add the deltas. The gate_up one also applies SiLU*up, standing in for the activation
+# Expands after plain GEMMs (MoEPlan.lora_epilogue=False, an option no default plan takes since session 16: the
+# in-place epilogue won at every size, 128-row tiles included): these two memory-bound kernels add the deltas. The gate_up one also applies SiLU*up, standing in for the activation
 # kernel; rows without an adapter get exactly that kernel's h and keep the no-LoRA y.
 
 @triton.jit

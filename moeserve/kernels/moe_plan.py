@@ -67,8 +67,8 @@ class MoEPlan:
     y_fp32: bool = True
     fused_act: bool = True
     # sorted path with LoRA: the expands in the GEMM epilogues (above), or after plain GEMMs on the plan's own tiles
-    # by two memory-bound kernels (moe_lora.lora_expand_act, which also applies SiLU*up, and lora_expand_down): what
-    # 128-row tiles need, whose accumulators leave no registers for an epilogue
+    # by two memory-bound kernels (moe_lora.lora_expand_act, which also applies SiLU*up, and lora_expand_down), which
+    # read and write gu and y again (LORA_APART; no default plan takes it)
     lora_epilogue: bool = True
     lora_apart_tile: tuple[int, int] = (64, 128)  # (rows, columns) of an apart expand program
     lora_apart_warps: int = 4  # warps of an apart expand program
