@@ -9,7 +9,9 @@ medians), the LoRA delta's error against the fp32 reference, and the per-kernel 
 `--candidates shrinks`: the engine's in-place plan with its shrinks split over K, over more or fewer lanes, in 2
 warps, in 64-column steps. `--candidates prefill`: the in-place epilogue on 64- and 32-row tiles (group 8) at
 prefill sizes, against the engine's apart plan (the tuned 128-row tiles lose with it). `--candidates prologue`: the
-in-place expands before the main loop (MoEPlan.lora_prologue) on the tuned tiles, against apart and the epilogue. `--candidates fused` (call 2): the shrinks in the GEMMs' main loops
+in-place expands before the main loop (MoEPlan.lora_prologue, commit 2c25622 only) on the tuned tiles, against apart
+and the epilogue. `--candidates slots_early` (not yet run): the engine's plan with the epilogue's slots and ranks
+loaded before the main loop (MoEPlan.lora_slots_early), and with 256-column shrink steps. `--candidates fused` (call 2): the shrinks in the GEMMs' main loops
 (MoEPlan.lora_fused_shrink, commit 22030e3 only) on the tuned and on smaller tiles, against call 1's best.
 """
 import argparse
@@ -38,6 +40,11 @@ def candidates(t: int, problem: MoEProblem, which: str = "in_place") -> dict:
             out[f"lanes_{lanes}"] = replace(engine, lora_shrink_lanes=lanes)
         out["warps_2"] = replace(engine, lora_shrink_warps=2)
         out["block_k_64"] = replace(engine, lora_shrink_block_k=64)
+        return {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in out.items()}
+    if which == "slots_early":  # next: the epilogue's slots and ranks loaded before the main loop; 256-column shrink steps
+        out["slots_early"] = replace(engine, lora_slots_early=True)
+        out["shrink_k256"] = replace(engine, lora_shrink_block_k=256)
+        out["slots_early_shrink_k256"] = replace(engine, lora_slots_early=True, lora_shrink_block_k=256)
         return {k: fit_plan(v, torch.bfloat16, problem.device) for k, v in out.items()}
     if which == "prologue":  # the in-place expands before the main loop, on the tuned (128-row) tiles
         for items in (1, 2):
@@ -84,7 +91,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="64,256,512,1024,2048,4096,8192")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--candidates", default="in_place", choices=("in_place", "fused", "engine", "shrinks", "prefill", "prologue"))
+    ap.add_argument("--candidates", default="in_place", choices=("in_place", "fused", "engine", "shrinks", "prefill", "prologue", "slots_early"))
     ap.add_argument("--split-pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="the best plan's per-kernel split with PDL (each kernel's span then includes its wait for "
                          "the one before) or without")
