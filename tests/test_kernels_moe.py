@@ -315,16 +315,13 @@ def test_sorted_lora_epilogue_variants_match_references(items):
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
 
 
-@pytest.mark.parametrize("items,block_m,slots_early", [(2, 16, False), (4, 32, False), (1, 16, True)],
-                         ids=["items2_m16", "items4_m32", "items1_m16_slots_early"])
-def test_sorted_lora_in_place_matches_references(items, block_m, slots_early):
+@pytest.mark.parametrize("items,block_m", [(2, 16), (4, 32)], ids=["items2_m16", "items4_m32"])
+def test_sorted_lora_in_place_matches_references(items, block_m):
     """The epilogue accumulating into the GEMM's own accumulator (lora_in_place: every item in groups, no kept copy
     of the accumulator) on the mixed-rank case: blocks hold more items than a group, so the groups loop; rows
-    without an adapter keep the no-LoRA call's bits (they add exact zeros). `slots_early`: the block's slots and
-    ranks loaded before the main loop (lora_slots_early), with the engine's one item a dot."""
+    without an adapter keep the no-LoRA call's bits (they add exact zeros)."""
     tile = replace(SMALL_TILE, block_m=block_m)
-    plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue_items=items, lora_in_place=True,
-                   lora_slots_early=slots_early)
+    plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue_items=items, lora_in_place=True)
     problem = _mixed_lora_problem(40, 64, 32, seed=15)
     base = _check_sorted_lora(*problem, plan)
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=replace(SMALL_PLAN, gate_up=tile, down=tile))))
@@ -495,8 +492,6 @@ EPILOGUE_VARIANTS = {"default": {},
                      "items2": {"lora_epilogue_items": 2},
                      "items4": {"lora_epilogue_items": 4},
                      "in_place4": {"lora_epilogue_items": 4, "lora_in_place": True},
-                     "in_place1_slots_early": {"lora_epilogue_items": 1, "lora_in_place": True,
-                                               "lora_slots_early": True},
                      "apart": {"lora_epilogue": False}}
 
 

@@ -10,8 +10,9 @@ medians), the LoRA delta's error against the fp32 reference, and the per-kernel 
 warps, in 64-column steps. `--candidates prefill`: the in-place epilogue on 64- and 32-row tiles (group 8) at
 prefill sizes, against the engine's apart plan (the tuned 128-row tiles lose with it). `--candidates prologue`: the
 in-place expands before the main loop (MoEPlan.lora_prologue, commit 2c25622 only) on the tuned tiles, against apart
-and the epilogue. `--candidates slots_early` (not yet run): the engine's plan with the epilogue's slots and ranks
-loaded before the main loop (MoEPlan.lora_slots_early), and with 256-column shrink steps. `--candidates fused` (call 2): the shrinks in the GEMMs' main loops
+and the epilogue. `--candidates slots_early` (call 6): the engine's plan with the epilogue's slots and ranks
+loaded before the main loop (MoEPlan.lora_slots_early, commit 7778e2a only), and with 256-column shrink
+steps. `--candidates fused` (call 2): the shrinks in the GEMMs' main loops
 (MoEPlan.lora_fused_shrink, commit 22030e3 only) on the tuned and on smaller tiles, against call 1's best.
 """
 import argparse

@@ -41,10 +41,8 @@ from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
-    block_slots,
     lora_block_epilogue,
     lora_block_shrink,
-    lora_epilogue_on_slots,
     lora_expand_act,
     lora_expand_down,
     lora_rank_block,
@@ -110,14 +108,13 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
     UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1,
-    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False, LORA_SLOTS_EARLY: tl.constexpr = False,
+    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
     columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand),
     which takes the plain walk (LORA_ITEMS 0). With LoRA the kernel waits for the shrink just
-    launched only before its epilogue (late wait). LORA_SLOTS_EARLY: the block's adapter slots and ranks are loaded
-    before the main loop (host-written, so the late wait allows it), not at the head of the epilogue."""
+    launched only before its epilogue (late wait)."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
@@ -133,8 +130,6 @@ def _moe_gate_up_kernel(
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_LORA and LORA_SLOTS_EARLY:
-        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=pair_ok[:, None], other=0.0)
@@ -145,12 +140,7 @@ def _moe_gate_up_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_launch.late(USE_PDL, HAS_LORA)
-    if HAS_LORA and LORA_SLOTS_EARLY:
-        acc = lora_epilogue_on_slots(acc, slots, row_ranks, pid_m, shrunk_ptr, lora_b_ptr, expert, offs_n, N,
-                                     stride_sk, stride_sr, stride_bl, stride_be, stride_bn, separate_ptr, stride_sh,
-                                     up_col0, BLOCK_M, K_SPLITS, RANK_STEP, UP_HALF, LORA_ITEMS,
-                                     KEEP_ROWS=not LORA_IN_PLACE, IN_PLACE=LORA_IN_PLACE and not UP_HALF)
-    elif HAS_LORA:
+    if HAS_LORA:
         acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
                                   lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
                                   stride_be, stride_bn, separate_ptr, stride_sh, up_col0, BLOCK_M,
@@ -171,11 +161,11 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, USE_PDL: tl.constexpr,
     LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1, FUSED_ACT: tl.constexpr = True,
-    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False, LORA_SLOTS_EARLY: tl.constexpr = False,
+    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded (FUSED_ACT; else gu_ptr holds h itself, [pairs, K]); the routing weight scales
-    base and delta together. y is stored in y_ptr's dtype. LORA_SLOTS_EARLY: as the gate_up kernel's."""
+    base and delta together. y is stored in y_ptr's dtype."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
@@ -190,8 +180,6 @@ def _moe_down_kernel(
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_LORA and LORA_SLOTS_EARLY:
-        slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             gate = tl.load(gate_ptrs, mask=pair_ok[:, None], other=0.0)
@@ -211,12 +199,7 @@ def _moe_down_kernel(
         gate_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_launch.late(USE_PDL, HAS_LORA)
-    if HAS_LORA and LORA_SLOTS_EARLY:  # no up halves here: slots_ptr stands in for the unread separate flags
-        acc = lora_epilogue_on_slots(acc, slots, row_ranks, pid_m, shrunk_ptr, lora_b_ptr, expert, offs_n, N,
-                                     stride_sk, stride_sr, stride_bl, stride_be, stride_bn, slots_ptr, 0, N, BLOCK_M,
-                                     K_SPLITS, RANK_STEP, False, LORA_ITEMS, KEEP_ROWS=not LORA_IN_PLACE,
-                                     IN_PLACE=LORA_IN_PLACE)
-    elif HAS_LORA:  # no up halves here: slots_ptr stands in for the unread separate flags
+    if HAS_LORA:  # no up halves here: slots_ptr stands in for the unread separate flags
         acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
                                   lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
                                   stride_be, stride_bn, slots_ptr, 0, N, BLOCK_M, K_SPLITS, RANK_STEP,
@@ -566,8 +549,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
         RANK_STEP=RANK_STEP, UP_HALF=up_half and in_epilogue,
         LORA_ITEMS=0 if up_half or not in_epilogue else items,  # up halves: the walk only
-        LORA_IN_PLACE=in_place, LORA_SLOTS_EARLY=in_epilogue and plan.lora_slots_early, GROUP_M=t.group_m,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
+        LORA_IN_PLACE=in_place, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
+        num_stages=t.num_stages)
 
     # the down GEMM's A: gu with SiLU*up applied as it loads, or h computed by its own kernel (with the gate_up
     # LoRA deltas added first when they run apart)
@@ -589,8 +572,8 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides, w2_desc,
         W_TMA=w_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=inter % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, LORA_ITEMS=items if in_epilogue else 0, LORA_IN_PLACE=in_place,
-        LORA_SLOTS_EARLY=in_epilogue and plan.lora_slots_early, GROUP_M=t.group_m, FUSED_ACT=fused_act,
+        RANK_STEP=RANK_STEP, LORA_ITEMS=items if in_epilogue else 0, LORA_IN_PLACE=in_place, GROUP_M=t.group_m,
+        FUSED_ACT=fused_act,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
     if apart:
         lora_expand_down(y, topk_weights, shrunk_h, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile,

@@ -367,22 +367,10 @@ def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr,
     every item in groups of ITEMS accumulated into acc itself (lora_expand_in_place); 0: the plain
     walk (lora_block_expand), the only one that walks up halves (UP_HALF; see there for
     separate_ptr, stride_sh, up_col0)."""
-    slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-    return lora_epilogue_on_slots(acc, slots, row_ranks, pid_m, scratch_ptr, b_ptr, expert, offs_n, N, stride_sk,
-                                  stride_sr, stride_bl, stride_be, stride_bn, separate_ptr, stride_sh, up_col0,
-                                  BLOCK_M, K_SPLITS, RANK_STEP, UP_HALF, ITEMS, KEEP_ROWS, IN_PLACE)
-
-
-@triton.jit
-def lora_epilogue_on_slots(acc, slots, row_ranks, pid_m, scratch_ptr, b_ptr, expert, offs_n, N, stride_sk, stride_sr,
-                           stride_bl, stride_be, stride_bn, separate_ptr, stride_sh, up_col0, BLOCK_M: tl.constexpr,
-                           K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr,
-                           ITEMS: tl.constexpr, KEEP_ROWS: tl.constexpr = True, IN_PLACE: tl.constexpr = False):
-    """lora_block_epilogue on the block's (slot, rank) per row, block_slots' result, loaded by the caller (a GEMM
-    may load them before its main loop: MoEPlan.lora_slots_early)."""
     tl.static_assert(not UP_HALF or ITEMS == 0, "the up halves are walked by lora_block_expand only")
     tl.static_assert(not IN_PLACE or (ITEMS > 0 and not KEEP_ROWS), "in place: groups of items, no kept rows")
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
     if IN_PLACE:
         acc = lora_expand_in_place(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                                    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP,

@@ -61,9 +61,6 @@ class MoEPlan:
     # the tuned 16- to 64-row tiles carry the epilogue (those rows add exact zeros; a pool's up halves still walk;
     # 128-row prefill tiles lose with it, session 15)
     lora_in_place: bool = False
-    # the epilogue's per-row adapter slots and ranks loaded before the GEMM's main loop (they are host-written, so
-    # the late wait allows it), taking two dependent loads off the epilogue's chain (not yet measured on a GPU)
-    lora_slots_early: bool = False
     # sorted path: the per-pair outputs summed over top-k kept in fp32 (else in the activations' dtype: half the
     # bytes written and read again at large T); SiLU*up applied as the down GEMM loads its A tile (else by its
     # own kernel into [pairs, I], which the down GEMM then reads as a plain operand)
