@@ -475,9 +475,10 @@ def test_demo_command(demo_dir):
     demo_adapters(demo_dir, progress=False)
     env = {**os.environ, "MOESERVE_CACHE_DIR": str(demo_dir.parent)}
     # a few tokens: what is checked is the output's lines (each adapter named, device and dtype), not the answers (the
-    # adapters' effects: test_demo_adapters_have_their_effects)
-    r = subprocess.run([sys.executable, "-m", "moeserve", "demo", "--max-tokens", "4"], env=env,
-                       capture_output=True, text=True, timeout=600)
+    # adapters' effects: test_demo_adapters_have_their_effects); the KV cache the demo engines of the other tests get
+    # (conftest.py, DEMO_KV_BLOCKS): the CPU default zeroes 2 GiB (~4 s of a 2-core machine's CPU)
+    r = subprocess.run([sys.executable, "-m", "moeserve", "demo", "--max-tokens", "4", "--max-model-len", "1024",
+                        "--num-kv-blocks", "80"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "[adapter caps: answers in capital letters]" in r.stdout
     assert "[adapter brief: answers in one short sentence]" in r.stdout
