@@ -145,16 +145,17 @@ def test_slot_reloaded_from_separate_to_one_a_and_back():
 # one group size: the up halves are walked whatever it is (moe_lora: ITEMS only with UP_HALF off), and group sizes
 # 2 and 4 run the same kernel code (test_kernels_moe.py runs both); 4 is SORTED_ITEMS_PLAN's, default_plan's above
 # 512 pairs and the LoRA-apart plan's
-@pytest.mark.parametrize("items", [4], ids=["items4"])
-def test_epilogue_items_on_a_pool_with_up_halves(items):
+@pytest.mark.parametrize("items,in_place", [(4, False), (1, True)], ids=["items4", "in_place1"])
+def test_epilogue_items_on_a_pool_with_up_halves(items, in_place):
     """The sorted path's epilogue items on a pool with up A's: its gate_up GEMM walks the up halves
     (lora_block_expand), its down GEMM loads the items. Ranks 8/16/64 in a rank-64 pool (rank 64: more
     items than a group holds), separate and one-A slots, an empty separate-flagged slot, rows without an
-    adapter; NaN wherever nothing may be read. Against the fp32 reference and the plain walk's output."""
+    adapter; NaN wherever nothing may be read. Against the fp32 reference and the plain walk's output.
+    `in_place` (the engine's plans on tuned tiles): the walk and the down GEMM's items add into the accumulator."""
     ranks, separate = [8, 16, 64, 8, 0], [1, 0, 1, 0, 1]
     problem, slots, clean, dirty = make_problem(16, 2, 4, 48, 40, seed=21, ranks=ranks, separate=separate,
                                                 max_rank=64, std=0.15)
-    plan = replace(SORTED_PLAN, lora_epilogue_items=items)
+    plan = replace(SORTED_PLAN, lora_epilogue_items=items, lora_in_place=in_place)
     out = fused_moe(*problem, dirty, plan=plan)
     ref = fused_moe_ref(*problem, clean)
     assert torch.isfinite(out).all()
