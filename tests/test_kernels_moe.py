@@ -486,11 +486,13 @@ def test_gpu_weights_by_tma_match_pointer_loads_bitwise(num_tokens):
         assert _rel(tma, fused_moe_ref(x, w13, w2, weights, ids, adapters)) < 1e-2
 
 
-# default: default_plan's own epilogue (2 or 4 items at block_m 16, the walk at 64); the others set it
+# default: the no-LoRA default_plan's own options (the plain walk, a kept copy of the accumulator); the others set
+# them (the plans LoRA calls run: one item in place, `in_place1` below)
 EPILOGUE_VARIANTS = {"default": {},
                      "walk": {"lora_epilogue_items": 0},
                      "items2": {"lora_epilogue_items": 2},
                      "items4": {"lora_epilogue_items": 4},
+                     "in_place1": {"lora_epilogue_items": 1, "lora_in_place": True},
                      "in_place4": {"lora_epilogue_items": 4, "lora_in_place": True},
                      "apart": {"lora_epilogue": False}}
 
@@ -667,6 +669,18 @@ def test_tuned_table_lookup(tmp_path):
     assert pick(10, "GPU Y") is None and pick(10, None) is None
     other = moe_plan.MoEProblem(64, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
     assert moe_plan.tuned_tiles(10, other, "GPU X", table) is None
+
+
+def test_heuristic_lora_plans_run_the_no_lora_tiles_in_place():
+    """Problems the table does not hold (other GPUs, other shapes): a LoRA call's plan is the no-LoRA call's with the
+    in-place epilogue at every sorted size, so a row without an adapter in a mixed batch gets the LoRA-disabled
+    engine's bits (the tiles once differed at 513-2,048 pairs, where LoRA calls kept K steps of 128)."""
+    for top_k in (8, 2):
+        for tokens in range(1, 4097, 7):
+            base, lora = (moe_plan.heuristic_plan(tokens, top_k, lora=flag) for flag in (False, True))
+            assert (lora.decode, lora.gate_up, lora.down, lora.y_fp32, lora.fused_act) == (
+                base.decode, base.gate_up, base.down, base.y_fp32, base.fused_act), (top_k, tokens)
+            assert base.decode or (lora.lora_epilogue and lora.lora_in_place), (top_k, tokens)
 
 
 def test_lora_calls_run_the_tuned_no_lora_tiles_in_place(monkeypatch):

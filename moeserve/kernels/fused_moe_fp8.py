@@ -79,7 +79,6 @@ from moeserve.kernels.moe_lora import (
     silu_mul,
 )
 from moeserve.kernels.moe_plan import (
-    LORA_IN_PLACE,
     MoEPlan,
     MoEProblem,
     default_plan,
@@ -288,11 +287,11 @@ def _table_label(act_quant: bool) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def lora_options(num_tokens: int, top_k: int) -> MoEPlan:
-    """The LoRA options of an FP8 sorted-path call (the heuristic plan with moe_plan.LORA_IN_PLACE's: H200, W8A8, 4
+    """The LoRA options of an FP8 sorted-path call (the heuristic's, moe_plan.LORA_IN_PLACE: H200, W8A8, 4
     rank-16 adapters, (MoE + LoRA) / MoE in place / apart 1.16 / 1.45 at T = 16, 1.36 / 1.51 at 256, 1.54 / 1.75 at
     512, 1.65 / 1.81 at 4,096; the engine's prefill with every prompt on an adapter 0.720 / 0.627 of base; session
     16 calls 2-4). Its tiles are not read (fp8_plan gives those)."""
-    return replace(heuristic_plan(num_tokens, top_k, decode=False, lora=True), **LORA_IN_PLACE)
+    return heuristic_plan(num_tokens, top_k, decode=False, lora=True)
 
 
 @functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step, as default_plan

@@ -49,8 +49,8 @@ class MoEPlan:
     lora_down_splits: int = 2  # programs sharing one block's shrink over I
     lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
     lora_shrink_warps: int = 4
-    # sorted-path LoRA expands in the GEMM epilogues (the field default is the plain walk;
-    # heuristic_plan picks 2 or 4 items for its block_m=16 tiles). A gate_up GEMM of a pool with separate
+    # sorted-path LoRA expands in the GEMM epilogues (the field default is the plain walk; the plans LoRA calls
+    # run take one item in place, LORA_IN_PLACE). A gate_up GEMM of a pool with separate
     # up A's (UP_HALF) ignores it and takes the plain walk, lora_block_expand, which alone walks
     # the up halves; its down GEMM still uses it. (Loads of the first item issued before the K loop
     # lost or tied on the H200 at every T and were removed.)
@@ -58,8 +58,8 @@ class MoEPlan:
     #                              once and added in one dot, the rest walked as with 0
     # the epilogue's dots accumulate into the GEMM accumulator itself, every item in groups of lora_epilogue_items
     # (moe_lora.lora_expand_in_place): no copy of the accumulator for rows without an adapter, which is what lets
-    # the tuned 16- to 64-row tiles carry the epilogue (those rows add exact zeros; a pool's up halves still walk;
-    # 128-row prefill tiles lose with it, session 15)
+    # every tile carry the epilogue, 128-row prefill tiles included (those rows add exact zeros; a pool's up halves
+    # still walk, in place)
     lora_in_place: bool = False
     # sorted path: the per-pair outputs summed over top-k kept in fp32 (else in the activations' dtype: half the
     # bytes written and read again at large T); SiLU*up applied as the down GEMM loads its A tile (else by its
@@ -95,10 +95,25 @@ class MoEProblem:
 DECODE_MAX_PAIRS = 64
 
 
+# LoRA calls on the sorted path run the no-LoRA call's tiles and options (the table's or the heuristic's), so a row
+# without an adapter gets the no-LoRA call's values, with the expands in the GEMM epilogues accumulating into the
+# GEMM's own accumulator one (slot, rank step) item a dot, the shrinks unsplit (LORA_IN_PLACE), at every size.
+# H200, 4 rank-16 adapters on every row, (MoE + LoRA) / MoE: T=64 1.14, 256 1.23, 512 1.25 (session 16 call 1);
+# T=1,024 / 2,048 / 4,096 / 8,192 1.41 / 1.44 / 1.52 / 1.38 on the 128-row tiles, against 1.63 / 1.75 / 1.85 / 1.71
+# with the expands apart after plain GEMMs (LORA_APART, what plans ran above 4,096 pairs until session 16; call 3),
+# and in the engine's prefill with every prompt on an adapter 0.775 of base against 0.650 apart (call 4). Still
+# there as an option: LORA_APART; the expands before the main loop lost to the epilogue (commit 2c25622); in place
+# with 2 items 1.21-1.39, 4 items 1.46-2.35, 8 spill (session 15).
+LORA_IN_PLACE = dict(lora_epilogue=True, lora_in_place=True, lora_epilogue_items=1, lora_gate_up_splits=1,
+                     lora_down_splits=1)
+LORA_APART = dict(lora_epilogue=False, lora_gate_up_splits=1, lora_down_splits=1, lora_epilogue_items=4,
+                  lora_apart_tile=(64, 128))
+
+
 def heuristic_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False) -> MoEPlan:
-    """Block sizes by problem size, from the H200 sweeps at Qwen3-30B-A3B shapes. `decode` forces a path;
-    `lora`: the plan of a call with adapters (its own base tile where the LoRA epilogue prefers one; the
-    no-LoRA plan is what a LoRA-disabled engine runs, so the no-LoRA graph stays bitwise that engine)."""
+    """Block sizes by problem size, from the H200 sweeps at Qwen3-30B-A3B shapes. `decode` forces a path; `lora`:
+    the plan of a call with adapters: the same tiles (its rows without an adapter are then the no-LoRA call's,
+    bitwise, in any mixed batch), with the sorted path's expands in the GEMM epilogues, in place (LORA_IN_PLACE)."""
     num_pairs = num_tokens * top_k
     if decode is None:
         decode = num_pairs <= DECODE_MAX_PAIRS
@@ -107,18 +122,15 @@ def heuristic_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora
                 else GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=1))
         return MoEPlan(True, tile, tile)
     if num_pairs <= 2048:  # few rows per expert: short blocks, wide N tiles
-        # H200 (top-8): above 512 pairs the K step 64 in 4 stages is faster without LoRA (T=256 366.7 / 368.2 us vs
-        # 383-390) but slower with 4 adapters (T=256 598 vs 543 us): LoRA calls keep K 128 in 3 stages there.
+        # H200 (top-8): above 512 pairs the K step 64 in 4 stages is faster (T=256 366.7 / 368.2 us vs 383-390);
         # 32-row blocks were slower at every T (431-600 us)
-        tile = (GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3) if num_pairs <= 512 or lora
+        tile = (GemmTile(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3) if num_pairs <= 512
                 else GemmTile(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4))
-        # LoRA expand: (slot, rank step) items loaded together, one dot. H200, 4 rank-16 adapters, (MoE + LoRA) / MoE,
-        # the walk / 2 items / 4 items: T=16 1.258 / 1.241 / 1.304, T=64 1.376 / 1.309 / 1.325, T=256 1.501 / 1.424 /
-        # 1.398
-        return MoEPlan(False, tile, tile, lora_epilogue_items=2 if num_pairs <= 512 else 4)
-    # block_m=64 keeps the walk: its items spill registers (T=512: 1.540 walk, 1.913 items 4)
-    return MoEPlan(False, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
-                   GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3))
+        plan = MoEPlan(False, tile, tile)
+    else:
+        plan = MoEPlan(False, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
+                       GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3))
+    return replace(plan, **LORA_IN_PLACE) if lora else plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,26 +239,11 @@ def tuned_tiles(num_tokens: int, problem: MoEProblem, device_name: str | None,
     return rows[-1][1:]
 
 
-# LoRA calls on the sorted path run the tuned no-LoRA tiles and options where the table has the problem, so a row
-# without an adapter gets the no-LoRA call's values, with the expands in the GEMM epilogues accumulating into the
-# GEMM's own accumulator one (slot, rank step) item a dot, the shrinks unsplit (LORA_IN_PLACE), at every size.
-# H200, 4 rank-16 adapters on every row, (MoE + LoRA) / MoE: T=64 1.14, 256 1.23, 512 1.25 (session 16 call 1);
-# T=1,024 / 2,048 / 4,096 / 8,192 1.41 / 1.44 / 1.52 / 1.38 on the 128-row tiles, against 1.63 / 1.75 / 1.85 / 1.71
-# with the expands apart after plain GEMMs (LORA_APART, what plans ran above 4,096 pairs until session 16; call 3),
-# and in the engine's prefill with every prompt on an adapter 0.775 of base against 0.650 apart (call 4). Still
-# there as an option: LORA_APART; the expands before the main loop lost to the epilogue (commit 2c25622); in place
-# with 2 items 1.21-1.39, 4 items 1.46-2.35, 8 spill (session 15).
-LORA_IN_PLACE = dict(lora_epilogue=True, lora_in_place=True, lora_epilogue_items=1, lora_gate_up_splits=1,
-                     lora_down_splits=1)
-LORA_APART = dict(lora_epilogue=False, lora_gate_up_splits=1, lora_down_splits=1, lora_epilogue_items=4,
-                  lora_apart_tile=(64, 128))
-
-
 @functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step: the lookups and fitting once per shape
 def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False,
                  problem: MoEProblem | None = None) -> MoEPlan:
-    """The plan a call runs: the heuristic's path and LoRA options, the tuned base tiles where the table has
-    this problem (calls without LoRA on the sorted path), fitted to the problem's dtype and device."""
+    """The plan a call runs: the heuristic's path and LoRA options, the tuned tiles and options where the table has
+    this problem (the sorted path, with LoRA or without), fitted to the problem's dtype and device."""
     plan = heuristic_plan(num_tokens, top_k, decode, lora)
     if problem is None:
         return plan
@@ -254,6 +251,4 @@ def default_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: 
         tuned = tuned_tiles(num_tokens, problem, gpu_name(problem.device))
         if tuned is not None and tuned[0].block_m == tuned[1].block_m:
             plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
-            if lora:
-                plan = replace(plan, **LORA_IN_PLACE)
     return fit_plan(plan, problem.dtype, problem.device)
