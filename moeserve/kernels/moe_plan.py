@@ -4,8 +4,8 @@ The sorted path's base tiles come from a table of tuned tiles shipped as data (`
 GPU name, dtype and problem shape (experts, hidden, intermediate, top-k), one entry per token count tuned
 (`python -m benchmarks.kernels.kernels --tune` regenerates it for another GPU or shape; `MOESERVE_MOE_TILES=PATH`
 adds a table of one's own in front of the shipped one). Problems the table does not hold take the heuristic
-of `heuristic_plan`. Calls with LoRA run the table's tiles and options themselves, so their rows without an adapter
-get the no-LoRA call's values, with the expands in the GEMM epilogues, accumulating in place (MoEPlan.lora_in_place;
+of `heuristic_plan`. Calls with LoRA run the no-LoRA call's tiles and options (either source), so their rows without
+an adapter get the no-LoRA call's values, with the expands in the GEMM epilogues, accumulating in place (MoEPlan.lora_in_place;
 the expands after the GEMMs, MoEPlan.lora_epilogue=False, remain an option plans may take).
 
 Every plan is fitted to the dtype it runs in and the device's shared memory before use (`fit_tile`): a tile
