@@ -485,20 +485,15 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
                             num_warps=lp.lora_apart_warps, pdl=pdl)
         shrunk_h = shrink(h, lora.down_a, True, lp.lora_down_splits)
         h, h_scale = quantize_groups_fp8(h, block[1], pdl=pdl) if act_quant else (h, topk_weights)
-    elif act_quant:
-        if in_place:  # the down shrink reads the bf16 h that is quantized, never its fp8 copy
-            h, h_scale, h_bf16 = silu_mul_quant_fp8(gu, block[1], pdl=pdl, with_h=True)
-            shrunk_h = shrink(h_bf16, lora.down_a, True, lp.lora_down_splits)
-        else:
-            h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
+    elif act_quant:  # in place: also the bf16 h it quantizes, for the down shrink
+        h, h_scale, *h_plain = silu_mul_quant_fp8(gu, block[1], pdl=pdl, with_h=in_place)
     elif fused_act:
         h, h_scale = gu, topk_weights
-        if in_place:  # SiLU*up of gu computed again by the shrink, as the down GEMM computes it
-            shrunk_h = shrink(gu, lora.down_a, True, lp.lora_down_splits, activated=False)
     else:
         h, h_scale = silu_mul_rows(gu, pdl), topk_weights
-        if in_place:
-            shrunk_h = shrink(h, lora.down_a, True, lp.lora_down_splits)
+    if in_place:  # the down shrink reads the unquantized h, or gu where the down GEMM applies SiLU*up as it loads
+        shrunk_h = shrink(h_plain[0] if act_quant else h, lora.down_a, True, lp.lora_down_splits,
+                          activated=not fused_act)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
             hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl,

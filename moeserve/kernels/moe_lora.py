@@ -20,7 +20,7 @@ for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
   (MoEPlan.lora_epilogue_items) loads a group of items at once and adds them in one dot
   (`lora_expand_group`), walking the rest; with MoEPlan.lora_in_place every group's dot
   accumulates into the GEMM accumulator itself (`lora_expand_in_place`, default_plan's choice
-  on the tuned tiles: one item a dot). The gate_up expand of a pool with up halves always
+  at every size: one item a dot). The gate_up expand of a pool with up halves always
   walks (`lora_block_expand`). (A second,
   (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 and
   was removed after cfefc5c; numbers in fused_moe.)
