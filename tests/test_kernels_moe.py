@@ -232,7 +232,7 @@ MIXED_SLOTS = [0, -1, 1, 2, 3, 1, 0, 2]  # cycled over the tokens: -1 and 3 have
 def _mixed_lora_problem(num_tokens, hidden, inter, seed):
     """3 experts for 2T pairs: experts span two blocks of 16 and blocks hold several slots.
     Returns the problem, a clean pool (zeros beyond each rank, as the slot pool keeps it) and a
-    dirty one: NaN beyond each rank and in every slot no token may read."""
+    dirty one: garbage beyond each rank (_dirty_past_rank) and NaN in every slot no token may read."""
     num_experts, top_k = 3, 2
     gen, x, w13, w2, weights, ids = _moe_problem(num_tokens, top_k, num_experts, hidden, inter, seed)
     ranks, clean = _lora_pool(len(MIXED_RANKS), num_experts, hidden, inter, 64, MIXED_RANKS, gen,
@@ -240,10 +240,20 @@ def _mixed_lora_problem(num_tokens, hidden, inter, seed):
     dirty = [w.clone() for w in clean]
     for which, w in enumerate(dirty):
         for s, r in enumerate(MIXED_RANKS):
-            _rank_cols(w, which, s, r).fill_(float("nan"))
+            _dirty_past_rank(w, which, s, r)
     slots = torch.tensor([MIXED_SLOTS[t % len(MIXED_SLOTS)] for t in range(num_tokens)],
                          dtype=torch.int32, device=DEV)
     return (x, w13, w2, weights, ids), ranks, slots, clean, dirty
+
+
+def _dirty_past_rank(w, which, slot, rank):
+    """What a pool may hold past a slot's rank and the kernels must not let through: NaN, except in B's columns up to
+    the next multiple of 16, which the kernels read (as whole 16-column steps) and multiply by a shrink of 0 there:
+    the slot pool keeps zeros, any finite value must add nothing (7.0 here)."""
+    cols = _rank_cols(w, which, slot, rank)
+    cols.fill_(float("nan"))
+    if which % 2 == 1:
+        cols[..., :-rank % 16].fill_(7.0)
 
 
 def _rank_cols(w, which, slot, start):
@@ -515,7 +525,7 @@ def test_gpu_sorted_lora_bf16_mixed_ranks(num_tokens, epilogue):
     dirty = [w.clone() for w in clean]
     for which, w in enumerate(dirty):
         for slot, r in enumerate(slot_ranks):
-            _rank_cols(w, which, slot, r).fill_(float("nan"))
+            _dirty_past_rank(w, which, slot, r)
     slots = (torch.arange(num_tokens, device="cuda") % 9 - 1).to(torch.int32)  # -1, 0, ..., 7
     plan = replace(default_plan(num_tokens, q["top_k"], decode=False), **EPILOGUE_VARIANTS[epilogue])
     out = fused_moe(x, w13, w2, weights, ids, MoELoRAArgs(slots, ranks, *dirty), plan=plan)

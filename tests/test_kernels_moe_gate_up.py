@@ -71,6 +71,8 @@ def make_problem(num_tokens, top_k, num_experts, hidden, inter, seed, ranks=RANK
             cols = (slice(None), slice(r, None)) if w.shape[-1] in (hidden, inter) else (Ellipsis, slice(r, None))
             w[s][cols] = 0
             d[s][cols] = float("nan")
+            if w.shape[-1] not in (hidden, inter):  # a B: its next 16-column step is read, times a shrink of 0
+                d[s][..., r:r + -r % 16] = 7.0
             if r == 0:
                 d[s] = float("nan")
         if not separate[s]:  # one A: the up half is never written by the pool, never read by the kernels

@@ -244,7 +244,9 @@ def _lora_expand_rows(
     shrunk = tl.sum(tl.load(part_ptrs, mask=part_mask, other=0.0), 0)[None, :]
     b_ptrs = (b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
               + rows.to(tl.int64)[:, None] * stride_bn + offs_r[None, :])
-    b = tl.load(b_ptrs, mask=r_ok[None, :], other=0.0)
+    # B masked at the rank rounded up to a 16-column step (and the pool's rank, stride_bn: rows packed): the shrink is
+    # 0 past the rank and the pool holds zeros there, and a row's step stays 16-byte vector loads (see _expand_step_loads)
+    b = tl.load(b_ptrs, mask=((offs_r < (rank + 15) // 16 * 16) & (offs_r < stride_bn))[None, :], other=0.0)
     if UP_HALF:
         rank_up = tl.where(tl.load(separate_ptr + tl.maximum(slot, 0)) != 0, rank, 0)
         up_mask = (offs_s < num_splits)[:, None] & (offs_r < rank_up)[None, :]

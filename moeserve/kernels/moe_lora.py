@@ -182,6 +182,7 @@ def _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr, 
     columns; a slot with one A expands half 0 into all. Nothing is read for cur == _NO_SLOT."""
     mine = slots == cur
     rank = tl.max(tl.where(mine, row_ranks, 0), 0)
+    r0 = r0 // RANK_STEP * RANK_STEP  # it is a whole step; said so, the compiler can prove B's vector alignment
     r = r0 + tl.arange(0, RANK_STEP)
     r_ok = r < rank
     s_ptrs = scratch_ptr + rows.to(tl.int64)[:, None] * stride_sr + r[None, :]
@@ -196,8 +197,11 @@ def _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr, 
         s += tl.load(s_ptrs + ks * stride_sk, mask=s_mask, other=0.0)
     b_base = (b_ptr + tl.where(cur < _NO_SLOT, cur, 0).to(tl.int64) * stride_bl
               + expert.to(tl.int64) * stride_be)
+    # B's rank columns are masked at the pool's rank (stride_bn: rows packed), not the slot's: past its rank s is 0
+    # and the pool holds zeros, so they add nothing, and a step of a row stays 16-byte vector loads (masked at the
+    # slot's rank, H200 T=256: 16 scalar loads per thread and tile, a third of the LoRA GEMM's stall samples)
     b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + r[:, None],
-                mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                mask=(r < tl.where(cur < _NO_SLOT, stride_bn, 0))[:, None] & n_ok[None, :], other=0.0)
     return mine, rank, s, b
 
 
@@ -347,11 +351,22 @@ def lora_expand_in_place(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert
     come back +0.0; a GEMM accumulator that starts at +0.0 is never -0.0 unless every product of a row is)."""
     cur = _next_slot(slots, -1)
     r0 = cur * 0
-    while cur < _NO_SLOT:
-        s, b, _, cur, r0 = lora_expand_group(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
-                                             offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                             K_SPLITS, RANK_STEP, ITEMS)
-        acc = tl.dot(s.to(b.dtype), b, acc)
+    if ITEMS == 1:  # one slot's B step a dot, from a scalar base: vector loads (a group's B is gathered per column)
+        n_ok = offs_n < N
+        while cur < _NO_SLOT:
+            _, rank, s, b = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n,
+                                              n_ok, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                                              K_SPLITS, RANK_STEP)
+            acc = tl.dot(s.to(b.dtype), b, acc)
+            more = r0 + RANK_STEP < rank
+            cur = tl.where(more, cur, _next_slot(slots, cur))
+            r0 = tl.where(more, r0 + RANK_STEP, 0)
+    else:
+        while cur < _NO_SLOT:
+            s, b, _, cur, r0 = lora_expand_group(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
+                                                 offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
+                                                 K_SPLITS, RANK_STEP, ITEMS)
+            acc = tl.dot(s.to(b.dtype), b, acc)
     return acc
 
 
