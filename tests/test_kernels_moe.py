@@ -325,19 +325,17 @@ def test_sorted_lora_epilogue_variants_match_references(items):
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
 
 
-@pytest.mark.parametrize("items,block_m", [(2, 16), (4, 32)], ids=["items2_m16", "items4_m32"])
+@pytest.mark.parametrize("items,block_m", [(2, 16), (4, 32), (0, 16)], ids=["items2_m16", "items4_m32", "walk_m16"])
 def test_sorted_lora_in_place_matches_references(items, block_m):
-    """The epilogue accumulating into the GEMM's own accumulator (lora_in_place: every item in groups, no kept copy
-    of the accumulator) on the mixed-rank case: blocks hold more items than a group, so the groups loop; rows
-    without an adapter keep the no-LoRA call's bits (they add exact zeros)."""
+    """The epilogue accumulating into the GEMM's own accumulator (lora_in_place: every item in groups, or walked one
+    at a time with the next one's loads in flight (items 0), no kept copy of the accumulator) on the mixed-rank case:
+    blocks hold more items than a group, so the groups loop; rows without an adapter keep the no-LoRA call's bits
+    (they add exact zeros)."""
     tile = replace(SMALL_TILE, block_m=block_m)
     plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue_items=items, lora_in_place=True)
     problem = _mixed_lora_problem(40, 64, 32, seed=15)
     base = _check_sorted_lora(*problem, plan)
     assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=replace(SMALL_PLAN, gate_up=tile, down=tile))))
-    with pytest.raises(ValueError, match="lora_in_place"):
-        fused_moe(*problem[0], MoELoRAArgs(problem[2], problem[1], *problem[3]),
-                  plan=replace(plan, lora_epilogue_items=0))
 
 
 @pytest.mark.parametrize("items", [0, 4], ids=["walk", "items4"])

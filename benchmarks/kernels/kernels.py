@@ -98,14 +98,16 @@ def make_weights(gen):
     return normal(NUM_EXPERTS, 2 * INTER, HIDDEN), normal(NUM_EXPERTS, HIDDEN, INTER)
 
 
-def make_lora_pool(gen):
-    """Full-size pool; slot ranks decide which columns the kernels read."""
+def make_lora_pool(gen, max_rank: int = LORA_MAX_RANK):
+    """Full-size pool; slot ranks decide which columns the kernels read. The engine's pool has the rank of
+    --max-lora-rank (16 by default): a B row of a rank-64 pool is 128 bytes of which rank-16 adapters use 32, and the
+    H200 reads such rows' B about twice over (64-byte DRAM reads)."""
     def normal(*shape):
         return torch.randn(LORA_SLOTS, NUM_EXPERTS, *shape, generator=gen, device=DEVICE,
                            dtype=torch.bfloat16) * 0.02
 
-    return (normal(LORA_MAX_RANK, HIDDEN), normal(2 * INTER, LORA_MAX_RANK),
-            normal(LORA_MAX_RANK, INTER), normal(HIDDEN, LORA_MAX_RANK), normal(LORA_MAX_RANK, HIDDEN))
+    return (normal(max_rank, HIDDEN), normal(2 * INTER, max_rank),
+            normal(max_rank, INTER), normal(HIDDEN, max_rank), normal(max_rank, HIDDEN))
 
 
 def make_inputs(batch: int, gen):

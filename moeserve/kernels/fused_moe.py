@@ -536,8 +536,6 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
                 (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])
 
     items = _epilogue_items(plan) if has_lora else 0  # lora=None: the kernels compile as without the option
-    if in_place and items == 0:
-        raise ValueError("lora_in_place adds groups of items: lora_epilogue_items must be > 0")
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
     w13_desc, w2_desc, w_tma = weight_descs(w13, w2, plan)
     shrunk_x = shrink(False, x, plan.lora_gate_up_splits) if apart else None

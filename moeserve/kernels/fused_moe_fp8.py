@@ -183,7 +183,7 @@ def _moe_fp8_gemm_kernel(
         acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr, lora_b_ptr,
                                   expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                                   separate_ptr, stride_sh, up_col0, BLOCK_M, K_SPLITS, RANK_STEP, UP_HALF,
-                                  0 if UP_HALF else 1, KEEP_ROWS=False, IN_PLACE=not UP_HALF)
+                                  0, KEEP_ROWS=False, IN_PLACE=True)  # the walk, in place
     if ROUTE_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]

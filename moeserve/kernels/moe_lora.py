@@ -383,10 +383,10 @@ def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr,
     walk (lora_block_expand), the only one that walks up halves (UP_HALF; see there for
     separate_ptr, stride_sh, up_col0)."""
     tl.static_assert(not UP_HALF or ITEMS == 0, "the up halves are walked by lora_block_expand only")
-    tl.static_assert(not IN_PLACE or (ITEMS > 0 and not KEEP_ROWS), "in place: groups of items, no kept rows")
+    tl.static_assert(not IN_PLACE or not KEEP_ROWS, "in place: no kept rows")
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-    if IN_PLACE:
+    if IN_PLACE and ITEMS > 0:
         acc = lora_expand_in_place(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                                    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP,
                                    ITEMS)

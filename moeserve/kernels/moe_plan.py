@@ -97,14 +97,13 @@ DECODE_MAX_PAIRS = 64
 
 # LoRA calls on the sorted path run the no-LoRA call's tiles and options (the table's or the heuristic's), so a row
 # without an adapter gets the no-LoRA call's values, with the expands in the GEMM epilogues accumulating into the
-# GEMM's own accumulator one (slot, rank step) item a dot, the shrinks unsplit (LORA_IN_PLACE), at every size.
-# H200, 4 rank-16 adapters on every row, (MoE + LoRA) / MoE: T=64 1.14, 256 1.23, 512 1.25 (session 16 call 1);
-# T=1,024 / 2,048 / 4,096 / 8,192 1.41 / 1.44 / 1.52 / 1.38 on the 128-row tiles, against 1.63 / 1.75 / 1.85 / 1.71
-# with the expands apart after plain GEMMs (LORA_APART, what plans ran above 4,096 pairs until session 16; call 3),
-# and in the engine's prefill with every prompt on an adapter 0.775 of base against 0.650 apart (call 4). Still
-# there as an option: LORA_APART; the expands before the main loop lost to the epilogue (commit 2c25622); in place
-# with 2 items 1.21-1.39, 4 items 1.46-2.35, 8 spill (session 15).
-LORA_IN_PLACE = dict(lora_epilogue=True, lora_in_place=True, lora_epilogue_items=1, lora_gate_up_splits=1,
+# GEMM's own accumulator, walking the block's (slot, rank step) items with the next one's loads in flight
+# (lora_epilogue_items 0), the shrinks unsplit (LORA_IN_PLACE), at every size. H200, 4 rank-16 adapters on every
+# row in a rank-16 pool, (MoE + LoRA) / MoE, walk / one item a dot (session 17 call 3): T=64 1.07 / 1.07, 256
+# 1.13 / 1.13, 512 1.19 / 1.20, 1,024 1.27 / 1.34, 2,048 1.32 / 1.38, 4,096 1.33 / 1.45, 8,192 1.36 / 1.39; the
+# expands apart after plain GEMMs (LORA_APART) lost by 0.2-0.35 (session 16); the expands before the main loop lost
+# to the epilogue (commit 2c25622); 2 items a dot 1.21-1.39, 4 items 1.46-2.35, 8 spill (session 15).
+LORA_IN_PLACE = dict(lora_epilogue=True, lora_in_place=True, lora_epilogue_items=0, lora_gate_up_splits=1,
                      lora_down_splits=1)
 LORA_APART = dict(lora_epilogue=False, lora_gate_up_splits=1, lora_down_splits=1, lora_epilogue_items=4,
                   lora_apart_tile=(64, 128))
