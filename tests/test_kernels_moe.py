@@ -313,70 +313,22 @@ def _check_sorted_lora(problem, ranks, slots, clean, dirty, plan):
     return base
 
 
-# the group sizes plans pick: 2 (default_plan at up to 512 pairs), 4 (above, and the LoRA-apart plan). A group of
-# one runs the same kernel code (ITEMS is the length of one static loop) and no plan picks it.
-@pytest.mark.parametrize("items", [2, 4], ids=["items2", "items4"])
-def test_sorted_lora_epilogue_variants_match_references(items):
-    """The LoRA-epilogue plan option (a group of items loaded at once and added in one dot, the rest
-    walked) on the mixed-rank case: blocks hold up to 6 (slot, rank step) items (ranks 8, 16, 64),
-    more than any group; NaN wherever the kernels must not read."""
-    problem = _mixed_lora_problem(24, 64, 32, seed=11)
-    base = _check_sorted_lora(*problem, replace(SMALL_PLAN, lora_epilogue_items=items))
-    assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
-
-
-@pytest.mark.parametrize("items,block_m", [(2, 16), (4, 32), (0, 16)], ids=["items2_m16", "items4_m32", "walk_m16"])
-def test_sorted_lora_in_place_matches_references(items, block_m):
-    """The epilogue accumulating into the GEMM's own accumulator (lora_in_place: every item in groups, or walked one
-    at a time with the next one's loads in flight (items 0), no kept copy of the accumulator) on the mixed-rank case:
-    blocks hold more items than a group, so the groups loop; rows without an adapter keep the no-LoRA call's bits
-    (they add exact zeros)."""
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_sorted_lora_walk_in_place_matches_references(block_m):
+    """The epilogue walking every (slot, rank step) item of a block with the next one's loads in flight, each dot
+    accumulating into the GEMM's own accumulator, on the mixed-rank case with 40 tokens: blocks of 16 and of 32 rows
+    hold several slots of several rank steps; rows without an adapter keep the no-LoRA call's bits (they add exact
+    zeros)."""
     tile = replace(SMALL_TILE, block_m=block_m)
-    plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue_items=items, lora_in_place=True)
-    problem = _mixed_lora_problem(40, 64, 32, seed=15)
-    base = _check_sorted_lora(*problem, plan)
-    assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=replace(SMALL_PLAN, gate_up=tile, down=tile))))
+    _check_sorted_lora(*_mixed_lora_problem(40, 64, 32, seed=15), replace(SMALL_PLAN, gate_up=tile, down=tile))
 
 
-@pytest.mark.parametrize("items", [0, 4], ids=["walk", "items4"])
-def test_sorted_lora_apart_from_the_gemms_matches_references(items):
-    """The expands after plain GEMMs (lora_epilogue=False: SiLU*up with the gate_up deltas by its own kernel, the
-    down deltas added to the weighted per-pair output) on the mixed-rank case, NaN wherever the kernels must not
-    read; rows without an adapter bitwise the no-LoRA call of the same plan, whichever way it applies SiLU*up.
-    The plan's fused_act is off: a LoRA call apart applies SiLU*up by its own kernel either way, and the no-LoRA
-    calls of both settings are compared bitwise here (its own kernel, then SMALL_PLAN's fused SiLU*up), so a plan
-    with fused_act on has nothing left to check."""
-    problem = _mixed_lora_problem(24, 64, 32, seed=13)
-    plan = replace(SMALL_PLAN, lora_epilogue=False, lora_epilogue_items=items, fused_act=False)
-    base = _check_sorted_lora(*problem, plan)
-    assert SMALL_PLAN.fused_act
-    assert torch.equal(_bits(base), _bits(fused_moe(*problem[0], plan=SMALL_PLAN)))
-
-
-def test_sorted_lora_apart_in_sub_blocks_matches_references():
-    """Expand programs that take a part of an alignment block (32-row blocks, 16-row expand programs)."""
-    tile = GemmTile(block_m=32, block_n=16, block_k=16, num_warps=4, num_stages=1)
-    plan = replace(SMALL_PLAN, gate_up=tile, down=tile, lora_epilogue=False, lora_apart_tile=(16, 32))
-    base = _check_sorted_lora(*_mixed_lora_problem(40, 64, 32, seed=14), plan)
-    assert torch.isfinite(base).all()
-
-
-def test_sorted_lora_epilogue_options_are_checked():
-    problem, ranks, slots, clean, _ = _mixed_lora_problem(24, 64, 32, seed=12)
-    lora = MoELoRAArgs(slots, ranks, *clean)
-    with pytest.raises(ValueError, match="lora_epilogue_items 3"):
-        fused_moe(*problem, lora, plan=replace(SMALL_PLAN, lora_epilogue_items=3))
-
-
-@pytest.mark.parametrize("items", [0, 4, "apart"], ids=["walk", "items4", "apart"])
-def test_sorted_lora_after_hot_load_and_eviction(items):
+def test_sorted_lora_after_hot_load_and_eviction():
     """Slot buffers change in place between two calls (same tensors, as in a captured graph):
-    slot 4 is loaded (rank 16) and slot 1 evicted (rank 0, left NaN); tokens move to slot 4.
-    The plain walk and the epilogue that loads 4 items at once (default_plan's at block_m 16)."""
+    slot 4 is loaded (rank 16) and slot 1 evicted (rank 0, left NaN); tokens move to slot 4."""
     problem, ranks, slots, clean, dirty = _mixed_lora_problem(24, 64, 32, seed=8)
     lora = MoELoRAArgs(slots, ranks, *dirty)
-    plan = (replace(SMALL_PLAN, lora_epilogue=False) if items == "apart"
-            else replace(SMALL_PLAN, lora_epilogue_items=items))
+    plan = SMALL_PLAN
     first = fused_moe(*problem, lora, plan=plan)
     assert _rel(first, fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))) < 1e-5
 
@@ -494,25 +446,14 @@ def test_gpu_weights_by_tma_match_pointer_loads_bitwise(num_tokens):
         assert _rel(tma, fused_moe_ref(x, w13, w2, weights, ids, adapters)) < 1e-2
 
 
-# default: the no-LoRA default_plan's own options (the plain walk, a kept copy of the accumulator); the others set
-# them (the plans LoRA calls run: one item in place, `in_place1` below)
-EPILOGUE_VARIANTS = {"default": {},
-                     "walk": {"lora_epilogue_items": 0},
-                     "items2": {"lora_epilogue_items": 2},
-                     "items4": {"lora_epilogue_items": 4},
-                     "in_place1": {"lora_epilogue_items": 1, "lora_in_place": True},
-                     "in_place4": {"lora_epilogue_items": 4, "lora_in_place": True},
-                     "apart": {"lora_epilogue": False}}
-
-
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("num_tokens,epilogue", [(t, "default") for t in (16, 64, 256, 512, 1024)] + [
-    (t, v) for t in (64, 256, 1024) for v in EPILOGUE_VARIANTS if v != "default"])
-def test_gpu_sorted_lora_bf16_mixed_ranks(num_tokens, epilogue):
+@pytest.mark.parametrize("num_tokens,plan_of", [(t, "lora") for t in (16, 64, 256, 512, 1024)] + [
+    (t, "no_lora") for t in (64, 256, 1024)])
+def test_gpu_sorted_lora_bf16_mixed_ranks(num_tokens, plan_of):
     """Sorted path at Qwen3-30B-A3B shapes: 7 adapters of ranks 8/16/64 in a rank-64 pool, an
-    evicted slot and tokens without adapter; NaN wherever the kernels must not read. The default
-    plan at every T, and every LoRA-epilogue variant."""
+    evicted slot and tokens without adapter; NaN wherever the kernels must not read. The plan a LoRA
+    call runs at every T, and the no-LoRA call's plan (its shrinks split along K)."""
     q = QWEN3_MOE
     gen, x, w13, w2, weights, ids = _moe_problem(
         num_tokens, q["top_k"], q["num_experts"], q["hidden"], q["inter"], 20 + num_tokens,
@@ -525,7 +466,7 @@ def test_gpu_sorted_lora_bf16_mixed_ranks(num_tokens, epilogue):
         for slot, r in enumerate(slot_ranks):
             _dirty_past_rank(w, which, slot, r)
     slots = (torch.arange(num_tokens, device="cuda") % 9 - 1).to(torch.int32)  # -1, 0, ..., 7
-    plan = replace(default_plan(num_tokens, q["top_k"], decode=False), **EPILOGUE_VARIANTS[epilogue])
+    plan = default_plan(num_tokens, q["top_k"], decode=False, lora=plan_of == "lora")
     out = fused_moe(x, w13, w2, weights, ids, MoELoRAArgs(slots, ranks, *dirty), plan=plan)
     n = min(num_tokens, 128)  # the per-pair reference is slow: rows are independent
     ref = fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n],
@@ -679,21 +620,21 @@ def test_tuned_table_lookup(tmp_path):
     assert moe_plan.tuned_tiles(10, other, "GPU X", table) is None
 
 
-def test_heuristic_lora_plans_run_the_no_lora_tiles_in_place():
+def test_heuristic_lora_plans_run_the_no_lora_tiles():
     """Problems the table does not hold (other GPUs, other shapes): a LoRA call's plan is the no-LoRA call's with the
-    in-place epilogue at every sorted size, so a row without an adapter in a mixed batch gets the LoRA-disabled
+    shrinks unsplit at every sorted size, so a row without an adapter in a mixed batch gets the LoRA-disabled
     engine's bits (the tiles once differed at 513-2,048 pairs, where LoRA calls kept K steps of 128)."""
     for top_k in (8, 2):
         for tokens in range(1, 4097, 7):
             base, lora = (moe_plan.heuristic_plan(tokens, top_k, lora=flag) for flag in (False, True))
             assert (lora.decode, lora.gate_up, lora.down, lora.y_fp32, lora.fused_act) == (
                 base.decode, base.gate_up, base.down, base.y_fp32, base.fused_act), (top_k, tokens)
-            assert base.decode or (lora.lora_epilogue and lora.lora_in_place), (top_k, tokens)
+            assert lora == (base if base.decode else replace(base, **moe_plan.LORA_SHRINKS_UNSPLIT)), (top_k, tokens)
 
 
-def test_lora_calls_run_the_tuned_no_lora_tiles_in_place(monkeypatch):
+def test_lora_calls_run_the_tuned_no_lora_tiles(monkeypatch):
     """Where the table has the problem, a LoRA call runs the no-LoRA call's tiles and options (so its rows without an
-    adapter are the no-LoRA call's), the expands in the epilogues, in place, at every size of the sorted path."""
+    adapter are the no-LoRA call's), the shrinks unsplit, at every size of the sorted path."""
     h200 = moe_plan.tile_table()
     (device, key), rows = next(iter(h200.items()))
     problem = moe_plan.MoEProblem(*key[:4], getattr(torch, key[4]), torch.device("cpu"))
@@ -705,7 +646,7 @@ def test_lora_calls_run_the_tuned_no_lora_tiles_in_place(monkeypatch):
             base, lora = (moe_plan.default_plan(tokens, top_k, problem=problem, lora=flag) for flag in (False, True))
             if base.decode:
                 continue
-            assert lora.lora_epilogue and lora.lora_in_place and not lora.decode, tokens
+            assert not lora.decode and (lora.lora_gate_up_splits, lora.lora_down_splits) == (1, 1), tokens
             assert (lora.gate_up, lora.down, lora.y_fp32, lora.fused_act, lora.weights_tma) == (
                 base.gate_up, base.down, base.y_fp32, base.fused_act, base.weights_tma), tokens
     finally:

@@ -66,7 +66,7 @@ def _problem(num_tokens, num_experts, hidden, inter, top_k, seed=0, dtype=torch.
 
 def _small_plan(block_m=16, block_n=64, block_k=128, fused_act=True, y_fp32=True):
     tile = GemmTile(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=4, num_stages=2)
-    return MoEPlan(False, tile, tile, fused_act=fused_act, y_fp32=y_fp32, lora_epilogue=False)
+    return MoEPlan(False, tile, tile, fused_act=fused_act, y_fp32=y_fp32)
 
 
 def w8a8_bound(x, q13, s13, q2, s2, weights, ids):
@@ -244,7 +244,7 @@ def test_fp8_plan_takes_the_tuned_fp8_rows_and_its_own_path_threshold(monkeypatc
                 plan = fp8_plan(tokens, 8, problem, act_quant)
                 tuned = moe_plan.tuned_tiles(tokens, problem, "NVIDIA H200", dtype_label=label)
                 assert tuned is not None and (plan.gate_up, plan.down) == tuned[:2], (tokens, label)
-                assert not plan.fused_act and not plan.lora_epilogue
+                assert not plan.fused_act
                 tiles[tokens, act_quant] = plan.gate_up
             assert fp8_plan(tokens, 8, problem, None) == fp8_plan(tokens, 8, problem, True)
         assert tiles[512, True] != tiles[512, False]
@@ -334,39 +334,7 @@ def test_gpu_pdl_launches_are_bitwise_the_plain_ones():
 
 
 # ---------------------------------------------------------------------------------------------
-# LoRA on an FP8 base: the recipe the integration follows (plain FP8 GEMMs, LoRA expands apart, every shrink on
-# the unquantized activations)
-
-
-def _fp8_moe_with_lora_apart(x, q13, s13, q2, s2, weights, ids, lora, act_quant, plan):
-    """fused_moe's LoRA-apart sorted path (MoEPlan.lora_epilogue=False) with the FP8 GEMMs in place of the bf16
-    ones: gate_up shrink of x -> FP8 gate_up -> lora_expand_act (h with the gate_up deltas) -> [W8A8: h quantized
-    here, after the deltas] -> down shrink of h -> FP8 down -> lora_expand_down -> top-k sum."""
-    import triton
-
-    from moeserve.kernels import fused_moe_fp8 as fmf
-    from moeserve.kernels.fp8 import quantize_groups_fp8
-    from moeserve.kernels.moe_align import moe_align
-    from moeserve.kernels.moe_lora import lora_block_shrink, lora_expand_act, lora_expand_down
-
-    num_tokens, hidden = x.shape
-    num_experts, inter, top_k = q13.shape[0], q2.shape[2], ids.shape[1]
-    num_pairs = num_tokens * top_k
-    tile = plan.gate_up
-    aligned = moe_align(ids, num_experts, tile.block_m)
-    shrunk_x = lora_block_shrink(x, lora.gate_up_a, aligned, lora, top_k, from_gate_up=False, splits=1)
-    a, a_scale = quantize_groups_fp8(x) if act_quant else (x, weights)
-    gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
-    fmf._launch(a, a_scale, q13, s13, gu, weights, aligned, num_pairs, top_k, 2 * inter, hidden, inter,
-                triton.cdiv(inter, 128), tile, (128, 128), act_quant, False, False, False, False)
-    h = lora_expand_act(gu, shrunk_x, aligned, lora, top_k)
-    shrunk_h = lora_block_shrink(h, lora.down_a, aligned, lora, top_k, from_gate_up=True, splits=1, activated=True)
-    a, a_scale = quantize_groups_fp8(h) if act_quant else (h, weights)
-    y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
-    fmf._launch(a, a_scale, q2, s2, y, weights, aligned, num_pairs, 1, hidden, inter, hidden, 0, plan.down,
-                (128, 128), act_quant, False, True, False, False)
-    lora_expand_down(y, weights, shrunk_h, aligned, lora, top_k)
-    return fmf._topk_sum(y, ids, num_experts, x.dtype, False)
+# LoRA on an FP8 base: the expands in the FP8 GEMMs' epilogues, every shrink on the unquantized activations
 
 
 def _lora_args(num_tokens, num_experts, hidden, inter, gen, device=DEV, dtype=torch.float32):
@@ -382,7 +350,10 @@ def _lora_args(num_tokens, num_experts, hidden, inter, gen, device=DEV, dtype=to
                        *[p.to(dtype) for p in pool])
 
 
-def _check_lora_recipe(num_tokens, num_experts, hidden, inter, top_k, dtype, device, plan):
+def _check_lora_on_fp8(num_tokens, num_experts, hidden, inter, top_k, dtype, device, plan):
+    """fused_moe_fp8(lora=...) on `plan`'s sorted path, weight-only and W8A8: against fused_moe's fp32 reference with
+    LoRA on the dequantized weights; the rows without an adapter (no slot, or the rank-0 slot 1) bitwise the LoRA-free
+    FP8 call on the same plan."""
     problem = _problem(num_tokens, num_experts, hidden, inter, top_k, seed=9, dtype=dtype, device=device)
     x, q13, s13, q2, s2, weights, ids = problem
     lora = _lora_args(num_tokens, num_experts, hidden, inter, torch.Generator(device=device).manual_seed(10),
@@ -396,60 +367,54 @@ def _check_lora_recipe(num_tokens, num_experts, hidden, inter, top_k, dtype, dev
     no_adapter = (lora.token_slots < 0) | (lora.token_slots == 1)  # no slot, or a slot of rank 0
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     # weight-only: fused_moe's fp32 reference with LoRA on the dequantized weights; the rows without an adapter
-    # bitwise the LoRA-free FP8 call on the same tiles
-    out = _fp8_moe_with_lora_apart(*problem, lora, False, plan)
+    # bitwise the LoRA-free FP8 call on the same tiles (they add exact zeros to the GEMMs' accumulators)
+    out = fused_moe_fp8(*problem, act_quant=False, plan=plan, lora=lora)
     assert _rel(out[:n], ref) < tol
     assert _rel(out[:n].float() - ref_base, ref - ref_base) < 10 * tol
-    base = fused_moe_fp8(*problem, act_quant=False, plan=replace(plan, fused_act=False))
+    base = fused_moe_fp8(*problem, act_quant=False, plan=plan)
     assert torch.equal(out[no_adapter], base[no_adapter])
-    # W8A8: the rows without an adapter bitwise the LoRA-free W8A8 call (h quantized after lora_expand_act, as
-    # silu_mul_quant_fp8 rounds it); the adapter deltas within the activation-quantization error of the
-    # reference's, since the shrinks read the unquantized x and h
-    out = _fp8_moe_with_lora_apart(*problem, lora, True, plan)
+    # W8A8: the rows without an adapter bitwise the LoRA-free W8A8 call (the activation kernel quantizes the same h
+    # with LoRA or without); the adapter deltas within the activation-quantization error of the reference's, since
+    # the shrinks read the unquantized x and h
+    out = fused_moe_fp8(*problem, act_quant=True, plan=plan, lora=lora)
     base = fused_moe_fp8(*problem, act_quant=True, plan=plan)
     assert torch.equal(out[no_adapter], base[no_adapter])
     assert _rel(out[:n], ref) < 0.08
     assert _rel(out[:n].float() - base[:n].float(), ref - ref_base) < 0.08
 
 
-def test_lora_apart_on_fp8_gemms_matches_the_dequantized_reference():
-    _check_lora_recipe(9, 4, 256, 128, 2, torch.float32, DEV, _small_plan())
+def test_lora_on_fp8_gemms_matches_the_dequantized_reference():
+    _check_lora_on_fp8(9, 4, 256, 128, 2, torch.float32, DEV, _small_plan())
 
 
-def test_lora_apart_on_fp8_gemms_fp16_rows_without_adapter_bitwise():
-    # 16-bit activations: h is rounded to fp16 by lora_expand_act and by silu_mul_quant_fp8 alike
-    _check_lora_recipe(9, 4, 256, 128, 2, torch.float16, DEV, _small_plan(fused_act=False, y_fp32=False))
+def test_lora_on_fp8_gemms_fp16_rows_without_adapter_bitwise():
+    # 16-bit activations: gu, h and y rounded to fp16, with LoRA and without alike
+    _check_lora_on_fp8(9, 4, 256, 128, 2, torch.float16, DEV, _small_plan(fused_act=False, y_fp32=False))
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_lora_apart_on_fp8_gemms_bf16():
+def test_gpu_lora_on_fp8_gemms_bf16():
     tile = GemmTile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
-    _check_lora_recipe(256, 128, 2048, 768, 8, torch.bfloat16, "cuda",
-                       MoEPlan(False, tile, tile, fused_act=False, y_fp32=False, lora_epilogue=False))
+    _check_lora_on_fp8(256, 128, 2048, 768, 8, torch.bfloat16, "cuda",
+                       MoEPlan(False, tile, tile, fused_act=False, y_fp32=False))
 
 
-@pytest.mark.parametrize("num_tokens,one_pass,in_place", [(3, False, None), (40, False, False), (40, False, True),
-                                                           (40, True, True)])
-def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, one_pass, in_place):
+@pytest.mark.parametrize("num_tokens,own_act", [(3, False), (40, False), (40, True)])
+def test_fused_moe_fp8_with_lora_rows_without_adapter_are_the_lora_free_call(num_tokens, own_act):
     """fused_moe_fp8(lora=...): the adapter rows as fused_moe's fp32 reference with LoRA on the dequantized weights,
     the others bitwise the call without LoRA, on either path; with one A per slot, then with slot 0's own up A (a
     pool with lora_separate_gate_up). The LoRA-free calls they are compared with are the same for both pools.
-    6 pairs: the GEMV path; 80: the sorted path, with the heuristic's plan (SiLU*up in the down GEMM) or
-    `one_pass`, a plan with SiLU*up by its own kernel; the LoRA `in_place` (the GEMM epilogues; one pass either
-    way) or apart (two passes where the down GEMM applies SiLU*up; apart in one pass is the recipe tests')."""
+    6 pairs: the GEMV path; 80: the sorted path (its expands in the GEMM epilogues, the heuristic's LoRA options),
+    with the heuristic's plan (SiLU*up in the down GEMM) or, `own_act`, a plan with SiLU*up by its own kernel."""
     problem = _problem(num_tokens, 4, 256, 128, 2, seed=11)
     x, q13, s13, q2, s2, weights, ids = problem
     w13, w2 = dequantize_w13_fp8(q13, s13), dequantize_block_fp8(q2, s2)
-    plan = dict(plan=_small_plan(fused_act=False)) if one_pass else {}
+    plan = dict(plan=_small_plan(fused_act=False)) if own_act else {}
     if num_tokens == 3:  # the GEMV path in 128-column programs: its arithmetic per column, a quarter of the programs
         wide = GemmTile(block_n=128, block_k=256, num_warps=4, num_stages=1)
         plan = dict(plan=MoEPlan(True, wide, wide))
     base = {act_quant: fused_moe_fp8(*problem, act_quant=act_quant, **plan) for act_quant in (False, True)}
-    if in_place is not None:
-        options = fused_moe_fp8_module.lora_options(num_tokens, 2)
-        assert options.lora_epilogue and options.lora_in_place  # 80 pairs: the default is in place
-        plan["lora_plan"] = options if in_place else replace(options, **moe_plan.LORA_APART)
     ref_base = fused_moe_ref(x.float(), w13, w2, weights, ids).float()
     for separate_up in (False, True):
         gen = torch.Generator(device=DEV).manual_seed(12)

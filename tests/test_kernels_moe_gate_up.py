@@ -12,7 +12,6 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any module with @triton.jit is imported
 
-from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -35,8 +34,6 @@ SMALL_TILE = GemmTile(block_m=16, block_n=16, block_k=16, num_warps=4, num_stage
 SORTED_PLAN = MoEPlan(False, SMALL_TILE, SMALL_TILE, lora_shrink_block_k=16, lora_gate_up_splits=3,
                       lora_down_splits=2, lora_shrink_lanes=2)
 DECODE_PLAN = MoEPlan(True, SMALL_TILE, SMALL_TILE)
-SORTED_ITEMS_PLAN = replace(SORTED_PLAN, lora_epilogue_items=4)  # default_plan's epilogue at block_m 16
-APART_PLAN = replace(SORTED_PLAN, lora_epilogue=False)  # plain GEMMs, the expands by their own kernels
 
 
 def _rel(out, ref):
@@ -94,7 +91,7 @@ def _one_a(lora):
     return MoELoRAArgs(lora.token_slots, lora.slot_ranks, lora.gate_up_a, lora.gate_up_b, lora.down_a, lora.down_b)
 
 
-@pytest.mark.parametrize("decode", [True, False, "apart"], ids=["decode", "sorted", "sorted-apart"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
 @pytest.mark.parametrize("shape", [(8, 64, 32), (10, 48, 40)], ids=["H64I32", "H48I40"])
 def test_separate_and_one_a_slots_in_one_batch_match_references(shape, decode):
     """Ranks 8/16 in a rank-16 pool, separate and one-A slots side by side, tokens without an adapter and on an
@@ -102,7 +99,7 @@ def test_separate_and_one_a_slots_in_one_batch_match_references(shape, decode):
     Against fp32 fused_moe_ref and the torch MoE backend; rows without an adapter bitwise the no-LoRA kernel's."""
     num_tokens, hidden, inter = shape
     problem, slots, clean, dirty = make_problem(num_tokens, 2, 4, hidden, inter, seed=num_tokens)
-    plan = {True: DECODE_PLAN, False: SORTED_PLAN, "apart": APART_PLAN}[decode]
+    plan = DECODE_PLAN if decode else SORTED_PLAN
     out = fused_moe(*problem, dirty, plan=plan)
     ref = fused_moe_ref(*problem, clean)
     assert torch.isfinite(out).all()
@@ -139,31 +136,25 @@ def test_slot_reloaded_from_separate_to_one_a_and_back():
             lora.gate_up_separate[0] = separate
         dirty.up_a[0].copy_(clean.up_a[0]) if separate else None
         ref = fused_moe_ref(*problem, clean)
-        for plan in (DECODE_PLAN, SORTED_PLAN, SORTED_ITEMS_PLAN, APART_PLAN):
+        for plan in (DECODE_PLAN, SORTED_PLAN):
             out = fused_moe(*problem, dirty, plan=plan)
             assert torch.isfinite(out).all() and _rel(out, ref) < 1e-5, (separate, plan)
 
 
-# one group size: the up halves are walked whatever it is (moe_lora: ITEMS only with UP_HALF off), and group sizes
-# 2 and 4 run the same kernel code (test_kernels_moe.py runs both); 4 is SORTED_ITEMS_PLAN's, default_plan's above
-# 512 pairs and the LoRA-apart plan's
-@pytest.mark.parametrize("items,in_place", [(4, False), (1, True)], ids=["items4", "in_place1"])
-def test_epilogue_items_on_a_pool_with_up_halves(items, in_place):
-    """The sorted path's epilogue items on a pool with up A's: its gate_up GEMM walks the up halves
-    (lora_block_expand), its down GEMM loads the items. Ranks 8/16/64 in a rank-64 pool (rank 64: more
-    items than a group holds), separate and one-A slots, an empty separate-flagged slot, rows without an
-    adapter; NaN wherever nothing may be read. Against the fp32 reference and the plain walk's output.
-    `in_place` (the engine's plans on tuned tiles): the walk and the down GEMM's items add into the accumulator."""
+def test_up_halves_walked_over_several_rank_steps():
+    """The sorted path's epilogue on a pool with up A's and ranks above one rank step: its gate_up GEMM walks each
+    separate slot's gate and up halves, step by step up to the slot's rank (lora_block_expand), into the
+    accumulator. Ranks 8/16/64 in a rank-64 pool (rank 64: four steps a half), separate and one-A slots, an empty
+    separate-flagged slot, rows without an adapter; NaN wherever nothing may be read. Against the fp32 reference."""
     ranks, separate = [8, 16, 64, 8, 0], [1, 0, 1, 0, 1]
     problem, slots, clean, dirty = make_problem(16, 2, 4, 48, 40, seed=21, ranks=ranks, separate=separate,
                                                 max_rank=64, std=0.15)
-    plan = replace(SORTED_PLAN, lora_epilogue_items=items, lora_in_place=in_place)
+    plan = SORTED_PLAN
     out = fused_moe(*problem, dirty, plan=plan)
     ref = fused_moe_ref(*problem, clean)
     assert torch.isfinite(out).all()
     assert _rel(out, ref) < 1e-5
     assert _rel(ref, fused_moe_ref(*problem, _one_a(clean))) > 1e-2, "the up A's must matter"
-    assert _rel(out, fused_moe(*problem, dirty, plan=SORTED_PLAN)) < 1e-5
     base = fused_moe(*problem, plan=plan)
     ref_base = fused_moe_ref(*problem)
     assert _rel(out - base, ref - ref_base) < 1e-4

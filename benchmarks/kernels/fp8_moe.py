@@ -173,7 +173,7 @@ def sweep_plans(batch: int, act_quant: bool) -> dict[str, MoEPlan]:
         gate_up = fit_tile(tile, a_bytes, 1, limit)
         down = fit_tile(tile, a_bytes, 1 if act_quant else 2, limit)
         for fused_act in ((False,) if act_quant else (True, False)):
-            plan = MoEPlan(False, gate_up, down, y_fp32=False, fused_act=fused_act, lora_epilogue=False)
+            plan = MoEPlan(False, gate_up, down, y_fp32=False, fused_act=fused_act)
             plans[f"{bm}x{bn}x{bk}w{warps}s{stages}{'' if fused_act else '_act'}"] = plan
     if batch * TOP_K <= DECODE_MAX_PAIRS:
         for bn, bk, warps, stages in GEMV_SWEEP_TILES:

@@ -1,7 +1,7 @@
 """Fused MoE and MoE-LoRA kernels at Qwen3-30B-A3B decode shapes (H 2048, I 768, E 128, top-8).
 
     python -m benchmarks.kernels.kernels [--batches 1,8,32,64,128,256,512] [--out bench_out/]
-                                     [--sweep] [--lora-sweep [--lora-variants 'epi_*']] [--profile] [--no-pdl]
+                                     [--sweep] [--lora-sweep [--lora-variants 'splits*']] [--profile] [--no-pdl]
                                      [--parts moe,router,dense_lora,norm_rotary,gemv]
 
 Measures, in one process on one GPU:
@@ -17,10 +17,10 @@ Measures, in one process on one GPU:
   (first 64 tokens): max |out - ref| / max |ref| and the relative error of the LoRA delta itself;
 - the alignment kernel against its torch reference.
 `--sweep` also times block-size candidates and both paths per batch, and the sorted-path LoRA
-tiles (`--lora-sweep` runs only the latter: LoRA-epilogue variants, shrink K step, splits, lanes,
-warps, base tiles; all timed in turn twice, medians; a table of the epilogue variants last);
+tiles (`--lora-sweep` runs only the latter: shrink K step, splits, lanes, warps, base tiles; all
+timed in turn twice, medians; a table of the variants last);
 `--profile` prints per-kernel GPU time per forward at T = 8, 64, 256 for MoE alone and MoE + 4
-adapters (default plan and a few epilogue variants, each profiled alone), the gate_up and down
+adapters (the LoRA call's default plan, each profiled alone), the gate_up and down
 shrinks named apart, and a table of the shrink / GEMM split last. Prints the tables last, writes
 kernels_bench.json.
 
@@ -242,22 +242,11 @@ def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, pdl: bool, rou
     return out
 
 
-# LoRA-epilogue variants of the sorted path (MoEPlan.lora_epilogue_items): same base kernels, the
-# walk or a group of (slot, rank step) items loaded at once. Each sets the knob, so it means the same
-# whatever default_plan picks (2 or 4 items at block_m 16).
-EPILOGUE_VARIANTS = {
-    "epi_walk": dict(lora_epilogue_items=0),
-    "epi_items2": dict(lora_epilogue_items=2),
-    "epi_items4": dict(lora_epilogue_items=4),
-}
-
-
 def _lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
-    """Around the default sorted plan: one knob at a time, then a few combinations."""
+    """Around the default sorted plan: one knob at a time, then a few combinations (the expands run one way, in
+    the GEMM epilogues on the plan's tiles: the LoRA's own knobs are its shrinks')."""
     gu, dn = plan.gate_up, plan.down
     v = {"default": plan}
-    for name, options in EPILOGUE_VARIANTS.items():
-        v[name] = replace(plan, **options)
     for bk in (64, 256):
         v[f"shrink_k{bk}"] = replace(plan, lora_shrink_block_k=bk)
     for gs, ds in ((2, 1), (8, 3), (8, 6), (16, 6)):
@@ -279,10 +268,10 @@ def _lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
 
 def sweep_lora(batch: int, weights, inputs, pools, pdl: bool, rounds: int = 2, only: str = "*") -> list[dict]:
     """4 rank-16 adapters, (MoE + LoRA) / MoE with the same base plan, over the sorted-path LoRA
-    tiles (epilogue variants, shrink K step, K splits, slot lanes, warps, base GEMM tiles); all
-    variants timed in turn, `rounds` times (medians). The epilogue variants also report the
-    relative error of their LoRA delta against the fp32 reference (first 64 tokens). `only`: comma list
-    of fnmatch patterns of the variant names to time ("default" is always timed)."""
+    tiles (shrink K step, K splits, slot lanes, warps, base GEMM tiles); all variants timed in turn,
+    `rounds` times (medians). Each also reports the relative error of its LoRA delta against the fp32
+    reference (first 64 tokens). `only`: comma list of fnmatch patterns of the variant names to time
+    ("default" is always timed)."""
     loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
     if batch * TOP_K <= 64:
         return []  # decode path: no sorted-path LoRA kernels
@@ -303,14 +292,12 @@ def sweep_lora(batch: int, weights, inputs, pools, pdl: bool, rounds: int = 2, o
         row = {"variant": name, "base_us": statistics.median(r["us"] for r in base),
                "lora_us": statistics.median(r["us"] for r in lora)}
         row["ratio"] = row["lora_us"] / row["base_us"]
-        if name == "default" or name in EPILOGUE_VARIANTS:
-            row["delta_rel_err"] = lora_errors(weights, inputs, loras[0], plan, reference)["delta_rel_err"]
+        row["delta_rel_err"] = lora_errors(weights, inputs, loras[0], plan, reference)["delta_rel_err"]
         rows.append(row)
     return rows
 
 
 PROFILE_BATCHES = (8, 64, 256)
-PROFILE_LORA_PLANS = ("default", "epi_walk", "epi_items2", "epi_items4")
 
 
 def _kernel_split(calls, forwards: int) -> list[tuple[str, float, float]]:
@@ -340,13 +327,11 @@ def _kernel_split(calls, forwards: int) -> list[tuple[str, float, float]]:
 
 def profile(batch: int, weights, inputs, pool, pdl: bool) -> dict:
     """Per-kernel GPU time per forward of eager calls: MoE alone, then MoE + 4 rank-16 adapters
-    under the default plan and a few LoRA-epilogue variants (each mode profiled on its own, so the
-    LoRA GEMMs are not averaged with the base ones)."""
+    under the LoRA call's default plan (each mode profiled on its own, so the LoRA GEMMs are not
+    averaged with the base ones)."""
     loras = [lora_args(pool[i], batch, "lora4_r16") for i in range(NUM_SETS)]
     plan, lora_plan = default_plan(batch, TOP_K), default_plan(batch, TOP_K, lora=True)
-    variants = _lora_variants(lora_plan) if not lora_plan.decode else {"default": lora_plan}
-    modes = {"moe": (None, plan)}
-    modes.update({f"lora4 {v}": (loras, variants[v]) for v in PROFILE_LORA_PLANS if v in variants})
+    modes = {"moe": (None, plan), "lora4 default": (loras, lora_plan)}
     rounds = 5
     out = {}
     for mode, (lora, mode_plan) in modes.items():
@@ -485,7 +470,7 @@ def main(argv=None):
     ap.add_argument("--lora-sweep", action="store_true",
                     help="time sorted-path MoE-LoRA tile candidates, 4 rank-16 adapters")
     ap.add_argument("--lora-variants", default="*",
-                    help="comma list of fnmatch patterns: the --lora-sweep variants to time (e.g. 'epi_*'); "
+                    help="comma list of fnmatch patterns: the --lora-sweep variants to time (e.g. 'splits*'); "
                          "the default plan is always timed")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at a few batches")
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
@@ -573,30 +558,27 @@ def main(argv=None):
               + " ".join(f"{r[c]['ratio']:>14.3f}" for c in LORA_CASES)
               + f" {r['align_us']:>8.1f} {r['align_ref_us']:>6.1f}")
     print_lora_table(report["batches"])
-    print_epilogue_tables(report["sweep_lora"], report["profile"])
+    print_lora_sweep_tables(report["sweep_lora"], report["profile"])
     save()
     return 0
 
 
-def print_epilogue_tables(sweep_rows: dict, profiles: dict) -> None:
-    """The sorted-path LoRA-epilogue variants against the default (from --lora-sweep), and the
+def print_lora_sweep_tables(sweep_rows: dict, profiles: dict) -> None:
+    """The sorted-path LoRA plan variants against the default (from --lora-sweep), one row a variant, and the
     split of a forward between shrinks and GEMMs (from --profile)."""
-    names = ["default", *EPILOGUE_VARIANTS]
-    if any(sweep_rows.values()):
-        print("\nMoE-LoRA epilogue variants, 4 rank-16 adapters: (MoE + LoRA) / MoE [LoRA us / default's], "
+    by_batch = {batch: {r["variant"]: r for r in rows} for batch, rows in sweep_rows.items()}
+    by_batch = {batch: rows for batch, rows in by_batch.items() if "default" in rows}
+    if by_batch:
+        print("\nMoE-LoRA plan variants, 4 rank-16 adapters: (MoE + LoRA) / MoE [LoRA us / default's], "
               "d = rel. error of the LoRA delta")
-        print(f"{'batch':>5} " + " ".join(f"{n:>24}" for n in names))
-        for batch, rows in sweep_rows.items():
-            by_name = {r["variant"]: r for r in rows}
-            if "default" not in by_name:
-                continue
-            ref = by_name["default"]["lora_us"]
+        print(f"{'variant':>22} " + " ".join(f"{'T=' + str(batch):>24}" for batch in by_batch))
+        for n in dict.fromkeys(n for rows in by_batch.values() for n in rows):
             cells = []
-            for n in names:
-                r = by_name.get(n)
+            for rows in by_batch.values():
+                r, ref = rows.get(n), rows["default"]["lora_us"]
                 cells.append(f"{r['ratio']:.3f} [{r['lora_us'] / ref:.3f}] d{r.get('delta_rel_err', float('nan')):.0e}"
                              if r else "-")  # not asked for (--lora-variants), or failed (printed above)
-            print(f"{batch:>5} " + " ".join(f"{c:>24}" for c in cells))
+            print(f"{n:>22} " + " ".join(f"{c:>24}" for c in cells))
     if profiles:
         print("\nMoE forward split (us per forward, eager): shrinks, gate_up GEMM, down GEMM, the rest")
         print(f"{'batch':>5} {'mode':>28} {'total':>7} {'shrinks':>8} {'gate_up':>8} {'down':>8} {'rest':>7}")

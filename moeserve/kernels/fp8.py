@@ -156,7 +156,7 @@ def _quantize_groups_kernel(
     ok = row_ok[:, None] & (cols < K)[None, :]
     ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
     v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
-    if SILU_MUL:  # h rounded to gu's dtype first, as lora_expand_act stores it (see silu_mul_quant_fp8)
+    if SILU_MUL:  # h rounded to gu's dtype first, as the WRITE_H copy holds it (see silu_mul_quant_fp8)
         up = tl.load(ptrs + K, mask=ok, other=0.0).to(tl.float32)
         h = silu_mul(v, up).to(x_ptr.dtype.element_ty)
         if WRITE_H:
@@ -194,9 +194,9 @@ def quantize_groups_fp8(x: torch.Tensor, group: int = ACT_GROUP, pdl: bool = Fal
 
 def silu_mul_quant_fp8(gu: torch.Tensor, group: int = ACT_GROUP, pdl: bool = False, with_h: bool = False):
     """gu [M, 2I] = [gate | up] -> h = silu(gate) * up (in fp32, rounded to gu's dtype) quantized per (row, group):
-    (q [M, I] fp8, scale [M, ceil(I/group)]). The down GEMM's A operand of the W8A8 MoE. h is rounded as
-    moe_lora.lora_expand_act stores it, so that with LoRA, where h is lora_expand_act's output quantized by
-    quantize_groups_fp8, the rows without an adapter are bitwise this. Bitwise `silu_mul_quant_fp8_ref` up to
+    (q [M, I] fp8, scale [M, ceil(I/group)]). The down GEMM's A operand of the W8A8 MoE. h is rounded to gu's
+    dtype before it is quantized, as fused_moe.silu_mul_rows stores it, so `with_h` below is exactly the h that
+    was quantized. Bitwise `silu_mul_quant_fp8_ref` up to
     the exp of silu (Triton's and torch's may differ in the last fp32 bit; that can move a value across a
     rounding boundary, rarely). `with_h`: also h itself in gu's dtype, the exact values quantized -> (q, scale,
     h): what a LoRA shrink of h reads (it must never read the fp8 copy)."""

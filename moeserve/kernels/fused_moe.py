@@ -14,10 +14,9 @@ size always records the same kernels):
   grouped GEMMs: gate_up -> [pairs, 2I], and down with SiLU*up fused into its A-operand
   load, routing weight applied in the epilogue. LoRA: shrinks grouped by the same expert
   blocks run before each GEMM (moe_lora), and the expands are added in the GEMM epilogues
-  (before the routing weight; MoEPlan.lora_in_place: into the accumulator itself, what the
-  engine's plans run at every size), so each touched adapter-expert weight is read about once
-  per block and gu / y are written once; or, as an option, apart after plain GEMMs
-  (MoEPlan.lora_epilogue=False), which reads and writes gu and y again. A second,
+  (before the routing weight), walking the block's adapter slots into the accumulator itself,
+  so each touched adapter-expert weight is read about once per block and gu / y are written
+  once. A second,
   (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 (MoE + 4 rank-16 adapters / MoE at
   T = 16/64/256/512: 1.43/1.42/1.45/1.53 against 1.26/1.37/1.49/1.54 here) and was removed
   after cfefc5c.
@@ -43,8 +42,6 @@ from moeserve.kernels.moe_lora import (
     RANK_STEP,
     lora_block_epilogue,
     lora_block_shrink,
-    lora_expand_act,
-    lora_expand_down,
     lora_rank_block,
     lora_shrink_pairs,
     silu_mul,
@@ -107,14 +104,12 @@ def _moe_gate_up_kernel(
     separate_ptr, stride_sh, up_col0, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
-    UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1,
-    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False,
+    UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, GROUP_M: tl.constexpr = 1, W_TMA: tl.constexpr = False,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
     aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
-    columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand),
-    which takes the plain walk (LORA_ITEMS 0). With LoRA the kernel waits for the shrink just
-    launched only before its epilogue (late wait)."""
+    columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand). With
+    LoRA the kernel waits for the shrink just launched only before its epilogue (late wait)."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
@@ -144,8 +139,7 @@ def _moe_gate_up_kernel(
         acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
                                   lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
                                   stride_be, stride_bn, separate_ptr, stride_sh, up_col0, BLOCK_M,
-                                  K_SPLITS, RANK_STEP, UP_HALF, LORA_ITEMS, KEEP_ROWS=not LORA_IN_PLACE,
-                                  IN_PLACE=LORA_IN_PLACE and not UP_HALF)
+                                  K_SPLITS, RANK_STEP, UP_HALF)
     out_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
     tl.store(out_ptrs, acc.to(gu_ptr.dtype.element_ty),
              mask=pair_ok[:, None] & (offs_n < N)[None, :])
@@ -160,8 +154,7 @@ def _moe_down_kernel(
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, USE_PDL: tl.constexpr,
-    LORA_ITEMS: tl.constexpr = 0, GROUP_M: tl.constexpr = 1, FUSED_ACT: tl.constexpr = True,
-    W_TMA: tl.constexpr = False, LORA_IN_PLACE: tl.constexpr = False,
+    GROUP_M: tl.constexpr = 1, FUSED_ACT: tl.constexpr = True, W_TMA: tl.constexpr = False,
 ):
     """y[pair] = w[pair] * (W2_e @ h (+ B (A h) of the pair's adapter)), h = silu(g) * u applied
     as the A tile is loaded (FUSED_ACT; else gu_ptr holds h itself, [pairs, K]); the routing weight scales
@@ -203,7 +196,7 @@ def _moe_down_kernel(
         acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
                                   lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
                                   stride_be, stride_bn, slots_ptr, 0, N, BLOCK_M, K_SPLITS, RANK_STEP,
-                                  False, LORA_ITEMS, KEEP_ROWS=not LORA_IN_PLACE, IN_PLACE=LORA_IN_PLACE)
+                                  False)
     weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
     acc = acc * weights[:, None]
     out_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
@@ -489,14 +482,6 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
-def _epilogue_items(plan: MoEPlan) -> int:
-    """The plan's LoRA-epilogue group size (LORA_ITEMS), checked."""
-    items = plan.lora_epilogue_items
-    if items < 0 or items & (items - 1):
-        raise ValueError(f"lora_epilogue_items {items} is not 0 or a power of two")
-    return items
-
-
 def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -511,9 +496,6 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     aligned = moe_align(topk_ids, num_experts, t.block_m, pdl=pdl)
     num_blocks = aligned.block_groups.numel()
     up_half = has_lora and lora.up_a is not None
-    apart = has_lora and not plan.lora_epilogue  # plain GEMMs, then lora_expand_act / lora_expand_down
-    in_epilogue = has_lora and not apart
-    in_place = in_epilogue and plan.lora_in_place  # the epilogue's dots accumulate into the GEMM's own acc
 
     def shrink(from_gate_up, src, splits, activated=False):
         a = lora.down_a if from_gate_up else lora.gate_up_a
@@ -525,7 +507,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
 
     def epilogue_lora(from_gate_up, src, splits, activated=False):
         """Launch args of a GEMM's LoRA epilogue; runs the shrink of that GEMM's input first."""
-        if not in_epilogue:
+        if not has_lora:
             return (topk_ids, topk_ids, x, x), (0,) * 5, 1  # unused placeholders
         b = lora.down_b if from_gate_up else lora.gate_up_b
         if b.stride(3) != 1:
@@ -535,35 +517,24 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
                 (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])
 
-    items = _epilogue_items(plan) if has_lora else 0  # lora=None: the kernels compile as without the option
     gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
     w13_desc, w2_desc, w_tma = weight_descs(w13, w2, plan)
-    shrunk_x = shrink(False, x, plan.lora_gate_up_splits) if apart else None
     ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
-    halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half and in_epilogue else (topk_ids, 0, two_i)
+    halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half else (topk_ids, 0, two_i)
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
         x, w13, gu, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, two_i, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves, w13_desc,
         W_TMA=w_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        EVEN_K=hidden % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, UP_HALF=up_half and in_epilogue,
-        LORA_ITEMS=0 if up_half or not in_epilogue else items,  # up halves: the walk only
-        LORA_IN_PLACE=in_place, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps,
-        num_stages=t.num_stages)
+        EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
+        RANK_STEP=RANK_STEP, UP_HALF=up_half, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=t.num_warps, num_stages=t.num_stages)
 
-    # the down GEMM's A: gu with SiLU*up applied as it loads, or h computed by its own kernel (with the gate_up
-    # LoRA deltas added first when they run apart)
-    fused_act = plan.fused_act and not apart
-    act = gu
-    if apart:
-        act = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile,
-                              num_warps=plan.lora_apart_warps, pdl=pdl)
-    elif not fused_act:
-        act = silu_mul_rows(gu, pdl)
+    # the down GEMM's A: gu with SiLU*up applied as it loads, or h computed by its own kernel
+    fused_act = plan.fused_act
+    act = gu if fused_act else silu_mul_rows(gu, pdl)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=dev)
     t = plan.down
-    shrunk_h = shrink(True, act, plan.lora_down_splits, activated=True) if apart else None
     # the down shrink reads h where a kernel wrote it (H200, T=256: 42 us from gu's gate and up, 18 from h at 1,024)
     ptrs, strides, k_splits = epilogue_lora(True, act, plan.lora_down_splits, activated=not fused_act)
     _moe_down_kernel[(num_blocks * triton.cdiv(hidden, t.block_n),)](
@@ -571,13 +542,9 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         num_pairs, top_k, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *strides, w2_desc,
         W_TMA=w_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        EVEN_K=inter % t.block_k == 0, HAS_LORA=in_epilogue, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, LORA_ITEMS=items if in_epilogue else 0, LORA_IN_PLACE=in_place, GROUP_M=t.group_m,
-        FUSED_ACT=fused_act,
+        EVEN_K=inter % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
+        RANK_STEP=RANK_STEP, GROUP_M=t.group_m, FUSED_ACT=fused_act,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
-    if apart:
-        lora_expand_down(y, topk_weights, shrunk_h, aligned, lora, top_k, items=items, tile=plan.lora_apart_tile,
-                         num_warps=plan.lora_apart_warps, pdl=pdl)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 

@@ -31,18 +31,11 @@ LoRA:
 - decode (GEMV) path: as fused_moe's: the per-pair shrinks (moe_lora.lora_shrink_pairs, of x and of silu(g)*u read
   from gu) run before each GEMV, whose epilogue adds the pair's expand to its fp32 sum (gu before the down GEMV
   applies SiLU*up; y before the routing weight); a pair without an adapter adds an exact zero.
-- sorted path, in place (`lora_options`, every size): the bf16 path's in-place epilogue on
-  the FP8 GEMMs' own tiles: each GEMM adds the expands into its scaled fp32 accumulator before the routing weight
+- sorted path (`lora_options` gives the shrinks' options): the bf16 path's LoRA epilogue on the FP8 GEMMs' own
+  tiles, in one pass: each GEMM adds the expands into its scaled fp32 accumulator itself before the routing weight
   and its store, a row without an adapter adding exact zeros, so gu, h and y of such a row are the no-LoRA call's.
   Under W8A8 the activation kernel also writes the bf16 h it quantizes (silu_mul_quant_fp8's with_h), which the
   down shrink reads.
-- sorted path, apart (a `lora_plan` with moe_plan.LORA_APART's options): plain GEMMs, then moe_lora.lora_expand_act
-  on gu (deltas and SiLU*up) and lora_expand_down on y. W8A8 quantizes h after lora_expand_act. Where the plan
-  applies SiLU*up by its own kernel (the tuned table's plans; W8A8 always), the rows without an adapter of
-  lora_expand_act's h are that kernel's rows, and the call is one pass. Where the down GEMM reads gu with SiLU*up
-  fused in (the heuristic's plans), the apart recipe's h may round differently; so that call runs the LoRA-free
-  forward for every row and the apart one for every row, and keeps the second's rows where the token has an
-  adapter (sync-free, graph-safe).
 """
 from __future__ import annotations
 
@@ -72,8 +65,6 @@ from moeserve.kernels.moe_lora import (
     RANK_STEP,
     lora_block_epilogue,
     lora_block_shrink,
-    lora_expand_act,
-    lora_expand_down,
     lora_rank_block,
     lora_shrink_pairs,
     silu_mul,
@@ -182,8 +173,7 @@ def _moe_fp8_gemm_kernel(
     if HAS_LORA:
         acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr, lora_b_ptr,
                                   expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                  separate_ptr, stride_sh, up_col0, BLOCK_M, K_SPLITS, RANK_STEP, UP_HALF,
-                                  0, KEEP_ROWS=False, IN_PLACE=True)  # the walk, in place
+                                  separate_ptr, stride_sh, up_col0, BLOCK_M, K_SPLITS, RANK_STEP, UP_HALF)
     if ROUTE_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
@@ -287,10 +277,11 @@ def _table_label(act_quant: bool) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def lora_options(num_tokens: int, top_k: int) -> MoEPlan:
-    """The LoRA options of an FP8 sorted-path call (the heuristic's, moe_plan.LORA_IN_PLACE: H200, W8A8, 4
-    rank-16 adapters, (MoE + LoRA) / MoE in place / apart 1.16 / 1.45 at T = 16, 1.36 / 1.51 at 256, 1.54 / 1.75 at
-    512, 1.65 / 1.81 at 4,096; the engine's prefill with every prompt on an adapter 0.720 / 0.627 of base; session
-    16 calls 2-4). Its tiles are not read (fp8_plan gives those)."""
+    """The LoRA options of an FP8 sorted-path call: the heuristic's shrinks (moe_plan.LORA_SHRINKS_UNSPLIT). Its
+    tiles are not read (fp8_plan gives those). (H200, W8A8, 4 rank-16 adapters, (MoE + LoRA) / MoE with the expands
+    in the GEMM epilogues / apart after plain GEMMs: 1.16 / 1.45 at T = 16, 1.36 / 1.51 at 256, 1.54 / 1.75 at 512,
+    1.65 / 1.81 at 4,096; the engine's prefill with every prompt on an adapter 0.720 / 0.627 of base; session 16
+    calls 2-4. The apart expands were removed after f6bc547.)"""
     return heuristic_plan(num_tokens, top_k, decode=False, lora=True)
 
 
@@ -328,7 +319,7 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool |
         return fit_tile(tile, a_bytes, a_loads, limit)
 
     return replace(plan, gate_up=fit(plan.gate_up, 1), down=fit(plan.down, 2 if fused_act else 1),
-                   fused_act=fused_act, lora_epilogue=False)
+                   fused_act=fused_act)
 
 
 def _check_plan(plan: MoEPlan, block: tuple[int, int]) -> None:
@@ -448,10 +439,8 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
 
 def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
                     lora=None, lora_plan: MoEPlan | None = None):
-    """The sorted path. With `lora`, `lora_plan` gives its options: lora_in_place, the shrinks of x and of h (never
-    their fp8 copies) launched just before each GEMM, whose epilogue adds the expands into its accumulator; else
-    apart (shrink of x, plain gate_up GEMM, lora_expand_act applying the deltas and SiLU*up, shrink of h, plain down
-    GEMM, lora_expand_down)."""
+    """The sorted path. With `lora`, the shrinks of x and of h (never their fp8 copies; `lora_plan` gives their
+    options), each launched just before its GEMM, whose epilogue adds the expands into its accumulator."""
     num_tokens, hidden = x.shape
     num_experts = w13.shape[0]
     inter = w2.shape[2]
@@ -459,7 +448,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     num_pairs = num_tokens * top_k
     aligned = moe_align(topk_ids, num_experts, plan.gate_up.block_m, pdl=pdl)
     lp = lora_plan
-    in_place = lora is not None and lp.lora_epilogue and lp.lora_in_place
+    has_lora = lora is not None
 
     def shrink(src, a, from_gate_up, splits, activated=True):
         return lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
@@ -471,36 +460,27 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
         a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
     else:
         a, a_scale = x, topk_weights  # a_scale: an unread placeholder
-    # in place: the shrink right before its GEMM, whose main loop reads only older data (pdl's late wait)
-    shrunk_x = shrink(x, lora.gate_up_a, False, lp.lora_gate_up_splits) if lora is not None else None
+    # the shrink right before its GEMM, whose main loop reads only older data (pdl's late wait)
+    shrunk_x = shrink(x, lora.gate_up_a, False, lp.lora_gate_up_splits) if has_lora else None
     gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _launch(a, a_scale, w13, s13, gu, topk_weights, aligned, num_pairs, top_k, 2 * inter, hidden,
             inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, scale_product, pdl,
-            (lora, lora.gate_up_b, shrunk_x, top_k) if in_place else None)
+            (lora, lora.gate_up_b, shrunk_x, top_k) if has_lora else None)
 
-    fused_act = plan.fused_act and not act_quant and (lora is None or in_place)
-    shrunk_h = None
-    if lora is not None and not in_place:  # h with the gate_up deltas, in x's dtype, read by the down shrink
-        h = lora_expand_act(gu, shrunk_x, aligned, lora, top_k, items=lp.lora_epilogue_items, tile=lp.lora_apart_tile,
-                            num_warps=lp.lora_apart_warps, pdl=pdl)
-        shrunk_h = shrink(h, lora.down_a, True, lp.lora_down_splits)
-        h, h_scale = quantize_groups_fp8(h, block[1], pdl=pdl) if act_quant else (h, topk_weights)
-    elif act_quant:  # in place: also the bf16 h it quantizes, for the down shrink
-        h, h_scale, *h_plain = silu_mul_quant_fp8(gu, block[1], pdl=pdl, with_h=in_place)
+    fused_act = plan.fused_act and not act_quant
+    if act_quant:  # with LoRA also the bf16 h it quantizes, for the down shrink
+        h, h_scale, *h_plain = silu_mul_quant_fp8(gu, block[1], pdl=pdl, with_h=has_lora)
     elif fused_act:
         h, h_scale = gu, topk_weights
     else:
         h, h_scale = silu_mul_rows(gu, pdl), topk_weights
-    if in_place:  # the down shrink reads the unquantized h, or gu where the down GEMM applies SiLU*up as it loads
+    if has_lora:  # the down shrink reads the unquantized h, or gu where the down GEMM applies SiLU*up as it loads
         shrunk_h = shrink(h_plain[0] if act_quant else h, lora.down_a, True, lp.lora_down_splits,
                           activated=not fused_act)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
             hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl,
-            (lora, lora.down_b, shrunk_h, top_k) if in_place else None)
-    if lora is not None and not in_place:
-        lora_expand_down(y, topk_weights, shrunk_h, aligned, lora, top_k, items=lp.lora_epilogue_items,
-                         tile=lp.lora_apart_tile, num_warps=lp.lora_apart_warps, pdl=pdl)
+            (lora, lora.down_b, shrunk_h, top_k) if has_lora else None)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
@@ -542,20 +522,13 @@ def fused_moe_fp8(
         plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode)
     _check_plan(plan, block)
     act_quant = resolve_act_quant(act_quant, plan.decode)
-    forward = _decode_forward if plan.decode else _sorted_forward
     x, topk_weights, topk_ids = x.contiguous(), topk_weights.contiguous(), topk_ids.contiguous()
     args = (x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights, topk_ids, act_quant)
-    if plan.decode or lora is None:
-        return forward(*args, plan, block, pdl, weight_scale == "product", lora)
-    if lora_plan is None:
+    if plan.decode:
+        return _decode_forward(*args, plan, block, pdl, weight_scale == "product", lora)
+    if lora is not None and lora_plan is None:
         lora_plan = lora_options(num_tokens, topk_ids.shape[1])
-    if not plan.fused_act or (lora_plan.lora_epilogue and lora_plan.lora_in_place):  # one pass (module docstring)
-        return _sorted_forward(*args, plan, block, pdl, weight_scale == "product", lora, lora_plan)
-    out = forward(*args, plan, block, pdl, weight_scale == "product")
-    # every row through the sorted path with the LoRA apart; the rows with an adapter keep that (module docstring)
-    sorted_plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode=False)
-    with_lora = _sorted_forward(*args, sorted_plan, block, pdl, weight_scale == "product", lora, lora_plan)
-    return torch.where((lora.token_slots >= 0).unsqueeze(-1), with_lora, out)
+    return _sorted_forward(*args, plan, block, pdl, weight_scale == "product", lora, lora_plan)
 
 
 # ---------------------------------------------------------------------------------------------

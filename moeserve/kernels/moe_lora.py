@@ -16,14 +16,13 @@ for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
   `lora_block_shrink` walks the distinct adapter slots of each expert block (no second
   alignment, no sorting) and writes the block's shrink as fp32 partials split along K; the
   expands run in the base gate_up / down GEMM epilogues (`lora_block_expand`), so gu and y
-  are written once (`lora_block_epilogue`). The plan's epilogue option
-  (MoEPlan.lora_epilogue_items) loads a group of items at once and adds them in one dot
-  (`lora_expand_group`), walking the rest; with MoEPlan.lora_in_place every group's dot
-  accumulates into the GEMM accumulator itself (`lora_expand_in_place`, default_plan's choice
-  at every size: one item a dot). The gate_up expand of a pool with up halves always
-  walks (`lora_block_expand`). (A second,
-  (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 and
-  was removed after cfefc5c; numbers in fused_moe.)
+  are written once (`lora_block_epilogue`). The expand walks the block's (slot, rank step)
+  items one at a time, the next item's loads in flight during the current dot, each dot
+  accumulating into the GEMM accumulator itself; that is the one way it runs, at every size
+  and with up halves alike (the alternatives measured against it are listed, with where their
+  code can be found, in moe_plan). (A second, (slot, expert) alignment with separate LoRA
+  kernels measured slower or equal on the H200 and was removed after cfefc5c; numbers in
+  fused_moe.)
 
 Separate gate and up A's (lora_separate_gate_up): a slot flagged in `gate_up_separate` has its
 up rows' own A in `up_a` (same shape as gate_up_a); the gate_up shrinks then also write an up
@@ -32,8 +31,8 @@ flag is read per slot in-kernel: a slot with one A shrinks once and never reads 
 pool without up_a compiles none of it (UP_HALF=False).
 
 Pairs without an adapter (slot -1, rank 0) are skipped inside the kernels: their rows of
-the shrink buffers are never written and never read, and their outputs are bitwise the
-no-LoRA kernels'.
+the shrink buffers are never written and never read, and their outputs are the no-LoRA
+kernels' bitwise (up to the sign of a zero, see lora_block_expand).
 """
 
 import torch
@@ -202,43 +201,25 @@ def _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr, 
     # slot's rank, H200 T=256: 16 scalar loads per thread and tile, a third of the LoRA GEMM's stall samples)
     b = tl.load(b_base + offs_n.to(tl.int64)[None, :] * stride_bn + r[:, None],
                 mask=(r < tl.where(cur < _NO_SLOT, stride_bn, 0))[:, None] & n_ok[None, :], other=0.0)
-    return mine, rank, s, b
-
-
-@triton.jit
-def _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
-                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr):
-    """_expand_step_loads of an expand without an up half: what lora_expand_rest walks; a GEMM with
-    UP_HALF takes lora_block_expand."""
-    return _expand_step_loads(cur, 0, 0, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
-                              offs_n, n_ok, 0, stride_sk, stride_sr, 0, stride_bl, stride_be,
-                              stride_bn, K_SPLITS, RANK_STEP, False)
-
-
-@triton.jit
-def _add_item(acc, rows, s, b, KEEP_ROWS: tl.constexpr):
-    """acc + s @ b, where s is zero outside `rows`. KEEP_ROWS: the other rows keep acc's bits exactly (a -0.0 stays
-    -0.0), at the price of a second accumulator live beside the dot's; off (an accumulator that starts at zero and
-    is stored for `rows` only, as the apart down expand's): the dot accumulates in place."""
-    if KEEP_ROWS:
-        return tl.where(rows[:, None], tl.dot(s.to(b.dtype), b, acc), acc)
-    return tl.dot(s.to(b.dtype), b, acc)
+    return rank, s, b
 
 
 @triton.jit
 def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
                       stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                       separate_ptr, stride_sh, up_col0,
-                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr,
-                      KEEP_ROWS: tl.constexpr = True):
+                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr):
     """GEMM epilogue: acc[rows of slot s] += shrink[rows] @ B[s, expert][offs_n, :rank]^T for every
     slot s of the block, the shrink being the sum of K_SPLITS fp32 partials at scratch rows `rows`.
     Walks (slot, rank step) items, loading the next item's operands before the current dot so one
-    memory round trip is in flight while the previous item computes. Rows without an adapter
-    come back bitwise unchanged. UP_HALF (gate_up with separate up A's; columns >= up_col0 are
-    the up rows): a separate slot walks the halves its columns need, half 1 from scratch +
-    stride_sh, so on a tile within one half it costs the same steps as a slot with one A."""
+    memory round trip is in flight while the previous item computes. Each dot accumulates into acc
+    itself, as one more K step of the GEMM would: no copy of acc stays live (so every tile can carry
+    the epilogue, 128-row prefill tiles included), and a row without an adapter adds exact zeros, so
+    its values are the no-LoRA call's (a -0.0 could come back +0.0; a GEMM accumulator that starts
+    at +0.0 is never -0.0 unless every product of a row is). UP_HALF (gate_up with separate up A's;
+    columns >= up_col0 are the up rows): a separate slot walks the halves its columns need, half 1
+    from scratch + stride_sh, so on a tile within one half it costs the same steps as a slot with
+    one A."""
     n_ok = offs_n < N
     cur = _next_slot(slots, -1)
     sep = _slot_separate(cur, separate_ptr, UP_HALF)
@@ -248,10 +229,10 @@ def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, o
         tile_hi = tl.minimum(tl.max(offs_n, 0) + 1, N)
         half = tl.where((sep != 0) & (tile_lo >= up_col0), 1, 0)
     r0 = cur * 0
-    mine, rank, s, b = _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr,
-                                          b_ptr, expert, offs_n, n_ok, up_col0, stride_sk,
-                                          stride_sr, stride_sh, stride_bl, stride_be, stride_bn,
-                                          K_SPLITS, RANK_STEP, UP_HALF)
+    rank, s, b = _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr,
+                                    b_ptr, expert, offs_n, n_ok, up_col0, stride_sk,
+                                    stride_sr, stride_sh, stride_bl, stride_be, stride_bn,
+                                    K_SPLITS, RANK_STEP, UP_HALF)
     while cur < _NO_SLOT:
         more = r0 + RANK_STEP < rank
         nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
@@ -266,107 +247,12 @@ def lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, o
             nxt = tl.where(more, cur, _next_slot(slots, cur))
             nxt_sep = sep
             nxt_half = half
-        nxt_mine, nxt_rank, nxt_s, nxt_b = _expand_step_loads(
+        nxt_rank, nxt_s, nxt_b = _expand_step_loads(
             nxt, nxt_half, nxt_sep, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
             offs_n, n_ok, up_col0, stride_sk, stride_sr, stride_sh, stride_bl, stride_be,
             stride_bn, K_SPLITS, RANK_STEP, UP_HALF)
-        acc = _add_item(acc, mine, s, b, KEEP_ROWS)
-        cur, half, sep, r0, mine, rank, s, b = (nxt, nxt_half, nxt_sep, nxt_r0, nxt_mine, nxt_rank,
-                                                nxt_s, nxt_b)
-    return acc
-
-
-@triton.jit
-def lora_expand_group(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
-                      stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                      K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
-    """Operands of the block's ITEMS (slot, rank step) items from item (cur, r0) on, all loads issued
-    at once, laid side by side along the rank: s [BLOCK_M, ITEMS * RANK_STEP] (the shrink of a row
-    sits only in the columns of its own slot's items, 0 elsewhere) and b [ITEMS * RANK_STEP,
-    BLOCK_N], so one dot s @ b adds every item's delta. Returns (s, b, rows covered, slot and rank
-    start of the item after them: where the walk goes on). Columns of missing items are masked."""
-    cols: tl.constexpr = ITEMS * RANK_STEP
-    col = tl.arange(0, cols)
-    col_item = col // RANK_STEP
-    col_slot = tl.full([cols], _NO_SLOT, tl.int32)
-    col_r = col % RANK_STEP
-    col_rank = tl.zeros([cols], dtype=tl.int32)
-    for i in tl.static_range(ITEMS):  # scalar walk over the item list: no memory traffic
-        rank = tl.max(tl.where(slots == cur, row_ranks, 0), 0)
-        here = col_item == i
-        col_slot = tl.where(here, cur, col_slot)
-        col_r = tl.where(here, r0 + col % RANK_STEP, col_r)
-        col_rank = tl.where(here, rank, col_rank)
-        more = r0 + RANK_STEP < rank
-        cur = tl.where(more, cur, _next_slot(slots, cur))
-        r0 = tl.where(more, r0 + RANK_STEP, 0)
-    col_ok = col_r < col_rank  # false for missing items (rank 0) and beyond a slot's rank
-    match = (slots[:, None] == col_slot[None, :]) & col_ok[None, :]
-    s_ptrs = scratch_ptr + rows.to(tl.int64)[:, None] * stride_sr + col_r[None, :]
-    s = tl.load(s_ptrs, mask=match, other=0.0)
-    for ks in tl.static_range(1, K_SPLITS):
-        s += tl.load(s_ptrs + ks * stride_sk, mask=match, other=0.0)
-    b_ptrs = (b_ptr + tl.where(col_ok, col_slot, 0).to(tl.int64)[:, None] * stride_bl
-              + expert.to(tl.int64) * stride_be + offs_n.to(tl.int64)[None, :] * stride_bn
-              + col_r[:, None])
-    b = tl.load(b_ptrs, mask=col_ok[:, None] & (offs_n < N)[None, :], other=0.0)
-    covered = tl.max(match.to(tl.int32), 1) > 0
-    return s, b, covered, cur, r0
-
-
-@triton.jit
-def lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr,
-                     expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                     K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, KEEP_ROWS: tl.constexpr = True):
-    """Adds the group of lora_expand_group in one dot, then walks the items after it (blocks with
-    more items than the group holds: many slots, or ranks above 16) as lora_block_expand does,
-    from item (cur, r0). (It is lora_block_expand's walk without up halves, started mid-slot; run
-    through lora_block_expand it moved instructions in the sm_90 code of both default-plan
-    epilogues, items and walk, so it stays a copy.)"""
-    acc = _add_item(acc, covered, s, b, KEEP_ROWS)
-    if cur < _NO_SLOT:  # s, b of one item: other shapes than the group's
-        n_ok = offs_n < N
-        mine, rank, s1, b1 = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr,
-                                               b_ptr, expert, offs_n, n_ok, stride_sk, stride_sr,
-                                               stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-        while cur < _NO_SLOT:
-            more = r0 + RANK_STEP < rank
-            nxt = tl.where(more, cur, _next_slot(slots, cur))
-            nxt_r0 = tl.where(more, r0 + RANK_STEP, 0)
-            nxt_mine, nxt_rank, nxt_s, nxt_b = _one_a_step_loads(
-                nxt, nxt_r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, n_ok,
-                stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP)
-            acc = _add_item(acc, mine, s1, b1, KEEP_ROWS)
-            cur, r0, mine, rank, s1, b1 = nxt, nxt_r0, nxt_mine, nxt_rank, nxt_s, nxt_b
-    return acc
-
-
-@triton.jit
-def lora_expand_in_place(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
-                         stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                         K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, ITEMS: tl.constexpr):
-    """acc plus every row's expand, ITEMS (slot, rank step) items a dot, each dot accumulating into acc itself as
-    one more K step of the GEMM would: no copy of acc stays live (the tuned 64-row tiles have no registers for
-    one), and a row without an adapter adds exact zeros, so its values are the no-LoRA call's (a -0.0 could
-    come back +0.0; a GEMM accumulator that starts at +0.0 is never -0.0 unless every product of a row is)."""
-    cur = _next_slot(slots, -1)
-    r0 = cur * 0
-    if ITEMS == 1:  # one slot's B step a dot, from a scalar base: vector loads (a group's B is gathered per column)
-        n_ok = offs_n < N
-        while cur < _NO_SLOT:
-            _, rank, s, b = _one_a_step_loads(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n,
-                                              n_ok, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                              K_SPLITS, RANK_STEP)
-            acc = tl.dot(s.to(b.dtype), b, acc)
-            more = r0 + RANK_STEP < rank
-            cur = tl.where(more, cur, _next_slot(slots, cur))
-            r0 = tl.where(more, r0 + RANK_STEP, 0)
-    else:
-        while cur < _NO_SLOT:
-            s, b, _, cur, r0 = lora_expand_group(cur, r0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert,
-                                                 offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                                 K_SPLITS, RANK_STEP, ITEMS)
-            acc = tl.dot(s.to(b.dtype), b, acc)
+        acc = tl.dot(s.to(b.dtype), b, acc)  # in place, as one more K step of the GEMM would
+        cur, half, sep, r0, rank, s, b = nxt, nxt_half, nxt_sep, nxt_r0, nxt_rank, nxt_s, nxt_b
     return acc
 
 
@@ -374,162 +260,15 @@ def lora_expand_in_place(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert
 def lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, scratch_ptr, b_ptr,
                         expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                         separate_ptr, stride_sh, up_col0, BLOCK_M: tl.constexpr,
-                        K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr,
-                        ITEMS: tl.constexpr, KEEP_ROWS: tl.constexpr = True, IN_PLACE: tl.constexpr = False):
+                        K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr):
     """The LoRA epilogue of a sorted-path GEMM tile (block pid_m, columns offs_n): acc plus every
-    row's expand, shrink partials at scratch rows pid_m * BLOCK_M + i. ITEMS > 0: that many (slot,
-    rank step) items in one dot, then the rest walked (lora_expand_group / _rest), or with IN_PLACE
-    every item in groups of ITEMS accumulated into acc itself (lora_expand_in_place); 0: the plain
-    walk (lora_block_expand), the only one that walks up halves (UP_HALF; see there for
-    separate_ptr, stride_sh, up_col0)."""
-    tl.static_assert(not UP_HALF or ITEMS == 0, "the up halves are walked by lora_block_expand only")
-    tl.static_assert(not IN_PLACE or not KEEP_ROWS, "in place: no kept rows")
+    row's expand, shrink partials at scratch rows pid_m * BLOCK_M + i, walked by lora_block_expand
+    (see there for UP_HALF, separate_ptr, stride_sh, up_col0)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-    if IN_PLACE and ITEMS > 0:
-        acc = lora_expand_in_place(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
-                                   stride_sk, stride_sr, stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP,
-                                   ITEMS)
-    elif ITEMS > 0:
-        first = _next_slot(slots, -1)
-        s, b, covered, cur, r0 = lora_expand_group(
-            first, first * 0, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N, stride_sk, stride_sr,
-            stride_bl, stride_be, stride_bn, K_SPLITS, RANK_STEP, ITEMS)
-        acc = lora_expand_rest(acc, s, b, covered, cur, r0, slots, row_ranks, rows, scratch_ptr,
-                               b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be,
-                               stride_bn, K_SPLITS, RANK_STEP, KEEP_ROWS)
-    else:  # every item's loads after the K loop, one item in flight
-        acc = lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
-                                stride_sk, stride_sr, stride_bl, stride_be, stride_bn, separate_ptr,
-                                stride_sh, up_col0, K_SPLITS, RANK_STEP, UP_HALF, KEEP_ROWS)
-    return acc
-
-
-# Expands after plain GEMMs (MoEPlan.lora_epilogue=False, an option no default plan takes since session 16: the
-# in-place epilogue won at every size, 128-row tiles included): these two memory-bound kernels add the deltas. The
-# gate_up one also applies SiLU*up, standing in for the activation kernel; rows without an adapter get exactly that
-# kernel's h and keep the no-LoRA y.
-
-@triton.jit
-def _sub_block(sorted_ids_ptr, block_groups_ptr, num_pairs, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr):
-    """(sub-block, its expert (-1: padding), pairs, which are real) of an apart expand program: aligned rows
-    program_id(0) * SUB_M ..., SUB_M of an alignment block of BLOCK_M."""
-    pid_m = tl.program_id(0)
-    expert = tl.load(block_groups_ptr + pid_m * SUB_M // BLOCK_M)
-    pairs = tl.load(sorted_ids_ptr + pid_m * SUB_M + tl.arange(0, SUB_M))
-    return pid_m, expert, pairs, pairs < num_pairs
-
-
-@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
-def _lora_expand_act_kernel(
-    gu_ptr, h_ptr, sorted_ids_ptr, block_groups_ptr, slots_ptr, ranks_ptr, b_ptr, scratch_ptr,
-    separate_ptr, num_pairs, top_k, I, stride_gu, stride_h,
-    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, stride_sh,
-    BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLITS: tl.constexpr,
-    RANK_STEP: tl.constexpr, UP_HALF: tl.constexpr, ITEMS: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """h[pair, cols] = silu(g + dG) * (u + dU) for SUB_M rows of one expert block (of BLOCK_M): g, u from the
-    plain gate_up GEMM's gu [pairs, 2I], dG / dU the pair's adapter expand of the block shrink (gate columns,
-    and the up columns at offs + I)."""
-    pdl_launch.enter(USE_PDL)
-    pid_m, expert, pairs, pair_ok = _sub_block(sorted_ids_ptr, block_groups_ptr, num_pairs, BLOCK_M, SUB_M)
-    if expert < 0:
-        return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = pair_ok[:, None] & (offs_n < I)[None, :]
-    gu_rows = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
-    gate = tl.load(gu_rows, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_rows + I, mask=mask, other=0.0).to(tl.float32)
-    gate = lora_block_epilogue(gate, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, scratch_ptr, b_ptr,
-                               expert, offs_n, I, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                               separate_ptr, stride_sh, I, SUB_M, K_SPLITS, RANK_STEP, UP_HALF, ITEMS)
-    up = lora_block_epilogue(up, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, scratch_ptr, b_ptr,
-                             expert, offs_n + I, 2 * I, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                             separate_ptr, stride_sh, I, SUB_M, K_SPLITS, RANK_STEP, UP_HALF, ITEMS)
-    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_h + offs_n[None, :],
-             silu_mul(gate, up).to(h_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
-def _lora_expand_down_kernel(
-    y_ptr, topk_weights_ptr, sorted_ids_ptr, block_groups_ptr, slots_ptr, ranks_ptr, b_ptr, scratch_ptr,
-    num_pairs, top_k, N, stride_y, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-    BLOCK_M: tl.constexpr, SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLITS: tl.constexpr,
-    RANK_STEP: tl.constexpr, ITEMS: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """y[pair, cols] += w[pair] * dD for the rows with an adapter among SUB_M rows of one expert block (y: the
-    plain down GEMM's weighted per-pair output); sub-blocks without any adapter row return at once, other rows
-    are not touched."""
-    pdl_launch.enter(USE_PDL)
-    pid_m, expert, pairs, pair_ok = _sub_block(sorted_ids_ptr, block_groups_ptr, num_pairs, BLOCK_M, SUB_M)
-    if expert < 0:
-        return
-    slots, _ = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-    if tl.max(slots, 0) < 0:
-        return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    delta = lora_block_epilogue(tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32), pid_m, pairs, pair_ok, top_k,
-                                slots_ptr, ranks_ptr, scratch_ptr, b_ptr, expert, offs_n, N, stride_sk,
-                                stride_sr, stride_bl, stride_be, stride_bn, slots_ptr, 0, N, SUB_M, K_SPLITS,
-                                RANK_STEP, False, ITEMS, KEEP_ROWS=False)  # zero start, stored for adapter rows only
-    mine = slots >= 0
-    mask = mine[:, None] & (offs_n < N)[None, :]
-    y_ptrs = y_ptr + pairs.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
-    weights = tl.load(topk_weights_ptr + pairs, mask=pair_ok & mine, other=0.0).to(tl.float32)
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + delta * weights[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def _expand_tile(block_m: int, tile: tuple[int, int], n: int) -> tuple[int, int]:
-    """(rows, columns) of an expand program: `tile` with the rows at most the alignment's block (of which they
-    are a power-of-two part) and the columns at most n rounded up."""
-    rows, cols = tile
-    return min(rows, block_m), min(cols, triton.next_power_of_2(n))
-
-
-def lora_expand_act(gu: torch.Tensor, shrunk: torch.Tensor, aligned: AlignedBlocks, lora, top_k: int,
-                    *, items: int = 0, tile: tuple[int, int] = (64, 128), num_warps: int = 4,
-                    pdl: bool = False) -> torch.Tensor:
-    """h [pairs, I] = silu(g + dG) * (u + dU) from the plain gate_up GEMM's gu [pairs, 2I] and the gate_up
-    block shrink `shrunk` (lora_block_shrink of x; [2, splits, rows, R] with the up halves of separate
-    slots). Rows of unrouted pairs are left unwritten, as the activation kernel leaves them."""
-    num_pairs, two_i = gu.shape
-    inter = two_i // 2
-    num_blocks = aligned.block_groups.numel()
-    block_m = aligned.sorted_ids.numel() // num_blocks
-    up_half = shrunk.dim() == 4
-    b = lora.gate_up_b
-    if b.stride(3) != 1:
-        raise ValueError(f"LoRA gate_up B buffer must be contiguous along the rank (shape {tuple(b.shape)})")
-    h = torch.empty(num_pairs, inter, dtype=gu.dtype, device=gu.device)
-    sub_m, block_n = _expand_tile(block_m, tile, inter)
-    _lora_expand_act_kernel[(aligned.sorted_ids.numel() // sub_m, triton.cdiv(inter, block_n))](
-        gu, h, aligned.sorted_ids, aligned.block_groups, lora.token_slots, lora.slot_ranks, b, shrunk,
-        lora.gate_up_separate if up_half else lora.slot_ranks, num_pairs, top_k, inter, gu.stride(0),
-        h.stride(0), shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3], shrunk.stride(0) if up_half else 0,
-        BLOCK_M=block_m, SUB_M=sub_m, BLOCK_N=block_n, K_SPLITS=shrunk.shape[-3], RANK_STEP=RANK_STEP,
-        UP_HALF=up_half,
-        ITEMS=0 if up_half else items, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
-    return h
-
-
-def lora_expand_down(y: torch.Tensor, topk_weights: torch.Tensor, shrunk: torch.Tensor, aligned: AlignedBlocks,
-                     lora, top_k: int, *, items: int = 0, tile: tuple[int, int] = (64, 128), num_warps: int = 4,
-                     pdl: bool = False) -> torch.Tensor:
-    """y [pairs, H] += w * dD in place, for the pairs with an adapter; `shrunk`: lora_block_shrink of h."""
-    num_pairs, hidden = y.shape
-    num_blocks = aligned.block_groups.numel()
-    block_m = aligned.sorted_ids.numel() // num_blocks
-    b = lora.down_b
-    if b.stride(3) != 1:
-        raise ValueError(f"LoRA down B buffer must be contiguous along the rank (shape {tuple(b.shape)})")
-    sub_m, block_n = _expand_tile(block_m, tile, hidden)
-    _lora_expand_down_kernel[(aligned.sorted_ids.numel() // sub_m, triton.cdiv(hidden, block_n))](
-        y, topk_weights, aligned.sorted_ids, aligned.block_groups, lora.token_slots, lora.slot_ranks, b, shrunk,
-        num_pairs, top_k, hidden, y.stride(0), shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3],
-        BLOCK_M=block_m, SUB_M=sub_m, BLOCK_N=block_n, K_SPLITS=shrunk.shape[-3], RANK_STEP=RANK_STEP,
-        ITEMS=items, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
-    return y
+    return lora_block_expand(acc, slots, row_ranks, rows, scratch_ptr, b_ptr, expert, offs_n, N,
+                             stride_sk, stride_sr, stride_bl, stride_be, stride_bn, separate_ptr,
+                             stride_sh, up_col0, K_SPLITS, RANK_STEP, UP_HALF)
 
 
 @triton.jit

@@ -5,8 +5,8 @@ GPU name, dtype and problem shape (experts, hidden, intermediate, top-k), one en
 (`python -m benchmarks.kernels.kernels --tune` regenerates it for another GPU or shape; `MOESERVE_MOE_TILES=PATH`
 adds a table of one's own in front of the shipped one). Problems the table does not hold take the heuristic
 of `heuristic_plan`. Calls with LoRA run the no-LoRA call's tiles and options (either source), so their rows without
-an adapter get the no-LoRA call's values, with the expands in the GEMM epilogues, accumulating in place (MoEPlan.lora_in_place;
-the expands after the GEMMs, MoEPlan.lora_epilogue=False, remain an option plans may take).
+an adapter get the no-LoRA call's values; the LoRA's own options are its shrinks' (the expands ride in the GEMM
+epilogues, one way at every size: moe_lora.lora_block_expand).
 
 Every plan is fitted to the dtype it runs in and the device's shared memory before use (`fit_tile`): a tile
 chosen for bf16 would ask fp32 for more than the GPU has.
@@ -43,35 +43,18 @@ class MoEPlan:
     decode: bool
     gate_up: GemmTile
     down: GemmTile
-    # sorted-path LoRA shrinks (lora_block_shrink); the expands ride on the GEMM tiles above
+    # sorted-path LoRA shrinks (lora_block_shrink; LoRA calls run them unsplit, LORA_SHRINKS_UNSPLIT); the expands
+    # ride on the GEMM tiles above, in their epilogues (moe_lora.lora_block_expand)
     lora_shrink_block_k: int = 128  # reduction columns per shrink step
     lora_gate_up_splits: int = 4  # programs sharing one block's shrink over H
     lora_down_splits: int = 2  # programs sharing one block's shrink over I
     lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
     lora_shrink_warps: int = 4
-    # sorted-path LoRA expands in the GEMM epilogues (the field default is the plain walk; the plans LoRA calls
-    # run take one item in place, LORA_IN_PLACE). A gate_up GEMM of a pool with separate
-    # up A's (UP_HALF) ignores it and takes the plain walk, lora_block_expand, which alone walks
-    # the up halves; its down GEMM still uses it. (Loads of the first item issued before the K loop
-    # lost or tied on the H200 at every T and were removed.)
-    lora_epilogue_items: int = 0  # >0 (power of 2): that many (slot, rank step) items loaded at
-    #                              once and added in one dot, the rest walked as with 0
-    # the epilogue's dots accumulate into the GEMM accumulator itself, every item in groups of lora_epilogue_items
-    # (moe_lora.lora_expand_in_place): no copy of the accumulator for rows without an adapter, which is what lets
-    # every tile carry the epilogue, 128-row prefill tiles included (those rows add exact zeros; a pool's up halves
-    # still walk, in place)
-    lora_in_place: bool = False
     # sorted path: the per-pair outputs summed over top-k kept in fp32 (else in the activations' dtype: half the
     # bytes written and read again at large T); SiLU*up applied as the down GEMM loads its A tile (else by its
     # own kernel into [pairs, I], which the down GEMM then reads as a plain operand)
     y_fp32: bool = True
     fused_act: bool = True
-    # sorted path with LoRA: the expands in the GEMM epilogues (above), or after plain GEMMs on the plan's own tiles
-    # by two memory-bound kernels (moe_lora.lora_expand_act, which also applies SiLU*up, and lora_expand_down), which
-    # read and write gu and y again (LORA_APART; no default plan takes it)
-    lora_epilogue: bool = True
-    lora_apart_tile: tuple[int, int] = (64, 128)  # (rows, columns) of an apart expand program
-    lora_apart_warps: int = 4  # warps of an apart expand program
     # sorted path: the GEMMs read their weight tiles through TMA descriptors (Hopper and later) instead of pointers
     weights_tma: bool = False
 
@@ -96,23 +79,28 @@ DECODE_MAX_PAIRS = 64
 
 
 # LoRA calls on the sorted path run the no-LoRA call's tiles and options (the table's or the heuristic's), so a row
-# without an adapter gets the no-LoRA call's values, with the expands in the GEMM epilogues accumulating into the
-# GEMM's own accumulator, walking the block's (slot, rank step) items with the next one's loads in flight
-# (lora_epilogue_items 0), the shrinks unsplit (LORA_IN_PLACE), at every size. H200, 4 rank-16 adapters on every
-# row in a rank-16 pool, (MoE + LoRA) / MoE, walk / one item a dot (session 17 call 3): T=64 1.07 / 1.07, 256
-# 1.13 / 1.13, 512 1.19 / 1.20, 1,024 1.27 / 1.34, 2,048 1.32 / 1.38, 4,096 1.33 / 1.45, 8,192 1.36 / 1.39; the
-# expands apart after plain GEMMs (LORA_APART) lost by 0.2-0.35 (session 16); the expands before the main loop lost
-# to the epilogue (commit 2c25622); 2 items a dot 1.21-1.39, 4 items 1.46-2.35, 8 spill (session 15).
-LORA_IN_PLACE = dict(lora_epilogue=True, lora_in_place=True, lora_epilogue_items=0, lora_gate_up_splits=1,
-                     lora_down_splits=1)
-LORA_APART = dict(lora_epilogue=False, lora_gate_up_splits=1, lora_down_splits=1, lora_epilogue_items=4,
-                  lora_apart_tile=(64, 128))
+# without an adapter gets the no-LoRA call's values, with the shrinks unsplit (LORA_SHRINKS_UNSPLIT), at every size.
+# Their expands run one way: in the GEMM epilogues, accumulating into the GEMM's own accumulator, walking the block's
+# (slot, rank step) items one at a time with the next one's loads in flight (moe_lora.lora_block_expand). What it
+# was measured against, H200, 4 rank-16 adapters on every row in a rank-16 pool, (MoE + LoRA) / MoE:
+# - walk / one item a dot from a scalar base, no loads in flight (session 17 call 3): T=64 1.07 / 1.07, 256
+#   1.13 / 1.13, 512 1.19 / 1.20, 1,024 1.27 / 1.34, 2,048 1.32 / 1.38, 4,096 1.33 / 1.45, 8,192 1.36 / 1.39;
+# - groups of (slot, rank step) items loaded at once and added in one dot (session 15): 2 items a dot 1.21-1.39,
+#   4 items 1.46-2.35, 8 spill; the rows without an adapter kept in a copy of the accumulator (in place of adding
+#   exact zeros to it) left no registers for the 128-row prefill tiles;
+# - the expands apart after plain GEMMs, by two memory-bound kernels that read and write gu and y again: lost by
+#   0.2-0.35 (session 16; FP8 numbers in fused_moe_fp8.lora_options);
+# - the expands before the main loop: lost to the epilogue (kept in commit 2c25622); the epilogue's slots loaded
+#   before the main loop: no gain (session 16 call 6, kept in commit 7778e2a).
+# The apart expands, the grouped and kept-rows epilogues, and their plan fields (lora_epilogue, lora_epilogue_items,
+# lora_in_place, lora_apart_tile, lora_apart_warps; LORA_IN_PLACE, LORA_APART) were removed after f6bc547.
+LORA_SHRINKS_UNSPLIT = dict(lora_gate_up_splits=1, lora_down_splits=1)
 
 
 def heuristic_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora: bool = False) -> MoEPlan:
     """Block sizes by problem size, from the H200 sweeps at Qwen3-30B-A3B shapes. `decode` forces a path; `lora`:
     the plan of a call with adapters: the same tiles (its rows without an adapter are then the no-LoRA call's,
-    bitwise, in any mixed batch), with the sorted path's expands in the GEMM epilogues, in place (LORA_IN_PLACE)."""
+    bitwise, in any mixed batch), with the sorted path's shrinks unsplit (LORA_SHRINKS_UNSPLIT)."""
     num_pairs = num_tokens * top_k
     if decode is None:
         decode = num_pairs <= DECODE_MAX_PAIRS
@@ -129,7 +117,7 @@ def heuristic_plan(num_tokens: int, top_k: int, decode: bool | None = None, lora
     else:
         plan = MoEPlan(False, GemmTile(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
                        GemmTile(block_m=64, block_n=256, block_k=64, num_warps=8, num_stages=3))
-    return replace(plan, **LORA_IN_PLACE) if lora else plan
+    return replace(plan, **LORA_SHRINKS_UNSPLIT) if lora else plan
 
 
 # ---------------------------------------------------------------------------------------------

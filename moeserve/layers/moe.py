@@ -283,9 +283,9 @@ class MoEBlock(nn.Module):
         return out
 
     def _fp8_experts(self, x, topk_w, topk_ids, lora: LoRABatch | None) -> torch.Tensor:
-        """The routed experts on FP8 weights. Triton: kernels/fused_moe_fp8 (the LoRA, where the batch has one, on
-        the side: the base GEMMs as without it, the shrinks on the unquantized x and h, the expands apart); torch:
-        the dequantized weights through the plain path (its LoRA as the bf16 one's)."""
+        """The routed experts on FP8 weights. Triton: kernels/fused_moe_fp8 (the LoRA, where the batch has one: its
+        shrinks on the unquantized x and h, its expands in the FP8 GEMMs' epilogues, a row without an adapter as
+        without it); torch: the dequantized weights through the plain path (its LoRA as the bf16 one's)."""
         act_quant = self.weights.format.act_quant
         if self._fused is not None:
             from moeserve.kernels import fused_moe_fp8
