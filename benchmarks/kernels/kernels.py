@@ -68,15 +68,20 @@ HIDDEN, INTER, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
 DEVICE = "cuda"
 NUM_SETS = 4  # weight/input sets one timed graph rotates through (each >> L2)
 LORA_SLOTS, LORA_MAX_RANK = 8, 64
-LORA_CASES = {  # name -> (rank of each slot, adapters in use, up A's: None = pool without them, else per-slot flags)
-    "lora1_r16": ([16] + [0] * 7, 1, None),
-    "lora4_r16": ([16] * 4 + [0] * 4, 4, None),
-    "lora8_r16": ([16] * 8, 8, None),
-    "lora1_r8_of_64": ([8] + [0] * 7, 1, None),
+POOL_RANKS = (16, 64)  # the pools' max ranks: the engine's default --max-lora-rank, and a larger one
+# name -> (rank of each slot, adapters in use, up A's: None = pool without them, else per-slot flags, pool max rank).
+# The rank-16 pool is what the engine allocates by default; in a rank-64 one, rank-16 adapters read about twice their
+# B bytes (lora4_r16_of_64; sessions before 17 measured every case in it)
+LORA_CASES = {
+    "lora1_r16": ([16] + [0] * 7, 1, None, 16),
+    "lora4_r16": ([16] * 4 + [0] * 4, 4, None, 16),
+    "lora8_r16": ([16] * 8, 8, None, 16),
+    "lora4_r16_of_64": ([16] * 4 + [0] * 4, 4, None, 64),
+    "lora1_r8_of_64": ([8] + [0] * 7, 1, None, 64),
     # lora_separate_gate_up pools: 4 adapters with separate gate and up A's (two gate_up shrinks each), and 4
     # with one A (what fused gate_up adapters pay for the option: should equal lora4_r16)
-    "lora4_r16_sep": ([16] * 4 + [0] * 4, 4, [1] * 8),
-    "lora4_r16_sep1A": ([16] * 4 + [0] * 4, 4, [0] * 8),
+    "lora4_r16_sep": ([16] * 4 + [0] * 4, 4, [1] * 8, 16),
+    "lora4_r16_sep1A": ([16] * 4 + [0] * 4, 4, [0] * 8, 16),
 }
 
 
@@ -117,10 +122,11 @@ def make_inputs(batch: int, gen):
     return x, weights, ids.to(torch.int32)
 
 
-def lora_args(pool, batch: int, case: str) -> MoELoRAArgs:
-    ranks, in_use, separate = LORA_CASES[case]
+def lora_args(pools: dict, i: int, batch: int, case: str) -> MoELoRAArgs:
+    """The LoRA of `case` on weight set i: its slots and ranks over the case's pool ({max rank: [pool per set]})."""
+    ranks, in_use, separate, pool_rank = LORA_CASES[case]
     slots = (torch.arange(batch, device=DEVICE) % in_use).to(torch.int32)
-    *factors, up_a = pool
+    *factors, up_a = pools[pool_rank][i]
     flags = None if separate is None else torch.tensor(separate, dtype=torch.int32, device=DEVICE)
     return MoELoRAArgs(slots, torch.tensor(ranks, dtype=torch.int32, device=DEVICE), *factors,
                        None if separate is None else up_a, flags)
@@ -228,7 +234,7 @@ def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, pdl: bool, rou
     plan, lora_plan = default_plan(batch, TOP_K), default_plan(batch, TOP_K, lora=True)
     out = {}
     for case in LORA_CASES:
-        loras = [lora_args(pools[i], batch, case) for i in range(NUM_SETS)]
+        loras = [lora_args(pools, i, batch, case) for i in range(NUM_SETS)]
         base_times, lora_times = [], []
         for _ in range(rounds):
             base_times.append(time_moe(weights, inputs, plan=plan, pdl=pdl))
@@ -272,7 +278,7 @@ def sweep_lora(batch: int, weights, inputs, pools, pdl: bool, rounds: int = 2, o
     `rounds` times (medians). Each also reports the relative error of its LoRA delta against the fp32
     reference (first 64 tokens). `only`: comma list of fnmatch patterns of the variant names to time
     ("default" is always timed)."""
-    loras = [lora_args(pools[i], batch, "lora4_r16") for i in range(NUM_SETS)]
+    loras = [lora_args(pools, i, batch, "lora4_r16") for i in range(NUM_SETS)]
     if batch * TOP_K <= 64:
         return []  # decode path: no sorted-path LoRA kernels
     patterns = ["default", *only.split(",")]
@@ -325,11 +331,11 @@ def _kernel_split(calls, forwards: int) -> list[tuple[str, float, float]]:
     return [(name, n / forwards, us / forwards) for name, (n, us) in split.items()]
 
 
-def profile(batch: int, weights, inputs, pool, pdl: bool) -> dict:
+def profile(batch: int, weights, inputs, pools, pdl: bool) -> dict:
     """Per-kernel GPU time per forward of eager calls: MoE alone, then MoE + 4 rank-16 adapters
     under the LoRA call's default plan (each mode profiled on its own, so the LoRA GEMMs are not
     averaged with the base ones)."""
-    loras = [lora_args(pool[i], batch, "lora4_r16") for i in range(NUM_SETS)]
+    loras = [lora_args(pools, i, batch, "lora4_r16") for i in range(NUM_SETS)]
     plan, lora_plan = default_plan(batch, TOP_K), default_plan(batch, TOP_K, lora=True)
     modes = {"moe": (None, plan), "lora4 default": (loras, lora_plan)}
     rounds = 5
@@ -536,7 +542,7 @@ def main(argv=None):
     if "moe" not in parts:
         return 0
     weights = [make_weights(gen) for _ in range(NUM_SETS)]
-    pools = [make_lora_pool(gen) for _ in range(NUM_SETS)]
+    pools = {r: [make_lora_pool(gen, r) for _ in range(NUM_SETS)] for r in POOL_RANKS}
 
     for batch in batches:
         try:
