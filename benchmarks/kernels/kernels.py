@@ -10,8 +10,9 @@ Measures, in one process on one GPU:
 - per batch: fused MoE time (CUDA-graph replay, rotating through 4 sets of weights and
   inputs, each 1.2 GB, so L2 never holds a set), expected touched expert bytes
   E*(1-(1-K/E)^T)*3*H*I*2, achieved GB/s and fraction of read bandwidth;
-- MoE-LoRA with 1, 4 and 8 active rank-16 adapters (every token has one) and one rank-8
-  adapter in the max-rank-64 pool, each as (fused MoE + LoRA) / (fused MoE alone), the modes
+- MoE-LoRA with 1, 4 and 8 active rank-16 adapters (every token has one) in a max-rank-16 pool (the
+  engine's default), 4 of them and one rank-8 adapter in a max-rank-64 pool (LORA_CASES), each as
+  (fused MoE + LoRA) / (fused MoE alone), the modes
   interleaved (MoE, MoE + LoRA, MoE, ...; medians), with the adapter bytes the routing
   touches, their time at read bandwidth, and the error against the fp32 per-pair reference
   (first 64 tokens): max |out - ref| / max |ref| and the relative error of the LoRA delta itself;
