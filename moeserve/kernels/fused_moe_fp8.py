@@ -474,9 +474,9 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
         h, h_scale = gu, topk_weights
     else:
         h, h_scale = silu_mul_rows(gu, pdl), topk_weights
-    if has_lora:  # the down shrink reads the unquantized h, or gu where the down GEMM applies SiLU*up as it loads
-        shrunk_h = shrink(h_plain[0] if act_quant else h, lora.down_a, True, lp.lora_down_splits,
-                          activated=not fused_act)
+    # the down shrink reads the unquantized h, or gu where the down GEMM applies SiLU*up as it loads
+    shrunk_h = shrink(h_plain[0] if act_quant else h, lora.down_a, True, lp.lora_down_splits,
+                      activated=not fused_act) if has_lora else None
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
             hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl,
