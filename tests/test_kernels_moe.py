@@ -197,6 +197,22 @@ def test_fused_moe_lora_matches_reference(shape, decode, split, monkeypatch):
             assert torch.equal(out[t], base[t])
 
 
+def test_moe_lora_args_refuse_b_rows_that_are_not_packed():
+    """The expands mask B's rank columns at the row stride: a B view of a wider pool (columns between its rows that
+    the kernels would read) is refused by name, the packed pool accepted."""
+    gen, *_ = _moe_problem(3, 2, 4, 32, 32, seed=5)
+    ranks, pool = _lora_pool(2, 4, 32, 32, 16, [8, 16], gen, std=0.1)
+    slots = torch.tensor([0, 1, 0], dtype=torch.int32, device=DEV)
+    MoELoRAArgs(slots, ranks, *pool)
+    ga, gb, da, db = pool
+    wide = torch.zeros(*db.shape[:-1], 32, device=DEV)
+    wide[..., :16] = db
+    with pytest.raises(ValueError, match="down_b .* rows packed"):
+        MoELoRAArgs(slots, ranks, ga, gb, da, wide[..., :16])
+    with pytest.raises(ValueError, match="gate_up_b"):
+        MoELoRAArgs(slots, ranks, ga, gb.transpose(-1, -2).contiguous().transpose(-1, -2), da, db)
+
+
 def test_fused_moe_lora_ignores_columns_beyond_rank():
     """Ranks are read in the kernels: columns >= rank never contribute, even if nonzero."""
     gen, x, w13, w2, weights, ids = _moe_problem(3, 2, 4, 32, 32, seed=5)

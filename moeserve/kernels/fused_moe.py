@@ -61,6 +61,15 @@ class MoELoRAArgs:
     up_a: torch.Tensor | None = None  # [L, E, R, H], gate_up_a's layout
     gate_up_separate: torch.Tensor | None = None
 
+    def __post_init__(self):
+        # the expands read a B row's rank columns in whole 16-column steps masked at the row's stride (the pool's
+        # rank; what lies past a slot's rank there is zero), so the rows must be packed: no other columns between
+        for name in ("gate_up_b", "down_b"):
+            b = getattr(self, name)
+            if b.stride(-1) != 1 or b.stride(-2) != b.shape[-1]:
+                raise ValueError(f"LoRA {name} {tuple(b.shape)} must hold its rows packed along the rank (strides "
+                                 f"[..., {b.shape[-1]}, 1]), not {tuple(b.stride())}")
+
 
 # ---------------------------------------------------------------------------------------------
 # kernels
@@ -509,10 +518,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         """Launch args of a GEMM's LoRA epilogue; runs the shrink of that GEMM's input first."""
         if not has_lora:
             return (topk_ids, topk_ids, x, x), (0,) * 5, 1  # unused placeholders
-        b = lora.down_b if from_gate_up else lora.gate_up_b
-        if b.stride(3) != 1:
-            raise ValueError(f"LoRA {'down' if from_gate_up else 'gate_up'} B buffer must be contiguous along the "
-                             f"rank (stride {b.stride(3)}, shape {tuple(b.shape)})")
+        b = lora.down_b if from_gate_up else lora.gate_up_b  # rows packed (MoELoRAArgs checked)
         shrunk = shrink(from_gate_up, src, splits, activated)
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
                 (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])

@@ -362,9 +362,7 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
     if lora is None:
         lora_args, lora_opts = (topk_weights,) * 4 + (1,) + (0,) * 5 + (topk_weights, 0), {}
     else:
-        args, b, shrunk, top_k = lora
-        if b.stride(3) != 1:
-            raise ValueError(f"LoRA B buffer must be contiguous along the rank (shape {tuple(b.shape)})")
+        args, b, shrunk, top_k = lora  # b: a B of args, rows packed (MoELoRAArgs checked)
         up_half = shrunk.dim() == 4
         lora_args = (args.token_slots, args.slot_ranks, b, shrunk, top_k, shrunk.stride(-3), shrunk.stride(-2),
                      *b.stride()[:3], args.gate_up_separate if up_half else args.slot_ranks,
