@@ -58,6 +58,38 @@ def test_regions_chained_are_the_layer_forward(family, backend, monkeypatch):
         assert all(r.nbytes > 0 for r in regions)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@torch.inference_mode()
+def test_regions_with_adapters_chained_are_the_layer_forward(backend, monkeypatch):
+    """`--profile-modes active`: the rows on adapters (attention and experts), the regions still chain into the
+    layer's forward with that batch bitwise, and the adapters change the layer's output (the budget times them)."""
+    monkeypatch.setattr(decode, "PROMPT", 64)
+    bench = DecodeBench(spec_for("qwen3_moe"), max_bs=3, steps=4, device="cpu", dtype=torch.float32, backend=backend)
+    bench.attach_lora_pool()
+    from moeserve.worker.sequence import ScheduledBatch
+
+    B = 3
+    batches = {mode: bench.runner.prepare(ScheduledBatch(bench.sequences(B, decode.slots_for(mode, B)), [1] * B,
+                                                         is_decode=True)) for mode in ("base", "active")}
+    assert batches["active"].lora is not None
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(B, bench.spec.hidden_size, generator=gen) for _ in range(2))
+    layer, (k_cache, v_cache) = bench.model.layers[0], bench.runner.kv_caches[0]
+    _, chained = layer_profile.layer_regions(layer, x, residual, batches["active"], k_cache, v_cache, ctx_len=512)
+    reference = layer(x, residual, batches["active"], k_cache, v_cache)
+    assert all(torch.equal(c, r) for c, r in zip(chained, reference))
+    base = layer(x, residual, batches["base"], k_cache, v_cache)
+    assert not torch.equal(base[0], reference[0])
+    rows = bench.layer_budget(B, bandwidth=1e11, timer=cpu_timer, mode="active")
+    assert [r["region"] for r in rows][-1] == "layer (of 2)" and all(r["us"] > 0 for r in rows)
+
+
+def test_profile_modes_other_than_the_budgets_are_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--profile", "--profile-modes", "active,idle-dual"])
+    assert exc.value.code == 2 and "--profile-modes idle-dual" in capsys.readouterr().err
+
+
 def test_budget_rows_cover_every_region_and_the_whole_layer():
     bench = DecodeBench(spec_for("qwen2_moe"), max_bs=2, steps=4, device="cpu", dtype=torch.float32,
                         backend="torch")

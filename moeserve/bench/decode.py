@@ -197,15 +197,17 @@ class DecodeBench:
             s.num_computed_tokens += 1
 
     @torch.inference_mode()
-    def layer_budget(self, B: int, bandwidth: float, timer=graph_time_us) -> list[dict]:
-        """Per-region kernel budget of one decode layer at batch B, base model (see layer_profile)."""
-        seqs = self.sequences(B, [-1] * B)
+    def layer_budget(self, B: int, bandwidth: float, timer=graph_time_us, mode: str = "base") -> list[dict]:
+        """Per-region kernel budget of one decode layer at batch B (see layer_profile), its rows on adapters as in
+        `mode` (slots_for; the pool attached first). A region's bytes are the base model's either way: with
+        adapters its time over them shows what the adapters cost there."""
+        seqs = self.sequences(B, slots_for(mode, B))
         batch = self.runner.prepare(ScheduledBatch(seqs, [1] * B, is_decode=True))
         # a distinct token per row: identical rows would all route to the same top-k experts in the timed layer
         ids = (torch.arange(B, device=batch.input_ids.device) * 7919 + 1) % self.model.embed_tokens.shape[0]
         x = torch.nn.functional.embedding(ids, self.model.embed_tokens)
         rows = layer_profile.layer_budget(self.model, self.runner.kv_caches, batch, x, PROMPT, bandwidth, timer)
-        layer_profile.print_budget(B, rows)
+        layer_profile.print_budget(B, rows, "" if mode == "base" else f", {mode} (4 rank-16 adapters)")
         return rows
 
 
@@ -245,11 +247,18 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also print each batch size's per-layer kernel budget (time, bytes, share of the floor, "
                          "kernel count per region of a layer)")
+    ap.add_argument("--profile-modes", default="base",
+                    help="with --profile: the modes whose budgets to print (base, active, mixed: the regions with "
+                         "the rows on adapters as the timed mode of that name puts them)")
     args = ap.parse_args(argv)
+    profile_modes = [m for m in args.profile_modes.split(",") if m]
+    if bad := [m for m in profile_modes if m not in ("base", "active", "mixed")]:
+        ap.error(f"--profile-modes {','.join(bad)}: the budget takes base, active or mixed")
     if not torch.cuda.is_available():
         raise SystemExit("bench decode needs a CUDA device")
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",") if m]
+
     spec = preset_spec(args.preset, args.layers)
     bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend, pdl=args.pdl,
                         quantization=args.quantization, fp8_activations=args.fp8_activations,
@@ -287,7 +296,15 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     # after the timed modes: the profiler the budget uses can slow what runs after it
-    budgets = {B: bench.layer_budget(B, bw) for B in batches} if args.profile else {}
+    budgets: dict = {}  # {B: rows} of the base model, and {"<mode>": {B: rows}} of each other profile mode
+    for mode in profile_modes if args.profile else []:
+        if mode != "base" and bench.pool is None:
+            bench.attach_lora_pool()
+        rows_of = {B: bench.layer_budget(B, bw, mode=mode) for B in batches}
+        if mode == "base":
+            budgets.update(rows_of)
+        else:
+            budgets[mode] = rows_of
     rows = []
     for B in batches:
         row = {"batch": B}
