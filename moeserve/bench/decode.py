@@ -258,7 +258,6 @@ def main(argv=None) -> int:
         raise SystemExit("bench decode needs a CUDA device")
     batches = [int(b) for b in args.batches.split(",")]
     modes = [m for m in args.modes.split(",") if m]
-
     spec = preset_spec(args.preset, args.layers)
     bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend, pdl=args.pdl,
                         quantization=args.quantization, fp8_activations=args.fp8_activations,

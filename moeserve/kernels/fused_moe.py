@@ -16,10 +16,9 @@ size always records the same kernels):
   blocks run before each GEMM (moe_lora), and the expands are added in the GEMM epilogues
   (before the routing weight), walking the block's adapter slots into the accumulator itself,
   so each touched adapter-expert weight is read about once per block and gu / y are written
-  once. A second,
-  (slot, expert) alignment with separate LoRA kernels measured slower or equal on the H200 (MoE + 4 rank-16 adapters / MoE at
-  T = 16/64/256/512: 1.43/1.42/1.45/1.53 against 1.26/1.37/1.49/1.54 here) and was removed
-  after cfefc5c.
+  once. A second, (slot, expert) alignment with separate LoRA kernels measured slower or equal
+  on the H200 (MoE + 4 rank-16 adapters / MoE at T = 16/64/256/512: 1.43/1.42/1.45/1.53
+  against 1.26/1.37/1.49/1.54 here) and was removed after cfefc5c.
 
 Both paths end with a top-k sum over fp32 per-pair outputs (no atomics). `lora=None`
 launches no LoRA work at all. No host syncs anywhere: every buffer and grid is sized from
