@@ -26,6 +26,7 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before any module with @triton.jit is imported
 
+import itertools  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -149,6 +150,20 @@ def test_w8a8_matches_activation_quantized_reference(hidden, inter):
     err = (out.double() - unquantized.double()).abs()
     assert (err <= w8a8_bound(*problem)).all()
     assert 1e-3 < _rel(out, unquantized) < 0.08  # quantized activations do move the output, by a few percent
+
+
+# a tile inside one scale block along N reads one scale per K step; one that spans two (256 columns) or straddles
+# the up half (w13's N 384, up from column 192: the 128-column tile at 128) a scale per column; the down tile at 128
+# of N 192 wraps past N
+@pytest.mark.parametrize("hidden,inter,block_n", [(256, 128, 64), (256, 128, 256), (192, 192, 128)])
+def test_scale_per_tile_or_per_column_and_weights_by_tma(hidden, inter, block_n):
+    problem = _problem(9, 4, hidden, inter, 2, seed=3)
+    for act_quant in (False, True):
+        plan = _small_plan(block_n=block_n, block_k=64, fused_act=not act_quant)
+        out = fused_moe_fp8(*problem, act_quant=act_quant, plan=plan)
+        assert _rel(out, fused_moe_fp8_ref(*problem, act_quant=act_quant)) < 1e-5
+        # weight tiles through TMA descriptors: the same tiles, bitwise
+        assert torch.equal(fused_moe_fp8(*problem, act_quant=act_quant, plan=replace(plan, weights_tma=True)), out)
 
 
 # GEMV K steps inside one scale group, and spanning two or four (the last one partial where H or I is 192)
@@ -291,6 +306,23 @@ def test_gpu_qwen3_shapes_against_twins(num_tokens):
     assert _rel(out[:n], unquantized) < 0.08
     err = (out[:n].double() - unquantized.double()).abs()
     assert (err <= w8a8_bound(*sub) + 2e-2 * unquantized.abs().max()).all()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [256, 4096])
+def test_gpu_weights_by_tma_are_bitwise_the_pointer_loads(num_tokens):
+    problem = _problem(num_tokens, 128, 2048, 768, 8, seed=9, dtype=torch.bfloat16, device="cuda")
+    limit = moe_plan.smem_limit(torch.device("cuda"))
+    # one scale per tile (N 128), a scale per column (N 256)
+    for (block_m, block_n, warps), act_quant in itertools.product(((64, 128, 4), (128, 128, 8), (64, 256, 8)),
+                                                                 (False, True)):
+        tile = GemmTile(block_m=block_m, block_n=block_n, block_k=128, num_warps=warps, num_stages=3)
+        a_bytes = 1 if act_quant else 2
+        plan = MoEPlan(False, moe_plan.fit_tile(tile, a_bytes, 1, limit),
+                       moe_plan.fit_tile(tile, a_bytes, 1 if act_quant else 2, limit), fused_act=not act_quant)
+        out = fused_moe_fp8(*problem, act_quant=act_quant, plan=plan)
+        assert torch.equal(fused_moe_fp8(*problem, act_quant=act_quant, plan=replace(plan, weights_tma=True)), out)
 
 
 @pytest.mark.gpu

@@ -68,10 +68,10 @@ DENSE_SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages) of f
     (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4), (64, 128, 128, 4, 3),
     (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
 ]
-SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages); group_m 1
+SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages[, group_m]); each also with weights by TMA
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3),
-    (64, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3), (128, 256, 128, 8, 3),
-    (128, 256, 64, 8, 4),
+    (64, 128, 128, 4, 4), (64, 128, 128, 4, 3, 8), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 256, 128, 8, 3),
+    (128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 64, 128, 4, 4), (128, 256, 128, 8, 3), (128, 256, 64, 8, 4),
 ]
 GEMV_SWEEP_TILES = [  # (block_n, block_k, num_warps, num_stages), GEMV path at T <= 8 (default 16 x 512 / 32 x 256)
     (16, 128, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (32, 512, 4, 1), (64, 256, 4, 1),
@@ -166,15 +166,18 @@ def sweep_plans(batch: int, act_quant: bool) -> dict[str, MoEPlan]:
     limit = smem_limit(torch.device(DEVICE))
     a_bytes = 1 if act_quant else 2
     plans = {}
-    for bm, bn, bk, warps, stages in SWEEP_TILES:
+    for bm, bn, bk, warps, stages, *group in SWEEP_TILES:
         if bm > 16 and batch * TOP_K < 4 * NUM_EXPERTS:  # few pairs per expert: long blocks are mostly padding
             continue
-        tile = GemmTile(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        group_m = group[0] if group else 1
+        tile = GemmTile(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=group_m)
         gate_up = fit_tile(tile, a_bytes, 1, limit)
         down = fit_tile(tile, a_bytes, 1 if act_quant else 2, limit)
         for fused_act in ((False,) if act_quant else (True, False)):
-            plan = MoEPlan(False, gate_up, down, y_fp32=False, fused_act=fused_act)
-            plans[f"{bm}x{bn}x{bk}w{warps}s{stages}{'' if fused_act else '_act'}"] = plan
+            for tma in (False, True):
+                plan = MoEPlan(False, gate_up, down, y_fp32=False, fused_act=fused_act, weights_tma=tma)
+                plans[f"{bm}x{bn}x{bk}w{warps}s{stages}{f'g{group_m}' if group_m > 1 else ''}"
+                      f"{'' if fused_act else '_act'}{'_tma' if tma else ''}"] = plan
     if batch * TOP_K <= DECODE_MAX_PAIRS:
         for bn, bk, warps, stages in GEMV_SWEEP_TILES:
             tile = GemmTile(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
@@ -182,7 +185,7 @@ def sweep_plans(batch: int, act_quant: bool) -> dict[str, MoEPlan]:
     return plans
 
 
-def bench_moe_batch(batch: int, gen, weights, pdl: bool, sweep: bool) -> dict:
+def bench_moe_batch(batch: int, gen, weights, pdl: bool, sweep: tuple[str, ...]) -> dict:
     inputs = [make_inputs(batch, gen) for _ in weights]
     variants = moe_variants(batch, pdl)
     row = {"tokens": batch, "check_rel_err": check_moe(weights[0], inputs[0], variants)}
@@ -199,6 +202,8 @@ def bench_moe_batch(batch: int, gen, weights, pdl: bool, sweep: bool) -> dict:
     if sweep:  # sorted-path tiles, and GEMV tiles at T <= 8
         row["sweep"] = {}
         for name, act_quant in (("fp8_w", False), ("fp8_w8a8", True)):
+            if name not in sweep:
+                continue
             sets = {}
             for label, plan in sweep_plans(batch, act_quant).items():
                 for weight_scale in ("tile",) if act_quant or plan.decode else ("tile", "product"):
@@ -225,7 +230,8 @@ def sweep_table(rows: list[dict], device: str) -> list[dict]:
                 continue
             plan = sweep_plans(row["tokens"], name == "fp8_w8a8")[best]
             tiles.append({"max_tokens": row["tokens"], "gate_up": plan.gate_up.as_list(), "down": plan.down.as_list(),
-                          "y_fp32": plan.y_fp32, "fused_act": plan.fused_act, "us": round(times[best], 1)})
+                          "y_fp32": plan.y_fp32, "fused_act": plan.fused_act, "weights_tma": plan.weights_tma,
+                          "us": round(times[best], 1)})
         if tiles:
             entries.append({"device": device, "dtype": name, "experts": NUM_EXPERTS, "hidden": HIDDEN,
                             "inter": INTER, "top_k": TOP_K,
@@ -318,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=TOKENS, help="comma list of token counts T")
     ap.add_argument("--parts", default="moe,dense", help="comma list: moe, dense")
     ap.add_argument("--sweep", action="store_true", help="also time FP8 tile candidates (moe and dense)")
+    ap.add_argument("--sweep-mult", default="fp8_w8a8,fp8_w",
+                    help="comma list of the MoE multiplications --sweep tunes: fp8_w8a8, fp8_w")
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                     help="launch with programmatic dependent launch, as the engine does (default: where the GPU "
                          "has it)")
@@ -352,7 +360,8 @@ def main(argv=None) -> int:
         weights = [make_weights(gen) for _ in range(NUM_SETS)]
         for batch in tokens:
             try:
-                report["moe"].append(bench_moe_batch(batch, gen, weights, pdl, args.sweep))
+                report["moe"].append(bench_moe_batch(batch, gen, weights, pdl,
+                                                     tuple(args.sweep_mult.split(",")) if args.sweep else ()))
                 print_moe_table(report["moe"][-1:])
             except Exception:
                 traceback.print_exc()

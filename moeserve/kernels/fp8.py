@@ -123,16 +123,26 @@ def quantize_tile_fp8(v, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False):
+def fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
+                   B_SCALAR: tl.constexpr = False):
     """acc + a @ dequant(b) for one K step that lies inside one scale group along K. b: fp8 [BK, BN] with its
-    per-column scale_inv b_scale [BN].
+    per-column scale_inv b_scale [BN], or (B_SCALAR: the tile lies inside one scale block along N) one scale_inv
+    for all its columns — the same products, without a [BN] vector to spread across the accumulator's layout
+    (a shared-memory round trip and a barrier per K step) or a multiply per element.
     ACT_FP8 (W8A8): a fp8 [BM, BK] with per-row scale a_scale [BM]; the fp8 product (fp32 accumulate) is scaled
     by a_scale x b_scale.
     Weight-only (a in bf16 / fp16 / fp32; a_scale unused): SCALE_PRODUCT off dequantizes the B tile (its fp8
     values times the scale, rounded once to a's dtype) and accumulates in the dot; on, the dot takes the fp8
     values themselves (exact in a's dtype) and its [BM, BN] product is scaled in fp32 before it is added: BM x BN
     multiplies per step instead of BK x BN and no weight rounding, for a second accumulator's registers."""
-    if ACT_FP8:
+    if B_SCALAR:
+        if ACT_FP8:
+            return acc + tl.dot(a, b) * (a_scale * b_scale)[:, None]
+        elif SCALE_PRODUCT:
+            return acc + tl.dot(a, b.to(a.dtype)) * b_scale
+        else:
+            return tl.dot(a, (b.to(tl.float32) * b_scale).to(a.dtype), acc)
+    elif ACT_FP8:
         return acc + tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
     elif SCALE_PRODUCT:
         return acc + tl.dot(a, b.to(a.dtype)) * b_scale[None, :]

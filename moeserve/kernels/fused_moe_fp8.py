@@ -59,7 +59,14 @@ from moeserve.kernels.fp8 import (
     silu_mul_quant_fp8,
     silu_mul_quant_fp8_ref,
 )
-from moeserve.kernels.fused_moe import _block_tile, _lora_expand_rows, _topk_sum, silu_mul_rows
+from moeserve.kernels.fused_moe import (
+    _block_tile,
+    _lora_expand_rows,
+    _topk_sum,
+    _weight_tile,
+    silu_mul_rows,
+    weight_descs,
+)
 from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
@@ -110,19 +117,21 @@ def _moe_fp8_gemm_kernel(
     num_pairs, pairs_per_row, N, K, up_col0, up_scale_row0,
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, top_k,
-    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, separate_ptr, stride_sh,
+    stride_sk, stride_sr, stride_bl, stride_be, stride_bn, separate_ptr, stride_sh, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
     ROUTE_WEIGHT: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
     HAS_LORA: tl.constexpr = False, K_SPLITS: tl.constexpr = 1, RANK_STEP: tl.constexpr = 16,
-    UP_HALF: tl.constexpr = False,
+    UP_HALF: tl.constexpr = False, B_SCALAR: tl.constexpr = False, W_TMA: tl.constexpr = False,
 ):
     """out[pair] = (w[pair] *) (dequant(W_e) @ a[pair // pairs_per_row] (+ B (A v) of the pair's adapter)) for the
     BLOCK_M pairs of one aligned block, one N tile. gate_up: a = x (rows are tokens, pairs_per_row = top_k); down:
     a = gu or h (rows are pairs). FUSED_ACT (weight-only down): the A tile is silu(a[:, k]) * a[:, K + k]. ACT_FP8:
     a is fp8 with scales a_scale[row, k-group]. Column n reads scale row n // SCALE_N, or for n >= up_col0
     up_scale_row0 + (n - up_col0) // SCALE_N (w13's separately blocked up half). SCALE_PRODUCT: see
-    fp8_scaled_dot. HAS_LORA: the bf16 path's in-place LoRA epilogue (moe_lora.lora_block_epilogue), its shrink
+    fp8_scaled_dot. B_SCALAR: the tile's columns share one scale row (BLOCK_N divides SCALE_N and the up half
+    starts on a tile boundary), loaded once per K step as a scalar. W_TMA: weight tiles through a TMA descriptor
+    over [E * N, K] (fused_moe._weight_tile). HAS_LORA: the bf16 path's in-place LoRA epilogue (moe_lora.lora_block_epilogue), its shrink
     of the unquantized x or h precomputed in shrunk_ptr, added into the scaled fp32 accumulator before the routing
     weight (a row without an adapter adds exact zeros); UP_HALF: gate_up of a pool with separate up A's (columns
     >= up_col0 are the up rows), walked. With LoRA the kernel waits for the shrink launched just before it only
@@ -141,7 +150,9 @@ def _moe_fp8_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
-    scale_rows = tl.where(cols < up_col0, cols // SCALE_N, up_scale_row0 + (cols - up_col0) // SCALE_N)
+    # B_SCALAR: the tile's first column stands for all (past N they wrap, and the store drops them)
+    scale_cols = pid_n * BLOCK_N if B_SCALAR else cols
+    scale_rows = tl.where(scale_cols < up_col0, scale_cols // SCALE_N, up_scale_row0 + (scale_cols - up_col0) // SCALE_N)
     b_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + scale_rows * stride_wsn
     a_scale_ptrs = a_scale_ptr + rows * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -149,24 +160,19 @@ def _moe_fp8_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a_mask = pair_ok[:, None]
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            if FUSED_ACT:
-                up = tl.load(a_ptrs + K, mask=a_mask, other=0.0)
-            b = tl.load(b_ptrs)
         else:
-            k_ok = offs_k < K - k0
-            a_mask = pair_ok[:, None] & k_ok[None, :]
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            if FUSED_ACT:
-                up = tl.load(a_ptrs + K, mask=a_mask, other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            a_mask = pair_ok[:, None] & (offs_k < K - k0)[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        if FUSED_ACT:
+            up = tl.load(a_ptrs + K, mask=a_mask, other=0.0)
+        b = _weight_tile(b_ptrs, w_desc, expert * N + pid_n * BLOCK_N, k0, K, offs_k, EVEN_K, W_TMA)
         if FUSED_ACT:
             a = silu_mul(a.to(tl.float32), up.to(tl.float32)).to(up.dtype)
         group = k0 // SCALE_K
         b_scale = tl.load(b_scale_ptrs + group)
         if ACT_FP8:
             a_scale = tl.load(a_scale_ptrs + group, mask=pair_ok, other=0.0)
-        acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT)
+        acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT, B_SCALAR)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_launch.late(USE_PDL, HAS_LORA)
@@ -305,6 +311,8 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool |
         return replace(plan, gate_up=replace(plan.gate_up, block_k=FP8_GEMV_BLOCK_K),
                        down=replace(plan.down, block_k=FP8_GEMV_BLOCK_K))
     tuned = tuned_tiles(num_tokens, problem, gpu_name(problem.device), dtype_label=_table_label(act_quant))
+    # weight tiles by TMA only where an FP8 row of the table asks for it (the bf16 rows' answer is not FP8's)
+    plan = replace(plan, weights_tma=False)
     if tuned is not None and tuned[0].block_m == tuned[1].block_m:
         plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
     limit = smem_limit(problem.device)
@@ -354,11 +362,14 @@ def _check_weights(x, w13, s13, w2, s2, block):
 
 
 def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs_per_row, n, k, up_col0,
-            up_scale_row0, tile, block, act_fp8, fused_act, route_weight, scale_product, pdl, lora=None):
-    """`lora`: (MoELoRAArgs, its B for this GEMM, the block shrink of this GEMM's unquantized input
-    (lora_block_shrink: [(2,) splits, rows, R], the up halves where the pool has them), top_k): the in-place
-    LoRA epilogue."""
+            up_scale_row0, tile, block, act_fp8, fused_act, route_weight, scale_product, pdl, w_desc, w_tma,
+            lora=None):
+    """`w_desc`, `w_tma`: the weights' TMA descriptor and whether to read through it (weight_descs). `lora`:
+    (MoELoRAArgs, its B for this GEMM, the block shrink of this GEMM's unquantized input (lora_block_shrink:
+    [(2,) splits, rows, R], the up halves where the pool has them), top_k): the in-place LoRA epilogue."""
     num_blocks = aligned.block_groups.numel()
+    # every N tile inside one scale block: BLOCK_N divides it, and the up half (w13) starts on a tile boundary
+    scalar_b_scale = block[0] % tile.block_n == 0 and (up_col0 >= n or up_col0 % tile.block_n == 0)
     if lora is None:
         lora_args, lora_opts = (topk_weights,) * 4 + (1,) + (0,) * 5 + (topk_weights, 0), {}
     else:
@@ -372,11 +383,11 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
         a, a_scale, w, w_scale, out, topk_weights, aligned.sorted_ids, aligned.block_groups,
         num_pairs, pairs_per_row, n, k, up_col0, up_scale_row0,
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), *lora_args,
+        out.stride(0), *lora_args, w_desc,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
         SCALE_PRODUCT=scale_product, GROUP_M=tile.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **lora_opts)
+        num_stages=tile.num_stages, B_SCALAR=scalar_b_scale, W_TMA=w_tma, **lora_opts)
 
 
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
@@ -445,6 +456,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     aligned = moe_align(topk_ids, num_experts, plan.gate_up.block_m, pdl=pdl)
+    w13_desc, w2_desc, w_tma = weight_descs(w13, w2, plan)
     lp = lora_plan
     has_lora = lora is not None
 
@@ -463,7 +475,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _launch(a, a_scale, w13, s13, gu, topk_weights, aligned, num_pairs, top_k, 2 * inter, hidden,
             inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, scale_product, pdl,
-            (lora, lora.gate_up_b, shrunk_x, top_k) if has_lora else None)
+            w13_desc, w_tma, (lora, lora.gate_up_b, shrunk_x, top_k) if has_lora else None)
 
     fused_act = plan.fused_act and not act_quant
     if act_quant:  # with LoRA also the bf16 h it quantizes, for the down shrink
@@ -477,7 +489,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
                       activated=not fused_act) if has_lora else None
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
-            hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl,
+            hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl, w2_desc, w_tma,
             (lora, lora.down_b, shrunk_h, top_k) if has_lora else None)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
