@@ -159,11 +159,12 @@ def int_bits(t):
 
 @pytest.mark.parametrize("slice_sizes", [(20,), (24, 8, 8)])
 @pytest.mark.parametrize("k_splits,lanes", [(1, 1), (2, 1), (1, 3), (2, 4)])
-def test_dense_lora_matches_ref(slice_sizes, k_splits, lanes):
+@pytest.mark.parametrize("max_rank", [32, 24])  # a pool rank off the 16-column rank steps: those masks stay
+def test_dense_lora_matches_ref(slice_sizes, k_splits, lanes, max_rank):
     """k_splits: partial sums over `in` that expand adds up; lanes: a tile's slots spread over programs."""
     gen = torch.Generator().manual_seed(len(slice_sizes) * 10 + k_splits)
-    T, in_features, max_rank = 21, 48, 32  # two token tiles
-    ranks = [8, 0, 32, 4]  # slot 1 is inactive (rank 0)
+    T, in_features = 21, 48  # two token tiles
+    ranks = [8, 0, max_rank, 4]  # slot 1 is inactive (rank 0)
     a, b, slot_ranks = make_lora_pool(4, slice_sizes, max_rank, in_features, ranks, torch.float32, "cpu", gen)
     x = torch.randn(T, in_features, generator=gen)
     slots = torch.randint(0, 4, (T,), generator=gen, dtype=torch.int32)

@@ -69,16 +69,21 @@ def _first_slot_of_lane(slots, lane):
 
 # sizes that vary with the step's token count are not specialized (Triton would compile a variant per residue of
 # 16 it sees): a prefill shape the start-up warm-up did not reach then compiles nothing inside a request
-@triton.jit(do_not_specialize=["T", "K_PER_SPLIT", "stride_sk", "stride_ss"])
+@triton.jit(do_not_specialize=["T", "STEPS_PER_SPLIT", "stride_sk", "stride_ss"])
 def _shrink_kernel(
     x_ptr, a_ptr, slots_ptr, ranks_ptr, scratch_ptr,
-    T, IN, R_MAX, K_PER_SPLIT,
+    T, IN, R_MAX, STEPS_PER_SPLIT,  # BLOCK_K steps of `in` per split: a split starts on a BLOCK_K boundary
     stride_xt,
     stride_al, stride_as, stride_ar,
     stride_sk, stride_ss, stride_st,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr = False, EVEN_R: tl.constexpr = False,
 ):
+    """EVEN_K (IN a multiple of BLOCK_K), EVEN_R (R_MAX a multiple of BLOCK_R): those masks are dropped, so no mask
+    varies along a contiguous dimension. With a split's start a multiple of BLOCK_K (STEPS_PER_SPLIT) the x and A
+    loads are 16-byte vectors; a start the compiler could not prove aligned (the split's width passed unspecialized)
+    made them one bf16 at a time."""
     pdl_launch.enter(USE_PDL)
     tile = tl.program_id(0)
     sl = tl.program_id(1) // LANES  # slice of the fused projection
@@ -86,8 +91,8 @@ def _shrink_kernel(
     ks = tl.program_id(2)  # split of the `in` dimension
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     slots = _active_slots(slots_ptr, ranks_ptr, t, T)
-    k_lo = ks * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, IN)
+    k_lo = ks * STEPS_PER_SPLIT * BLOCK_K  # provably a multiple of BLOCK_K: the x and A loads vectorize
+    k_hi = tl.minimum(k_lo + STEPS_PER_SPLIT * BLOCK_K, IN)
     x_rows = x_ptr + t.to(tl.int64)[:, None] * stride_xt
 
     cur = _first_slot_of_lane(slots, lane)
@@ -97,16 +102,18 @@ def _shrink_kernel(
         a_slot = a_ptr + cur.to(tl.int64) * stride_al + sl * stride_as
         for r0 in range(0, rank, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = r < R_MAX
+            r_mask = (r < R_MAX) | EVEN_R
             acc = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = k < k_hi
+                k_mask = (k < k_hi) | EVEN_K
                 xt = tl.load(x_rows + k[None, :], mask=rows[:, None] & k_mask[None, :], other=0.0).to(COMPUTE)
                 at = tl.load(a_slot + r[None, :] * stride_ar + k[:, None],
                              mask=k_mask[:, None] & r_mask[None, :], other=0.0).to(COMPUTE)
                 acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
-            tl.store(scratch_ptr + ks * stride_sk + sl * stride_ss + t[:, None] * stride_st + r[None, :],
+            # scratch strides in rows of stride_st (stride_sk / stride_ss vary with T and are not specialized):
+            # offsets provably multiples of stride_st, so rank runs are vectors
+            tl.store(scratch_ptr + ((ks * stride_sk + sl * stride_ss) + t[:, None]) * stride_st + r[None, :],
                      acc, mask=rows[:, None] & r_mask[None, :])
         for _ in tl.static_range(LANES):
             cur = _next_slot(slots, cur)
@@ -123,7 +130,9 @@ def _expand_kernel(
     TILE1: tl.constexpr, TILE2: tl.constexpr, TILE3: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LANES: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_N: tl.constexpr = False, EVEN_R: tl.constexpr = False,
 ):
+    """EVEN_N (every slice a multiple of BLOCK_N), EVEN_R (R_MAX a multiple of BLOCK_R): as the shrink's flags."""
     pdl_launch.enter(USE_PDL)
     tile = tl.program_id(0)
     nt = tl.program_id(1)  # column tile; tiles are laid out slice by slice, none straddles two
@@ -133,7 +142,7 @@ def _expand_kernel(
     col_base = tl.where(sl == 0, 0, tl.where(sl == 1, SIZE0, tl.where(sl == 2, SIZE0 + SIZE1, SIZE0 + SIZE1 + SIZE2)))
     size = tl.where(sl == 0, SIZE0, tl.where(sl == 1, SIZE1, tl.where(sl == 2, SIZE2, SIZE3)))
     c = (nt - tile_base) * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the slice
-    n_mask = c < size
+    n_mask = (c < size) | EVEN_N
     n = col_base + c
 
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -148,12 +157,12 @@ def _expand_kernel(
         b_slot = b_ptr + cur.to(tl.int64) * stride_bl
         for r0 in range(0, rank, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = r < R_MAX
+            r_mask = (r < R_MAX) | EVEN_R
             s_mask = rows[:, None] & r_mask[None, :]
-            s_ptrs = scratch_ptr + sl * stride_ss + t[:, None] * stride_st + r[None, :]
+            s_ptrs = scratch_ptr + (sl * stride_ss + t[:, None]) * stride_st + r[None, :]  # strides as the shrink's
             s = tl.zeros([BLOCK_T, BLOCK_R], tl.float32)
             for ks in range(K_SPLITS):
-                s += tl.load(s_ptrs + ks * stride_sk, mask=s_mask, other=0.0)
+                s += tl.load(s_ptrs + ks * stride_sk * stride_st, mask=s_mask, other=0.0)
             b = tl.load(b_slot + n[None, :] * stride_bn + r[:, None] * stride_br,
                         mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(COMPUTE)
             acc += tl.dot(s.to(COMPUTE), b, input_precision=DOT_PRECISION)
@@ -236,15 +245,22 @@ def dense_lora_shrink(x, lora_a, token_slots, slot_ranks, *, block_t=None, block
         return scratch
     _shrink_kernel[(num_token_tiles, num_slices * lanes, k_splits)](
         x, lora_a, token_slots, slot_ranks, scratch,
-        T, in_features, max_rank, k_per_split,
+        T, in_features, max_rank, k_per_split // block_k,
         x.stride(0),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        scratch.stride(0), scratch.stride(1), scratch.stride(2),
+        *_scratch_strides(scratch),
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_R=RANK_BLOCK, LANES=lanes,
         COMPUTE=_compute_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=pdl,
+        EVEN_K=in_features % block_k == 0, EVEN_R=max_rank % RANK_BLOCK == 0,
         num_warps=num_warps, launch_pdl=pdl,
     )
     return scratch
+
+
+def _scratch_strides(scratch: torch.Tensor) -> tuple[int, int, int]:
+    """(split, slice strides in rows, row stride) of a contiguous [k_splits, slices, T, R] scratch: the kernels
+    multiply the first two by the row stride."""
+    return scratch.stride(0) // scratch.stride(2), scratch.stride(1) // scratch.stride(2), scratch.stride(2)
 
 
 def _expand(scratch, lora_b, token_slots, slot_ranks, slice_sizes, out, *, block_t, block_n, lanes, num_warps,
@@ -261,13 +277,14 @@ def _expand(scratch, lora_b, token_slots, slot_ranks, slice_sizes, out, *, block
     _expand_kernel[(triton.cdiv(T, block_t), num_col_tiles, lanes)](
         scratch, lora_b, token_slots, slot_ranks, out,
         T, max_rank, k_splits,
-        scratch.stride(0), scratch.stride(1), scratch.stride(2),
+        *_scratch_strides(scratch),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         out.stride(0), out.stride(1),
         SIZE0=sizes[0], SIZE1=sizes[1], SIZE2=sizes[2], SIZE3=sizes[3],
         TILE1=tile_starts[1], TILE2=tile_starts[2], TILE3=tile_starts[3],
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=RANK_BLOCK, LANES=lanes,
         COMPUTE=_compute_dtype(lora_b.dtype), DOT_PRECISION=_dot_precision(lora_b.dtype), USE_PDL=pdl,
+        EVEN_N=all(size % block_n == 0 for size in slice_sizes), EVEN_R=max_rank % RANK_BLOCK == 0,
         num_warps=num_warps, launch_pdl=pdl,
     )
 
