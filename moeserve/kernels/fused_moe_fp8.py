@@ -131,11 +131,11 @@ def _moe_fp8_gemm_kernel(
     up_scale_row0 + (n - up_col0) // SCALE_N (w13's separately blocked up half). SCALE_PRODUCT: see
     fp8_scaled_dot. B_SCALAR: the tile's columns share one scale row (BLOCK_N divides SCALE_N and the up half
     starts on a tile boundary), loaded once per K step as a scalar. W_TMA: weight tiles through a TMA descriptor
-    over [E * N, K] (fused_moe._weight_tile). HAS_LORA: the bf16 path's in-place LoRA epilogue (moe_lora.lora_block_epilogue), its shrink
-    of the unquantized x or h precomputed in shrunk_ptr, added into the scaled fp32 accumulator before the routing
-    weight (a row without an adapter adds exact zeros); UP_HALF: gate_up of a pool with separate up A's (columns
-    >= up_col0 are the up rows), walked. With LoRA the kernel waits for the shrink launched just before it only
-    before its epilogue (pdl's late wait)."""
+    over [E * N, K] (fused_moe._weight_tile). HAS_LORA: the bf16 path's in-place LoRA epilogue
+    (moe_lora.lora_block_epilogue), its shrink of the unquantized x or h precomputed in shrunk_ptr, added into the
+    scaled fp32 accumulator before the routing weight (a row without an adapter adds exact zeros); UP_HALF: gate_up
+    of a pool with separate up A's (columns >= up_col0 are the up rows), walked. With LoRA the kernel waits for the
+    shrink launched just before it only before its epilogue (pdl's late wait)."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
@@ -152,7 +152,8 @@ def _moe_fp8_gemm_kernel(
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
     # B_SCALAR: the tile's first column stands for all (past N they wrap, and the store drops them)
     scale_cols = pid_n * BLOCK_N if B_SCALAR else cols
-    scale_rows = tl.where(scale_cols < up_col0, scale_cols // SCALE_N, up_scale_row0 + (scale_cols - up_col0) // SCALE_N)
+    scale_rows = tl.where(scale_cols < up_col0, scale_cols // SCALE_N,
+                          up_scale_row0 + (scale_cols - up_col0) // SCALE_N)
     b_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + scale_rows * stride_wsn
     a_scale_ptrs = a_scale_ptr + rows * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -77,6 +77,15 @@ class PackedExperts:
 ROW_BLOCK = 4
 
 
+def _expert_linear(x, w, packed):
+    """x [a multiple of ROW_BLOCK rows, in] @ w.T: in one call through oneDNN's packed copy (its kernel is the same
+    from 2 rows on), else ROW_BLOCK rows a call, since MKL's kernel, and its rounding, changes further with the row
+    count (on an AVX-512 CPU 8 rows of a [64, 96] weight round differently from 4, and 16 of a [576, 1536] from 12)."""
+    if packed is not None and x.dtype == torch.float32:
+        return cpu_linear.linear(x, w, packed)
+    return torch.cat([cpu_linear.linear(block, w, None) for block in x.split(ROW_BLOCK)])
+
+
 def _pad_rows(t, n):
     return t if t.shape[0] == n else torch.cat([t, t.new_zeros(n - t.shape[0], *t.shape[1:])])
 
@@ -104,7 +113,7 @@ def moe_experts_routed(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | Non
         start += n
         padded = -(-n // ROW_BLOCK) * ROW_BLOCK
         xe = _pad_rows(x.index_select(0, rows), padded)
-        gu = cpu_linear.linear(xe, w13[e], packed.w13[e] if packed else None)
+        gu = _expert_linear(xe, w13[e], packed.w13[e] if packed else None)
         if use_lora:
             slots = _pad_rows(lora.token_slots.index_select(0, rows), padded)
             slots[n:] = -1
@@ -119,7 +128,7 @@ def moe_experts_routed(x, w13, w2, topk_weights, topk_ids, lora: LoRABatch | Non
                     _lora_delta(xa, up_a, b.gate_up_b[:, e, inter:], slots, lora.active_slots)], dim=-1)
             gu = torch.where(has_adapter, gu + d.to(gu.dtype), gu)
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = cpu_linear.linear(h, w2[e], packed.w2[e] if packed else None)
+        y = _expert_linear(h, w2[e], packed.w2[e] if packed else None)
         if use_lora:
             d = _lora_delta(h.to(b.down_a.dtype), b.down_a[:, e], b.down_b[:, e], slots, lora.active_slots)
             y = torch.where(has_adapter, y + d.to(y.dtype), y)
