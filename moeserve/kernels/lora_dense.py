@@ -213,8 +213,8 @@ def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
 
 
 def _token_tiling(T: int, num_slots: int, block_t, lanes) -> tuple[int, int]:
-    if block_t is None:
-        block_t = 16 if (_INTERPRET or T < 1024) else 64
+    if block_t is None:  # H200, q|k|v and o at 4 adapters: 32-token tiles 0.81 / 0.78 of 16's at T = 256 / 512
+        block_t = 16 if (_INTERPRET or T < 256) else 32 if T < 1024 else 64
     if lanes is None:
         # Decode-sized batches mix adapters within a tile; large (prefill) tiles are mostly uniform.
         lanes = min(4, num_slots) if T <= 1024 else 1
