@@ -1,4 +1,5 @@
-# Sourced by the device-call scripts (run with `carry: [".whl"]`): the wheels the device lacks installed beside
+# Sourced by the device-call scripts (run with `carry: [".whl"]`; benchmarks/device_wheels.sh fills .whl/ with the
+# wheels the device lacks, at .venv's versions): those wheels installed beside
 # the tree, the tree on the path, and `lane FILE...` (GPU-marked tests of tests/FILE.py one after another, each
 # under LANE_TIMEOUT seconds, its log in $OUT/FILE.log and one summary line printed).
 set -o pipefail

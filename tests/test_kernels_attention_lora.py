@@ -160,7 +160,8 @@ def int_bits(t):
 @pytest.mark.parametrize("slice_sizes", [(20,), (24, 8, 8)])
 @pytest.mark.parametrize("k_splits,lanes", [(1, 1), (2, 1), (1, 3), (2, 4)])
 @pytest.mark.parametrize("max_rank", [32, 24])  # a pool rank off the 16-column rank steps: those masks stay
-def test_dense_lora_matches_ref(slice_sizes, k_splits, lanes, max_rank):
+@pytest.mark.parametrize("block_t", [16, 32])  # the GPU's token tiles below T = 256 and from there
+def test_dense_lora_matches_ref(slice_sizes, k_splits, lanes, max_rank, block_t):
     """k_splits: partial sums over `in` that expand adds up; lanes: a tile's slots spread over programs."""
     gen = torch.Generator().manual_seed(len(slice_sizes) * 10 + k_splits)
     T, in_features = 21, 48  # two token tiles
@@ -178,7 +179,7 @@ def test_dense_lora_matches_ref(slice_sizes, k_splits, lanes, max_rank):
     want = out.clone()
     dense_lora_ref(x, a, b, slots, slot_ranks, slice_sizes, want)
 
-    _dense_lora(x, a, b, slots, slot_ranks, slice_sizes, out, k_splits=k_splits, lanes=lanes)
+    _dense_lora(x, a, b, slots, slot_ranks, slice_sizes, out, k_splits=k_splits, lanes=lanes, block_t=block_t)
 
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     untouched = (slots < 0) | (slots == 1)

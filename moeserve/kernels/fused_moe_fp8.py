@@ -157,13 +157,7 @@ def _moe_fp8_gemm_kernel(
     b_scale_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + scale_rows * stride_wsn
     a_scale_ptrs = a_scale_ptr + rows * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # a K step's scales are loaded one step ahead: loaded just before their multiply, the wait for them was the
-    # kernel's largest stall (Nsight Compute, W8A8 at T = 4,096: a quarter of the samples)
-    last_group = (K - 1) // SCALE_K
-    b_scale_next = tl.load(b_scale_ptrs)
-    a_scale_next = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if ACT_FP8:
-        a_scale_next = tl.load(a_scale_ptrs, mask=pair_ok, other=0.0)
+    a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a_mask = pair_ok[:, None]
@@ -175,11 +169,10 @@ def _moe_fp8_gemm_kernel(
         b = _weight_tile(b_ptrs, w_desc, expert * N + pid_n * BLOCK_N, k0, K, offs_k, EVEN_K, W_TMA)
         if FUSED_ACT:
             a = silu_mul(a.to(tl.float32), up.to(tl.float32)).to(up.dtype)
-        b_scale, a_scale = b_scale_next, a_scale_next
-        next_group = tl.minimum((k0 + BLOCK_K) // SCALE_K, last_group)
-        b_scale_next = tl.load(b_scale_ptrs + next_group)
+        group = k0 // SCALE_K
+        b_scale = tl.load(b_scale_ptrs + group)
         if ACT_FP8:
-            a_scale_next = tl.load(a_scale_ptrs + next_group, mask=pair_ok, other=0.0)
+            a_scale = tl.load(a_scale_ptrs + group, mask=pair_ok, other=0.0)
         acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT, B_SCALAR)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -371,9 +364,8 @@ def _check_weights(x, w13, s13, w2, s2, block):
 
 def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs_per_row, n, k, up_col0,
             up_scale_row0, tile, block, act_fp8, fused_act, route_weight, scale_product, pdl, w_desc, w_tma,
-            lora=None, max_registers=0):
-    """`w_desc`, `w_tma`: the weights' TMA descriptor and whether to read through it (weight_descs);
-    `max_registers` (> 0): the compiler's register cap, calls without LoRA only (MoEPlan.max_registers). `lora`:
+            lora=None):
+    """`w_desc`, `w_tma`: the weights' TMA descriptor and whether to read through it (weight_descs). `lora`:
     (MoELoRAArgs, its B for this GEMM, the block shrink of this GEMM's unquantized input (lora_block_shrink:
     [(2,) splits, rows, R], the up halves where the pool has them), top_k): the in-place LoRA epilogue."""
     num_blocks = aligned.block_groups.numel()
@@ -381,8 +373,6 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
     scalar_b_scale = block[0] % tile.block_n == 0 and (up_col0 >= n or up_col0 % tile.block_n == 0)
     if lora is None:
         lora_args, lora_opts = (topk_weights,) * 4 + (1,) + (0,) * 5 + (topk_weights, 0), {}
-        if max_registers:
-            lora_opts["maxnreg"] = max_registers
     else:
         args, b, shrunk, top_k = lora  # b: a B of args, rows packed (MoELoRAArgs checked)
         up_half = shrunk.dim() == 4
@@ -486,7 +476,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _launch(a, a_scale, w13, s13, gu, topk_weights, aligned, num_pairs, top_k, 2 * inter, hidden,
             inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, scale_product, pdl,
-            w13_desc, w_tma, (lora, lora.gate_up_b, shrunk_x, top_k) if has_lora else None, plan.max_registers)
+            w13_desc, w_tma, (lora, lora.gate_up_b, shrunk_x, top_k) if has_lora else None)
 
     fused_act = plan.fused_act and not act_quant
     if act_quant:  # with LoRA also the bf16 h it quantizes, for the down shrink
@@ -501,7 +491,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
             hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl, w2_desc, w_tma,
-            (lora, lora.down_b, shrunk_h, top_k) if has_lora else None, plan.max_registers)
+            (lora, lora.down_b, shrunk_h, top_k) if has_lora else None)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 

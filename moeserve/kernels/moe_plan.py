@@ -57,9 +57,6 @@ class MoEPlan:
     fused_act: bool = True
     # sorted path: the GEMMs read their weight tiles through TMA descriptors (Hopper and later) instead of pointers
     weights_tma: bool = False
-    # FP8 sorted path, calls without LoRA: registers per thread the compiler may use (0: its own choice), where a
-    # few registers over a boundary cost a CTA per SM (the W8A8 64 x 128 tile: 173 -> 168 keeps 3)
-    max_registers: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,7 +181,7 @@ def gpu_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
-PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma", "max_registers")  # MoEPlan fields a table row may set
+PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma")  # MoEPlan fields a table row may set besides the tiles
 
 
 def _read_table(path: Path) -> dict:
@@ -193,7 +190,7 @@ def _read_table(path: Path) -> dict:
     for entry in json.loads(path.read_text())["entries"]:
         key = (entry["device"], (entry["experts"], entry["hidden"], entry["inter"], entry["top_k"], entry["dtype"]))
         rows = [(row["max_tokens"], GemmTile(*row["gate_up"]), GemmTile(*row["down"]),
-                 {k: type(getattr(MoEPlan, k))(row[k]) for k in PLAN_OPTIONS if k in row}) for row in entry["tiles"]]
+                 {k: bool(row[k]) for k in PLAN_OPTIONS if k in row}) for row in entry["tiles"]]
         table[key] = sorted(rows, key=lambda r: r[0])
     return table
 
