@@ -123,6 +123,15 @@ def quantize_tile_fp8(v, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _scale_columns(b_scale, B_SCALAR: tl.constexpr):
+    """The weight scale as it multiplies a [rows, BLOCK_N] tile: one scalar (B_SCALAR), or a row of column scales."""
+    if B_SCALAR:
+        return b_scale
+    else:
+        return b_scale[None, :]
+
+
+@triton.jit
 def fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
                    B_SCALAR: tl.constexpr = False):
     """acc + a @ dequant(b) for one K step that lies inside one scale group along K. b: fp8 [BK, BN] with its
@@ -135,19 +144,12 @@ def fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8: tl.constexpr, SCALE_PRO
     values times the scale, rounded once to a's dtype) and accumulates in the dot; on, the dot takes the fp8
     values themselves (exact in a's dtype) and its [BM, BN] product is scaled in fp32 before it is added: BM x BN
     multiplies per step instead of BK x BN and no weight rounding, for a second accumulator's registers."""
-    if B_SCALAR:
-        if ACT_FP8:
-            return acc + tl.dot(a, b) * (a_scale * b_scale)[:, None]
-        elif SCALE_PRODUCT:
-            return acc + tl.dot(a, b.to(a.dtype)) * b_scale
-        else:
-            return tl.dot(a, (b.to(tl.float32) * b_scale).to(a.dtype), acc)
-    elif ACT_FP8:
-        return acc + tl.dot(a, b) * (a_scale[:, None] * b_scale[None, :])
+    if ACT_FP8:
+        return acc + tl.dot(a, b) * (a_scale[:, None] * _scale_columns(b_scale, B_SCALAR))
     elif SCALE_PRODUCT:
-        return acc + tl.dot(a, b.to(a.dtype)) * b_scale[None, :]
+        return acc + tl.dot(a, b.to(a.dtype)) * _scale_columns(b_scale, B_SCALAR)
     else:
-        return tl.dot(a, (b.to(tl.float32) * b_scale[None, :]).to(a.dtype), acc)
+        return tl.dot(a, (b.to(tl.float32) * _scale_columns(b_scale, B_SCALAR)).to(a.dtype), acc)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # sizes that vary by step: one compile
