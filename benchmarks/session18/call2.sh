@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Call 2 (carry .whl): the dense LoRA kernels with vector loads against the tree before (lora_dense_before.py,
-# 9bff10f) in the kernel bench; decode by LoRA mode (bf16) on them; GPU tests of the dense LoRA and FP8 kernels;
+# Call 2 (carry .whl): the dense LoRA kernels with vector loads against the tree before in the kernel bench
+# (lora_dense_before.py, made before the call and not kept: `git show 9bff10f:moeserve/kernels/lora_dense.py >
+# benchmarks/session18/lora_dense_before.py`); decode by LoRA mode (bf16) on them; GPU tests of the dense LoRA and FP8 kernels;
 # prefill with and without adapters, bf16 and FP8 on the new FP8 tiles, with the per-region budget.
 source benchmarks/device_env.sh
 t0=$(date +%s)
