@@ -158,11 +158,11 @@ def int_bits(t):
 
 
 @pytest.mark.parametrize("slice_sizes", [(20,), (24, 8, 8)])
-@pytest.mark.parametrize("k_splits,lanes", [(1, 1), (2, 1), (1, 3), (2, 4)])
+@pytest.mark.parametrize("k_splits", [1, 2])
 @pytest.mark.parametrize("max_rank", [32, 24])  # a pool rank off the 16-column rank steps: those masks stay
-@pytest.mark.parametrize("block_t", [16, 32])  # the GPU's token tiles below T = 256 and from there
-def test_dense_lora_matches_ref(slice_sizes, k_splits, lanes, max_rank, block_t):
-    """k_splits: partial sums over `in` that expand adds up; lanes: a tile's slots spread over programs."""
+@pytest.mark.parametrize("block_t", [8, 16])  # blocks of a slot's rows: several per slot, or one with padding
+def test_dense_lora_matches_ref(slice_sizes, k_splits, max_rank, block_t):
+    """k_splits: partial sums over `in` that expand adds up; block_t: rows of one slot per program."""
     gen = torch.Generator().manual_seed(len(slice_sizes) * 10 + k_splits)
     T, in_features = 21, 48  # two token tiles
     ranks = [8, 0, max_rank, 4]  # slot 1 is inactive (rank 0)
@@ -179,7 +179,7 @@ def test_dense_lora_matches_ref(slice_sizes, k_splits, lanes, max_rank, block_t)
     want = out.clone()
     dense_lora_ref(x, a, b, slots, slot_ranks, slice_sizes, want)
 
-    _dense_lora(x, a, b, slots, slot_ranks, slice_sizes, out, k_splits=k_splits, lanes=lanes, block_t=block_t)
+    _dense_lora(x, a, b, slots, slot_ranks, slice_sizes, out, k_splits=k_splits, block_t=block_t)
 
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     untouched = (slots < 0) | (slots == 1)
@@ -305,7 +305,7 @@ DENSE_SHAPES = {"qkv": (QKV_SIZES, QWEN3["hidden"]), "o": ((QWEN3["hidden"],), Q
 @pytest.mark.parametrize("proj", ["qkv", "o"])
 @pytest.mark.parametrize("T", [1, 8, 64, 256, 2048])
 def test_gpu_dense_lora_qwen3_bf16(T, proj):
-    """bf16 at Qwen3-30B-A3B shapes, ranks 8..64 mixed in a rank-64 pool, default and explicit slot lanes."""
+    """bf16 at Qwen3-30B-A3B shapes, ranks 8..64 mixed in a rank-64 pool, default and other row blocks."""
     gen = torch.Generator(device="cuda").manual_seed(T)
     sizes, in_features = DENSE_SHAPES[proj]
     ranks = [16, 8, 0, 64, 16, 16, 32, 16]  # rank 16 typical; pool max rank 64
@@ -316,8 +316,8 @@ def test_gpu_dense_lora_qwen3_bf16(T, proj):
     dense_lora_ref(x, a, b, slots, slot_ranks, sizes, want)
     active = (slots >= 0) & (slot_ranks[slots.clamp_min(0).long()] > 0)
     variants = {"default": lambda *args: dense_lora(*args)}
-    for lanes in (1, 8):
-        variants[f"lanes{lanes}"] = lambda *args, lanes=lanes: _dense_lora(*args, lanes=lanes)
+    for block_t in (16, 64):
+        variants[f"block_t{block_t}"] = lambda *args, block_t=block_t: _dense_lora(*args, block_t=block_t)
     for name, fn in variants.items():
         out = torch.zeros(T, sum(sizes), dtype=torch.bfloat16, device="cuda")
         fn(x, a, b, slots, slot_ranks, sizes, out)

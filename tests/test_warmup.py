@@ -7,7 +7,7 @@ from moeserve import Engine, EngineConfig, SamplingParams
 from moeserve.engine.warmup import (CompileWatch, decode_batches, decode_split_shapes, eager_decode_sizes, warm_up,
                                      warmup_batches, warmup_token_counts)
 
-from moeserve.kernels.lora_dense import _token_tiling
+from moeserve.kernels.lora_dense import token_block
 from moeserve.kernels.moe_align import align_constants
 from moeserve.kernels.moe_plan import heuristic_plan, tile_table
 
@@ -44,7 +44,7 @@ def test_token_counts_reach_every_compile_time_variant_a_step_can_take():
         pairs = t * top_k
         row = next((i for i, edge in enumerate(tuned_edges) if t <= edge), len(tuned_edges))
         return (align_constants(pairs), heuristic_plan(t, top_k, None, False), heuristic_plan(t, top_k, None, True),
-                row, _token_tiling(t, 4, None, None), t == 1, t % 16 == 0)
+                row, align_constants(t), token_block(t), t == 1, t % 16 == 0)  # slots grouped: t pairs
 
     assert tuned_edges  # the shipped table has rows
     for top_k, limit in ((8, 8192), (6, 8192), (2, 3000), (4, 700)):

@@ -145,6 +145,7 @@ def layer_budget(model, kv_caches, batch: ForwardBatch, x: torch.Tensor, ctx_len
     pairs = [(layer, kv) for layer, kv in zip(model.layers, kv_caches) if layer.is_sparse] or \
         list(zip(model.layers, kv_caches))
     residual = x.flip(0).contiguous()  # a residual stream unlike x (a middle layer's input norm adds them)
+    batch = model.group_lora_rows(batch)  # once, as the model's forward does for all its layers
     per_layer = [layer_regions(layer, x, residual, batch, k, v, ctx_len)[0] for layer, (k, v) in pairs]
     # every timing first: the profiler (kernel names) can leave tracing hooks that slow later launches
     times = [timer([regions[i].run for regions in per_layer]) for i in range(len(per_layer[0]))]

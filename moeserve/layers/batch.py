@@ -7,8 +7,12 @@ forward called with `lora=None`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the Triton kernels are imported only when a backend selects them
+    from moeserve.kernels.lora_dense import SlotGroups
 
 
 @dataclass
@@ -33,6 +37,9 @@ class LoRABatch:
     # host-known slots present in an eager batch (lets the torch reference skip absent slots);
     # None in captured graphs, whose rows change between replays
     active_slots: tuple[int, ...] | None = None
+    # the rows grouped by slot for the dense LoRA kernels: made by the model at the top of each forward (inside
+    # the graph it captures), read by every projection of that forward; None on the torch backend
+    dense_groups: "SlotGroups | None" = None
 
 
 @dataclass

@@ -94,7 +94,7 @@ class LoRALinear(nn.Module):
             return y
         # shrink alone, then the expand inside the base projection's epilogue
         scratch = self.lora_kernels.dense_lora_shrink(x, self.lora_a, lora.token_slots, lora.slot_ranks,
-                                                      pdl=self.pdl)
+                                                      lora.dense_groups, pdl=self.pdl)
         expand = self.gemv_kernels.GemvLoRA(scratch, self.lora_b, lora.token_slots, lora.slot_ranks,
                                             self.slice_sizes)
         return self.gemv_kernels.gemv(x, self.weight, self.bias, lora=expand, pdl=self.pdl)
@@ -103,6 +103,6 @@ class LoRALinear(nn.Module):
         """out += each row's adapter delta (rows without an adapter untouched); needs the slot pool's buffers."""
         args = (x, self.lora_a, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes, out)
         if self.use_triton:
-            self.lora_kernels.dense_lora(*args, pdl=self.pdl)
+            self.lora_kernels.dense_lora(*args, groups=lora.dense_groups, pdl=self.pdl)
         else:
             dense_lora_torch(*args, slots=lora.active_slots)

@@ -1,6 +1,8 @@
 """One generic MoE decoder for all supported families; ModelSpec carries the differences."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,6 +86,7 @@ class MoEForCausalLM(nn.Module):
         self.options = options
         self.pdl = options.pdl
         self.gemv = kernels("linear", options.linear_backend)
+        self.lora_kernels = kernels("lora", options.lora_backend)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta)
         self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(
@@ -111,10 +114,19 @@ class MoEForCausalLM(nn.Module):
             x = vocab_parallel_embedding(batch.input_ids, self.embed_tokens, self.vocab_start, self.tp)
         else:
             x = F.embedding(batch.input_ids, self.embed_tokens)
+        batch = self.group_lora_rows(batch)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, self._kv_caches):
             x, residual = layer(x, residual, batch, k_cache, v_cache)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def group_lora_rows(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch with its rows grouped by adapter slot for the dense LoRA kernels (one launch), which every
+        projection of one forward reads; the batch as it is without LoRA or on the torch LoRA backend."""
+        if batch.lora is None or self.lora_kernels is None:
+            return batch
+        groups = self.lora_kernels.group_rows(batch.lora.token_slots, batch.lora.slot_ranks.numel(), pdl=self.pdl)
+        return dataclasses.replace(batch, lora=dataclasses.replace(batch.lora, dense_groups=groups))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens if self.lm_head is None else self.lm_head
