@@ -91,24 +91,24 @@ def _fp8_moe(args):
 
 
 def _dense_shrink(args):
-    from moeserve.kernels.lora_dense import _shrink_kernel
+    from moeserve.kernels.lora_dense import _dense_lora_shrink_kernel
 
     types = dict(x_ptr="*bf16", a_ptr="*bf16", sorted_ids_ptr="*i32", block_slots_ptr="*i32", ranks_ptr="*i32",
                  scratch_ptr="*fp32")
     constexprs = dict(BLOCK_T=16, BLOCK_K=256, BLOCK_R=16, COMPUTE=tl.bfloat16, DOT_PRECISION="tf32",
                       USE_PDL=True, EVEN_K=True, EVEN_R=True)
-    return compile_sm90(_shrink_kernel, types, constexprs, 4, 3)
+    return compile_sm90(_dense_lora_shrink_kernel, types, constexprs, 4, 3)
 
 
 def _dense_expand(args):
-    from moeserve.kernels.lora_dense import _expand_kernel
+    from moeserve.kernels.lora_dense import _dense_lora_expand_kernel
 
     types = dict(scratch_ptr="*fp32", b_ptr="*bf16", sorted_ids_ptr="*i32", block_slots_ptr="*i32",
                  ranks_ptr="*i32", out_ptr="*bf16")
     constexprs = dict(SIZE0=4096, SIZE1=512, SIZE2=512, SIZE3=0, TILE1=32, TILE2=36, TILE3=40, BLOCK_T=16,
                       BLOCK_N=128, BLOCK_R=16, COMPUTE=tl.bfloat16, DOT_PRECISION="tf32", USE_PDL=True,
                       EVEN_N=True, EVEN_R=True, stride_br=1, stride_on=1)  # unit strides: the launcher's constants
-    return compile_sm90(_expand_kernel, types, constexprs, 4, 3)
+    return compile_sm90(_dense_lora_expand_kernel, types, constexprs, 4, 3)
 
 
 def _moe_lora_shrink(args):

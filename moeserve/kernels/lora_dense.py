@@ -83,7 +83,7 @@ def _block_rows(sorted_ids_ptr, block_slots_ptr, ranks_ptr, blk, T, BLOCK_T: tl.
 # sizes that vary with the step's token count are not specialized (Triton would compile a variant per residue of
 # 16 it sees): a prefill shape the start-up warm-up did not reach then compiles nothing inside a request
 @triton.jit(do_not_specialize=["T", "STEPS_PER_SPLIT", "stride_sk", "stride_ss"])
-def _shrink_kernel(
+def _dense_lora_shrink_kernel(
     x_ptr, a_ptr, sorted_ids_ptr, block_slots_ptr, ranks_ptr, scratch_ptr,
     T, IN, R_MAX, STEPS_PER_SPLIT,  # BLOCK_K steps of `in` per split: a split starts on a BLOCK_K boundary
     stride_xt,
@@ -126,7 +126,7 @@ def _shrink_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "K_SPLITS", "stride_sk", "stride_ss"])  # as the shrink's
-def _expand_kernel(
+def _dense_lora_expand_kernel(
     scratch_ptr, b_ptr, sorted_ids_ptr, block_slots_ptr, ranks_ptr, out_ptr,
     T, R_MAX, K_SPLITS,  # K_SPLITS: the shrink's split count, which follows the token count: a run-time loop
     stride_sk, stride_ss, stride_st,
@@ -239,7 +239,7 @@ def dense_lora_shrink(x, lora_a, token_slots, slot_ranks, groups: SlotGroups | N
     scratch = torch.empty((k_splits, num_slices, T, max_rank), dtype=torch.float32, device=x.device)
     if T == 0 or max_rank == 0:
         return scratch
-    _shrink_kernel[(num_blocks, num_slices, k_splits)](
+    _dense_lora_shrink_kernel[(num_blocks, num_slices, k_splits)](
         x, lora_a, groups.aligned.sorted_ids, groups.aligned.block_groups, slot_ranks, scratch,
         T, in_features, max_rank, k_per_split // block_k,
         x.stride(0),
@@ -269,7 +269,7 @@ def _expand(scratch, lora_b, slot_ranks, groups, slice_sizes, out, *, block_n, n
     for size in sizes:
         tile_starts.append(tile_starts[-1] + triton.cdiv(size, block_n))
     num_col_tiles = tile_starts[num_slices]
-    _expand_kernel[(groups.aligned.block_groups.numel(), num_col_tiles)](
+    _dense_lora_expand_kernel[(groups.aligned.block_groups.numel(), num_col_tiles)](
         scratch, lora_b, groups.aligned.sorted_ids, groups.aligned.block_groups, slot_ranks, out,
         T, max_rank, k_splits,
         *_scratch_strides(scratch),
