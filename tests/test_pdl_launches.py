@@ -39,7 +39,8 @@ def test_every_triton_launch_carries_the_engine_pdl_setting(tmp_path, monkeypatc
     names = {name for name, _, _ in launches}
     for kernel in ("_gemv_kernel", "_rms_norm_kernel", "_qk_norm_rotary_kv_kernel", "_decode_split_kernel",
                    "_gemm_topk_kernel", "_gemv_gate_up_kernel", "_moe_gate_up_kernel", "_lora_shrink_pairs_kernel",
-                   "_lora_block_shrink_kernel", "_shrink_kernel"):
+                   "_lora_block_shrink_kernel", "_dense_lora_shrink_kernel", "_dense_lora_expand_kernel",
+                   "_align_place_kernel"):
         assert kernel in names, f"{kernel} never ran: the test no longer covers it"
     wrong = sorted({(name, use, launch) for name, use, launch in launches if use is not pdl_on or launch is not pdl_on})
     assert not wrong, f"launched with USE_PDL / launch_pdl other than {pdl_on}: {wrong}"
