@@ -37,7 +37,7 @@ CASES = {  # name -> (rank of each slot, adapters in use, fraction of rows with 
 }
 L2_FLUSH_BYTES = 256 << 20  # the copies one timed graph cycles through
 ROUNDS = 3  # interleaved repeats of (base, base + LoRA)
-SWEEP_T = (1, 8, 64, 256, 512)
+SWEEP_T = (1, 8, 64, 256, 512, 2048, 8192)
 SWEEP = ([dict(block_n=n, num_warps=w) for n in (32, 64, 128, 256) for w in (4, 8)]
          + [dict(block_k=k) for k in (128, 256, 512)] + [dict(k_splits=n) for n in (1, 2, 4, 8)]
          + [dict(block_t=t) for t in (16, 32, 64)] + [dict(block_t=32, block_n=256), dict(block_t=16, k_splits=1)])

@@ -13,7 +13,7 @@ timeout 130 python3 -m moeserve.bench.prefill --layers 48 --lora --profile --pro
   > $OUT/prefill.log 2>&1
 echo "rc=$?"; grep -v "Warn\|warn" $OUT/prefill.log | tail -n 14
 echo "== kernels at $(( $(date +%s)-t0 ))s"
-timeout $(( 560 - ($(date +%s)-t0) )) python3 -m benchmarks.kernels.kernels --parts dense_lora --batches 8,64,256,512,2048 \
+timeout $(( 560 - ($(date +%s)-t0) )) python3 -m benchmarks.kernels.kernels --parts dense_lora --batches 256,512,8192,64,8 \
   --sweep --out /tmp/dl > $OUT/dense_lora.log 2>&1
 echo "rc=$?"; grep -E "^ *(qkv|o) |sweep" $OUT/dense_lora.log | grep -vE "half|r8_of"
 echo "done at $(( $(date +%s)-t0 )) s"
