@@ -4,7 +4,7 @@ Modules:
 - router:          MoE routing (softmax, top-k, renorm, cast; the router GEMM too at decode sizes) in one launch
 - moe_align:       token->expert grouping padded to the block size (device-side, static sizes)
 - fused_moe:       grouped-GEMM MoE (gate_up, fused SiLU*up, down, routed top-k sum) + MoE-LoRA
-- lora_dense:      multi-LoRA shrink/expand for dense projections, gathered by adapter slot
+- lora_dense:      multi-LoRA shrink/expand for dense projections, on rows grouped by adapter slot
 - paged_attention: paged decode (split-K) and varlen prefill attention over the block cache
 - moe_lora:        expert-LoRA shrinks (per pair at decode, per expert block when sorted) and the expands the
                    fused-MoE GEMM epilogues run
