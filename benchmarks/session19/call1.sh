@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Session 19, call 1: session 18's next_call.sh as it ran, on tree 84b0749 (the prototype dense_lora_grouped.py is
+# in that commit; it became kernels/lora_dense.py in fd183af and was removed from the session folder after).
 # A first device call for the session after 18 (not yet run; `bash benchmarks/device_wheels.sh` first, then carry
 # .whl): what this session could not measure. The real server with adapters against base traffic (#24: 0.85; the
 # attention LoRA's vector loads and 32-token tiles since the last serving run), bf16 then FP8 (#25's `bench serve`,
