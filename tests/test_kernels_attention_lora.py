@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
 
-from moeserve.kernels.lora_dense import RANK_BLOCK, _dense_lora, dense_lora, dense_lora_ref  # noqa: E402
+from moeserve.kernels.lora_dense import RANK_BLOCK, _dense_lora, dense_lora, dense_lora_ref, group_rows  # noqa: E402
 from moeserve.layers.linear import dense_lora_torch  # noqa: E402
 from moeserve.kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
@@ -232,6 +232,20 @@ def test_dense_lora_mixed_ranks(T):
     untouched = (slots < 0) | (slot_ranks[slots.clamp_min(0).long()] == 0)
     assert torch.equal(int_bits(out[untouched]), int_bits(before[untouched]))
     assert (out[~untouched] != before[~untouched]).any(dim=1).all()  # every adapter row moved
+
+
+def test_dense_lora_refuses_rows_grouped_for_another_batch():
+    """A grouping is one forward's: a projection handed another batch's (another row count) must not read it."""
+    gen = torch.Generator().manual_seed(9)
+    a, b, ranks = make_lora_pool(2, (16,), 16, 32, [16, 8], torch.float32, "cpu", gen)
+    slots = torch.tensor([0, 1, -1, 0, 1, 0], dtype=torch.int32)
+    x, out = torch.randn(6, 32, generator=gen), torch.zeros(6, 16)
+    with pytest.raises(ValueError, match="grouped for 5 tokens, x has 6"):
+        dense_lora(x, a, b, slots, ranks, (16,), out, groups=group_rows(slots[:5], 2))
+    want = out.clone()
+    dense_lora_ref(x, a, b, slots, ranks, (16,), want)
+    dense_lora(x, a, b, slots, ranks, (16,), out, groups=group_rows(slots, 2))  # its own: the same as made inside
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 def test_dense_lora_ref_matches_dense_math():
