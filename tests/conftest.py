@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
 # run on the busy machine, 2026-12-02): the short units fill in at the end, so both workers finish together. Only the
 # order depends on this list: a stale entry costs balance, never a result.
 LONGEST_FIRST = (
-    "demo",  # ~115 s: the demo model's build, the engine against transformers, `moeserve demo`, FP8 perplexity
+    "demo",  # ~100 s: the demo model's build, the engine against transformers, `moeserve demo`, FP8 perplexity
     "test_service_lifecycle.py",  # ~60 s
     "test_first_hour.py",  # ~48 s
     "test_server.py",  # ~33 s
