@@ -48,3 +48,35 @@ def test_triton_separate_gate_up_adapter_matches_peft(tmp_path):
     assert (prompt_logits(engine, prompt, "ad") - theirs).abs().max().item() <= 1e-4
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # a prefill and a decode step
     assert engine.generate([prompt[:6]], sp, lora="ad")[0].token_ids == want
+
+
+def test_dense_lora_rows_are_grouped_once_per_forward(tmp_path, monkeypatch):
+    """The model groups a forward's rows by adapter slot once, and every dense LoRA call of that forward (q|k|v, o;
+    the GEMV path's shrink at one row) reads that grouping: none makes its own (a launch per projection)."""
+    from moeserve.kernels import lora_dense
+    from moeserve.models.moe_decoder import MoEForCausalLM
+
+    made, used, lora_forwards = [], [], []
+    wrap = {name: getattr(lora_dense, name) for name in ("group_rows", "dense_lora", "dense_lora_shrink")}
+    monkeypatch.setattr(lora_dense, "group_rows", lambda *a, **k: made.append(wrap["group_rows"](*a, **k)) or made[-1])
+    for name in ("dense_lora", "dense_lora_shrink"):
+        def recording(*a, _fn=wrap[name], **k):
+            used.append(k.get("groups", a[4] if len(a) > 4 else None))  # the shrink takes it fifth, positionally
+            return _fn(*a, **k)
+        monkeypatch.setattr(lora_dense, name, recording)
+    forward = MoEForCausalLM.forward
+    monkeypatch.setattr(MoEForCausalLM, "forward",
+                        lambda self, batch: lora_forwards.append(batch.lora is not None) or forward(self, batch))
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
+    ad, _ = make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=3,
+                              config_overrides=INTERPRETED_LAYERS)
+    engine = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", lora_modules={"ad": str(ad)},
+                                 max_lora_rank=4, block_size=16, moe_backend="triton", attention_backend="triton"))
+    made.clear(), used.clear(), lora_forwards.clear()  # start-up (warm-up, capture) aside: the requests' steps
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.generate([[5, 6, 7, 8, 9], [11, 12, 13]], sp, lora=["ad", None])  # a prefill, then decode steps of 2 rows
+    engine.generate([[5, 6, 7]], sp, lora=["ad"])  # decode of one row: the GEMV path (the shrink alone)
+    assert sum(lora_forwards) >= 4 and len(made) == sum(lora_forwards), (len(made), lora_forwards)
+    assert used and all(any(g is m for m in made) for g in used)
+    assert len(used) >= 2 * len(engine.runner.model.layers) * len(made)  # q|k|v and o in every layer, each forward
