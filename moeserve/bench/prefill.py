@@ -8,7 +8,8 @@ no lm_head, no attention scores) over the dense bf16 peak (790 TFLOP/s measured 
 with every prompt on one of 4 rank-16 adapters (attention and every routed expert), reported beside the base.
 
 The budget (`--profile`): one eager forward of T tokens (2,048 and 8,192 by default), its kernels timed by the
-torch profiler and summed by region (attention, dense GEMMs, router, experts, LoRA, norms, other).
+torch profiler and summed by region (attention, dense GEMMs, router, experts, dense LoRA, expert LoRA shrinks,
+norms, other).
 
     python -m moeserve.bench.prefill --preset qwen3-30b-a3b [--layers 48] [--lora] [--profile] [--out bench_out/]
 """
@@ -25,8 +26,9 @@ import torch
 
 PEAK_TFLOPS = 790.0  # dense bf16 matmul peak measured on the H200
 REGIONS = (  # (region, substrings of kernel names), first match wins
+    ("dense LoRA", ("_dense_lora",)),  # its slot grouping, one alignment launch a forward, counts under experts
     ("experts", ("_moe_", "_align_", "_silu_mul", "_topk_sum", "_gemv_gate_up", "_gemv_down")),
-    ("lora", ("lora",)),
+    ("expert LoRA", ("lora",)),  # the expert LoRA's shrinks (its expands ride in the expert GEMMs)
     ("router", ("topk", "router", "_route")),
     ("attention", ("attn", "attention", "flash", "paged", "_prefill_kernel", "_decode_split", "_decode_merge")),
     ("norm/rotary", ("norm", "rotary", "rope")),
