@@ -59,3 +59,13 @@ def test_fp8_kv_cache_is_filled_in_fp8_and_its_floor_counts_one_byte_per_element
     B, ctx = 256, 512
     kv_bytes = SPEC.num_layers * B * ctx * 2 * SPEC.kv_size * 2  # bf16
     assert floor_bytes(SPEC, B, ctx, []) - floor_bytes(SPEC, B, ctx, [], kv_fp8=True) == kv_bytes / 2
+
+
+def test_prefill_profile_files_each_lora_kernel_under_its_region():
+    """The prefill budget's LoRA regions follow the kernels' names: a rename must not move them to "other"."""
+    from moeserve.bench.prefill import region_of
+    from moeserve.kernels import lora_dense, moe_lora
+
+    assert {region_of(k.__name__) for k in (lora_dense._dense_lora_shrink_kernel,
+                                            lora_dense._dense_lora_expand_kernel)} == {"dense LoRA"}
+    assert region_of(moe_lora._lora_block_shrink_kernel.__name__) == "expert LoRA"
