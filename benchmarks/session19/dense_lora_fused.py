@@ -28,21 +28,39 @@ from moeserve.kernels.lora_dense import RANK_BLOCK, _block_rows, _dense_lora, de
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@triton.jit
+def _store_block_rows(sorted_ids_ptr, block_slots_ptr, ranks_ptr, blk, T, NUM_SLOTS, BLOCK_T: tl.constexpr):
+    """As _block_rows, where group NUM_SLOTS holds the rows without an adapter (rank 0); slot -1 past the end."""
+    slot = tl.load(block_slots_ptr + blk)
+    rank = tl.load(ranks_ptr + tl.minimum(tl.maximum(slot, 0), NUM_SLOTS - 1))
+    rank = tl.where((slot >= 0) & (slot < NUM_SLOTS), rank, 0)
+    tokens = tl.load(sorted_ids_ptr + blk * BLOCK_T + tl.arange(0, BLOCK_T))
+    return tl.minimum(slot, NUM_SLOTS - 1), rank, tokens, tokens < T, slot >= 0
+
+
 @triton.jit(do_not_specialize=["T"])
 def _fused_kernel(
     x_ptr, a_ptr, b_ptr, sorted_ids_ptr, block_slots_ptr, ranks_ptr, out_ptr,
-    T, IN, R_MAX, stride_xt, stride_al, stride_as, stride_ar, stride_bl, stride_bn, stride_ot,
+    T, IN, R_MAX, NUM_SLOTS, stride_xt, stride_al, stride_as, stride_ar, stride_bl, stride_bn, stride_ot,
     SIZE0: tl.constexpr, SIZE1: tl.constexpr, SIZE2: tl.constexpr, SIZE3: tl.constexpr,
     TILE1: tl.constexpr, TILE2: tl.constexpr, TILE3: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_K: tl.constexpr, COMPUTE: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, COMPUTE: tl.constexpr, USE_PDL: tl.constexpr, STORE: tl.constexpr = False,
 ):
-    """out[token, tile] += (x[token] @ A[slot, slice]^T) @ B[slot, tile]^T for one block's rows (one slot)."""
+    """out[token, tile] += (x[token] @ A[slot, slice]^T) @ B[slot, tile]^T for one block's rows (one slot).
+    STORE: out[token, tile] = that delta, for every row (the rows without an adapter, grouped as slot NUM_SLOTS,
+    and those of rank-0 slots get zeros), for a base GEMM to accumulate onto afterwards (addmm, beta 1)."""
     pdl_launch.enter(USE_PDL)
-    slot, rank, tokens, rows = _block_rows(sorted_ids_ptr, block_slots_ptr, ranks_ptr, tl.program_id(0), T,
-                                           BLOCK_T)
-    if rank == 0:
-        return
+    if STORE:
+        slot, rank, tokens, rows, live = _store_block_rows(sorted_ids_ptr, block_slots_ptr, ranks_ptr,
+                                                           tl.program_id(0), T, NUM_SLOTS, BLOCK_T)
+        if not live:
+            return
+    else:
+        slot, rank, tokens, rows = _block_rows(sorted_ids_ptr, block_slots_ptr, ranks_ptr, tl.program_id(0), T,
+                                               BLOCK_T)
+        if rank == 0:
+            return
     nt = tl.program_id(1)
     sl = (nt >= TILE1).to(tl.int32) + (nt >= TILE2).to(tl.int32) + (nt >= TILE3).to(tl.int32)
     tile_base = tl.where(sl == 0, 0, tl.where(sl == 1, TILE1, tl.where(sl == 2, TILE2, TILE3)))
@@ -71,12 +89,19 @@ def _fused_kernel(
         acc = tl.dot(s.to(COMPUTE), b, acc)
     o_ptrs = out_ptr + tokens.to(tl.int64)[:, None] * stride_ot + n[None, :]
     o_mask = rows[:, None] & n_ok[None, :]
-    o = tl.load(o_ptrs, mask=o_mask, other=0.0)
-    tl.store(o_ptrs, (o.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
+    if not STORE:
+        acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def group_all_rows(token_slots, num_slots, block_t=None, pdl=False):
+    """The STORE mode's grouping: rows without an adapter as one more group (num_slots)."""
+    return group_rows(torch.where(token_slots < 0, num_slots, token_slots), num_slots + 1, block_t, pdl=pdl)
 
 
 def dense_lora_fused(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, groups, *, block_n=None,
-                     block_k=None, num_warps=4, num_stages=3, pdl=False) -> None:
+                     block_k=None, num_warps=4, num_stages=3, store=False, pdl=False) -> None:
+    """out += the delta (store: out = the delta, every row; `groups` from group_all_rows then)."""
     T, in_features = x.shape
     num_slots, num_slices, max_rank, _ = lora_a.shape
     if block_n is None:
@@ -91,12 +116,12 @@ def dense_lora_fused(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, ou
     compute = tl.float32 if _INTERPRET or x.dtype == torch.float32 else tl.bfloat16
     _fused_kernel[(groups.aligned.block_groups.numel(), starts[num_slices])](
         x, lora_a, lora_b, groups.aligned.sorted_ids, groups.aligned.block_groups, slot_ranks, out,
-        T, in_features, max_rank, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        T, in_features, max_rank, num_slots, x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         lora_b.stride(0), lora_b.stride(1), out.stride(0),
         SIZE0=sizes[0], SIZE1=sizes[1], SIZE2=sizes[2], SIZE3=sizes[3], TILE1=starts[1], TILE2=starts[2],
         TILE3=starts[3], BLOCK_T=groups.block_t, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=RANK_BLOCK,
-        EVEN_K=in_features % block_k == 0, COMPUTE=compute, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
-        num_stages=num_stages)
+        EVEN_K=in_features % block_k == 0, COMPUTE=compute, USE_PDL=pdl, STORE=store, launch_pdl=pdl,
+        num_warps=num_warps, num_stages=num_stages)
 
 
 def check_cpu() -> None:
@@ -123,7 +148,12 @@ def check_cpu() -> None:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             untouched = (slots < 0) | (slots == 1)
             assert torch.equal(got[untouched], before[untouched])
-    print("one-launch dense LoRA matches dense_lora_ref (interpreter)")
+            delta = torch.full_like(before, float("nan"))  # store mode: every row written, zeros without adapter
+            dense_lora_fused(x, a, b, slots, ranks, slice_sizes, delta, group_all_rows(slots, num_slots, block_t),
+                             store=True)
+            torch.testing.assert_close(delta, want - before, rtol=1e-5, atol=1e-5)
+            assert (delta[untouched] == 0).all()
+    print("one-launch dense LoRA matches dense_lora_ref, adding and storing (interpreter)")
 
 
 def bench_gpu(batches, block_ns) -> None:
@@ -137,25 +167,31 @@ def bench_gpu(batches, block_ns) -> None:
             for case in ("lora1_r16", "lora4_r16", "lora8_r16"):
                 slots, ranks = dl.case_slots(T, case)
                 groups = group_rows(slots, dl.NUM_SLOTS, pdl=True)  # once a forward in the engine: outside
+                every_row = group_all_rows(slots, dl.NUM_SLOTS, pdl=True)
 
                 def fns(mode):
                     def one(s):
                         x, w, out, a, b = s
+                        if mode[0] == "store+addmm":  # the delta first, then the base GEMM accumulating onto it
+                            dense_lora_fused(x, a, b, slots, ranks, slice_sizes, out, every_row, block_n=mode[1],
+                                             store=True, pdl=True)
+                            out.addmm_(x, w.t())
+                            return
                         torch.mm(x, w.t(), out=out)
-                        if mode == "engine":
+                        if mode[0] == "engine":
                             _dense_lora(x, a, b, slots, ranks, slice_sizes, out, groups=groups, pdl=True)
-                        elif mode != "base":
-                            bn, warps = mode
-                            dense_lora_fused(x, a, b, slots, ranks, slice_sizes, out, groups, block_n=bn,
-                                             num_warps=warps, pdl=True)
+                        elif mode[0] == "fused":
+                            dense_lora_fused(x, a, b, slots, ranks, slice_sizes, out, groups, block_n=mode[1],
+                                             num_warps=mode[2], pdl=True)
                     return [lambda s=s: one(s) for s in sets]
 
-                modes = ["base", "engine"] + [(bn, w) for bn in block_ns for w in (4, 8)]
-                times = {str(m): [] for m in modes}
+                modes = [("base",), ("engine",)] + [("fused", bn, w) for bn in block_ns for w in (4, 8)] + [
+                    ("store+addmm", bn) for bn in block_ns]
+                times = {m: [] for m in modes}
                 for _ in range(3):
                     for m in modes:
-                        times[str(m)].append(graph_time_us(fns(m)))
-                med = {k: statistics.median(v) for k, v in times.items()}
+                        times[m].append(graph_time_us(fns(m)))
+                med = {"_".join(map(str, m)): statistics.median(v) for m, v in times.items()}
                 x, _, _, a, b = sets[0]
                 a, b = a.clone(), b.clone()
                 for slot, rank in enumerate(ranks.tolist()):
@@ -166,7 +202,13 @@ def bench_gpu(batches, block_ns) -> None:
                 got = torch.zeros(T, sum(slice_sizes), device="cuda", dtype=torch.bfloat16)
                 dense_lora_fused(x, a, b, slots, ranks, slice_sizes, got, groups)
                 err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                print(f"{proj:>3} T={T:4d} {case:>10}: base {med['base']:.1f} us, LoRA adds: "
+                # rows without an adapter must stay bitwise the LoRA-free GEMM's: mm against addmm onto zeros
+                x, w = sets[0][0], sets[0][1]
+                same = torch.equal(torch.mm(x, w.t()).view(torch.int16),
+                                   torch.zeros(T, w.shape[0], device="cuda", dtype=x.dtype).addmm_(x, w.t())
+                                   .view(torch.int16))
+                print(f"{proj:>3} T={T:4d} {case:>10}: addmm onto zeros bitwise mm: {same}; base {med['base']:.1f} us, "
+                      "LoRA adds: "
                       + ", ".join(f"{k} {v - med['base']:.1f}" for k, v in med.items() if k != "base")
                       + f"; err {err:.1e}", flush=True)
             del sets
@@ -175,7 +217,7 @@ def bench_gpu(batches, block_ns) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="CPU interpreter check against dense_lora_ref")
-    ap.add_argument("--batches", default="8,64,256,512")
+    ap.add_argument("--batches", default="8,64,256,512,2048,8192")
     ap.add_argument("--block-n", default="128,256,512")
     args = ap.parse_args(argv)
     if args.check:
