@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from moeserve.kernels.lora_dense import RANK_BLOCK, _dense_lora, dense_lora, dense_lora_ref, group_rows  # noqa: E402
 from moeserve.layers.linear import dense_lora_torch  # noqa: E402
 from moeserve.kernels.paged_attention import (  # noqa: E402
+    PrefillTile,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -94,17 +95,19 @@ def test_decode_default_splits_and_dtype():
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_prefill_matches_ref(block_size):
+@pytest.mark.parametrize("split_causal", [False, True])  # steps before a tile's first query without the mask
+def test_prefill_matches_ref(block_size, split_causal):
     gen = torch.Generator().manual_seed(block_size)
     n_heads, n_kv, head_dim = 6, 2, 16
-    q_lens = [5, 1, 7]
-    seq_lens = [5, 9, 20]  # fresh prompt; one new token after 8 cached; a chunk after 13 cached
+    q_lens = [5, 1, 7, 37]
+    seq_lens = [5, 9, 20, 37]  # fresh prompts (one of three KV steps); one new token after 8 cached; a chunk after 13
     k, v, tables = make_cache(seq_lens, block_size, n_kv, head_dim, torch.float32, "cpu", gen)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     q = torch.randn(sum(q_lens), n_heads, head_dim, generator=gen)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
 
-    got = paged_prefill_attention(q, k, v, tables, qsl, sl, 0.25, max(q_lens))
+    got = paged_prefill_attention(q, k, v, tables, qsl, sl, 0.25, max(q_lens),
+                                  tile=PrefillTile(split_causal=split_causal))
     want = paged_prefill_attention_ref(q, k, v, tables, qsl, sl, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -294,7 +297,9 @@ def test_gpu_decode_qwen3_bf16(batch):
 
 @gpu
 @needs_cuda
-def test_gpu_prefill_qwen3_bf16():
+@pytest.mark.parametrize("tile", [PrefillTile(), PrefillTile(split_causal=True), PrefillTile(64, 128, 4, 3, True)],
+                         ids=["default", "split_causal", "m64_n128_split"])
+def test_gpu_prefill_qwen3_bf16(tile):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q_lens = [512, 1, 300, 77]
     seq_lens = [512, 1024, 2048, 77]
@@ -303,7 +308,7 @@ def test_gpu_prefill_qwen3_bf16():
     q = torch.randn(sum(q_lens), QWEN3["n_heads"], QWEN3["head_dim"], generator=gen, device="cuda").bfloat16()
     sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     scale = QWEN3["head_dim"] ** -0.5
-    got = paged_prefill_attention(q, k, v, tables, qsl, sl, scale, max(q_lens))
+    got = paged_prefill_attention(q, k, v, tables, qsl, sl, scale, max(q_lens), tile=tile)
     want = paged_prefill_attention_ref(q, k, v, tables, qsl, sl, scale)
     assert rel_err(got, want) < 1e-2
 

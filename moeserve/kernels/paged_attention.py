@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,6 +40,16 @@ DECODE_BLOCK_N = 16 if _INTERPRET else 64  # KV tokens per inner step
 DECODE_FP8_TILE = (16, 2) if _INTERPRET else (128, 4)  # (KV tokens per step, stages)
 PREFILL_BLOCK_M = 16 if _INTERPRET else 128  # rows (query tokens x heads of a group) per program
 PREFILL_BLOCK_N = 16 if _INTERPRET else 64
+
+
+class PrefillTile(NamedTuple):
+    """The prefill kernel's launch: rows (query tokens x heads of a group) and KV tokens per step, warps, stages;
+    split_causal: the KV steps every row of the tile sees run without the causal mask, the rest with it."""
+    block_m: int = PREFILL_BLOCK_M
+    block_n: int = PREFILL_BLOCK_N
+    num_warps: int | None = None  # None: 8 from 128 rows, else 4
+    num_stages: int = 2
+    split_causal: bool = False
 MAX_DECODE_SPLITS = 64
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -295,7 +306,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
-    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_CAUSAL: tl.constexpr = False,
 ):
     pdl_launch.enter(USE_PDL)
     tile = tl.program_id(0)
@@ -330,7 +341,15 @@ def _prefill_kernel(
     # Keys up to the last query position of this tile; key 0 is visible to every row, so each
     # row's running max is finite after the first step.
     kv_end = tl.minimum(ctx_start + tok0 + TOKENS, seq_len)
-    for start in range(0, kv_end, BLOCK_N):
+    causal_start = 0
+    if SPLIT_CAUSAL:  # whole KV steps at or before the tile's first query position: every row sees every key
+        causal_start = (ctx_start + tok0 + 1) // BLOCK_N * BLOCK_N
+        for start in range(0, causal_start, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            m, l, acc = _online_softmax_step(q, m, l, acc, table, pos, pos < kv_end, q_pos, k_ptr, v_ptr, kv_head, d,
+                                             d_mask, qk_scale, stride_kb, stride_kt, stride_kh, stride_vb,
+                                             stride_vt, stride_vh, BLOCK_SIZE, False, COMPUTE, DOT_PRECISION)
+    for start in range(causal_start, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
         m, l, acc = _online_softmax_step(q, m, l, acc, table, pos, valid, q_pos, k_ptr, v_ptr, kv_head, d, d_mask,
@@ -344,12 +363,13 @@ def _prefill_kernel(
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale: float,
                             max_query_len: int, pdl: bool = False, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0, tile: PrefillTile = PrefillTile()) -> torch.Tensor:
     """Causal attention for S packed query chunks. q [T, n_heads, head_dim] -> same shape, q dtype.
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its
     tokens in the cache after this chunk, so query i sits at position seq_lens[s] - q_len + i
-    and attends to cache positions 0..itself (earlier chunks included). k_scale / v_scale: as for decode.
+    and attends to cache positions 0..itself (earlier chunks included). k_scale / v_scale: as for decode; `tile`:
+    the launch (benchmarks.kernels.prefill_attention sweeps it).
     """
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     out = torch.empty((q.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -357,8 +377,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
     group_pad = triton.next_power_of_2(group)
-    block_m = max(PREFILL_BLOCK_M, group_pad, 16)
+    block_m = max(tile.block_m, group_pad, 16)
     tokens = block_m // group_pad
+    num_warps = tile.num_warps or (4 if _INTERPRET or block_m <= 64 else 8)
     grid = (triton.cdiv(max_query_len, tokens), num_seqs, n_kv)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
@@ -370,9 +391,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, TOKENS=tokens, BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, TOKENS=tokens, BLOCK_N=tile.block_n,
         COMPUTE=_compute_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=4 if _INTERPRET or block_m <= 64 else 8, num_stages=2,
+        USE_PDL=pdl, SPLIT_CAUSAL=tile.split_causal, launch_pdl=pdl, num_warps=num_warps, num_stages=tile.num_stages,
     )
     return out
 
