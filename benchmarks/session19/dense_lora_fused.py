@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import pdl as pdl_launch
-from moeserve.kernels.lora_dense import RANK_BLOCK, _block_rows, _dense_lora, dense_lora_ref, group_rows
+from moeserve.kernels.lora_dense import (RANK_BLOCK, _block_rows, _dense_lora, column_tile, dense_lora_ref,
+                                         group_rows)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -61,14 +62,7 @@ def _fused_kernel(
                                                BLOCK_T)
         if rank == 0:
             return
-    nt = tl.program_id(1)
-    sl = (nt >= TILE1).to(tl.int32) + (nt >= TILE2).to(tl.int32) + (nt >= TILE3).to(tl.int32)
-    tile_base = tl.where(sl == 0, 0, tl.where(sl == 1, TILE1, tl.where(sl == 2, TILE2, TILE3)))
-    col_base = tl.where(sl == 0, 0, tl.where(sl == 1, SIZE0, tl.where(sl == 2, SIZE0 + SIZE1, SIZE0 + SIZE1 + SIZE2)))
-    size = tl.where(sl == 0, SIZE0, tl.where(sl == 1, SIZE1, tl.where(sl == 2, SIZE2, SIZE3)))
-    c = (nt - tile_base) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = c < size
-    n = col_base + c
+    sl, n, n_ok = column_tile(tl.program_id(1), SIZE0, SIZE1, SIZE2, SIZE3, TILE1, TILE2, TILE3, BLOCK_N)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_xt
     a_slot = a_ptr + slot.to(tl.int64) * stride_al + sl * stride_as
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl

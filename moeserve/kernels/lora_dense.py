@@ -80,6 +80,18 @@ def _block_rows(sorted_ids_ptr, block_slots_ptr, ranks_ptr, blk, T, BLOCK_T: tl.
     return slot, rank, tokens, tokens < T
 
 
+@triton.jit
+def column_tile(nt, SIZE0, SIZE1, SIZE2, SIZE3, TILE1, TILE2, TILE3, BLOCK_N: tl.constexpr):
+    """(slice, output columns, in-slice mask) of column tile `nt` of a fused projection: tiles are laid out slice by
+    slice, none straddles two; TILEi is slice i's first tile (unused slices have size 0 and no tiles)."""
+    sl = (nt >= TILE1).to(tl.int32) + (nt >= TILE2).to(tl.int32) + (nt >= TILE3).to(tl.int32)
+    tile_base = tl.where(sl == 0, 0, tl.where(sl == 1, TILE1, tl.where(sl == 2, TILE2, TILE3)))
+    col_base = tl.where(sl == 0, 0, tl.where(sl == 1, SIZE0, tl.where(sl == 2, SIZE0 + SIZE1, SIZE0 + SIZE1 + SIZE2)))
+    size = tl.where(sl == 0, SIZE0, tl.where(sl == 1, SIZE1, tl.where(sl == 2, SIZE2, SIZE3)))
+    c = (nt - tile_base) * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the slice
+    return sl, col_base + c, c < size
+
+
 # sizes that vary with the step's token count are not specialized (Triton would compile a variant per residue of
 # 16 it sees): a prefill shape the start-up warm-up did not reach then compiles nothing inside a request
 @triton.jit(do_not_specialize=["T", "STEPS_PER_SPLIT", "stride_sk", "stride_ss"])
@@ -145,15 +157,8 @@ def _dense_lora_expand_kernel(
                                            BLOCK_T)
     if rank == 0:
         return
-    nt = tl.program_id(1)  # column tile; tiles are laid out slice by slice, none straddles two
-    # TILEi: first column tile of slice i (unused slices have size 0 and no tiles).
-    sl = (nt >= TILE1).to(tl.int32) + (nt >= TILE2).to(tl.int32) + (nt >= TILE3).to(tl.int32)
-    tile_base = tl.where(sl == 0, 0, tl.where(sl == 1, TILE1, tl.where(sl == 2, TILE2, TILE3)))
-    col_base = tl.where(sl == 0, 0, tl.where(sl == 1, SIZE0, tl.where(sl == 2, SIZE0 + SIZE1, SIZE0 + SIZE1 + SIZE2)))
-    size = tl.where(sl == 0, SIZE0, tl.where(sl == 1, SIZE1, tl.where(sl == 2, SIZE2, SIZE3)))
-    c = (nt - tile_base) * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the slice
-    n_mask = (c < size) | EVEN_N
-    n = col_base + c
+    sl, n, n_ok = column_tile(tl.program_id(1), SIZE0, SIZE1, SIZE2, SIZE3, TILE1, TILE2, TILE3, BLOCK_N)
+    n_mask = n_ok | EVEN_N
 
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl
     s_rows = scratch_ptr + (sl * stride_ss + tokens[:, None]) * stride_st  # strides as the shrink's
