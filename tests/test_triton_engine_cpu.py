@@ -80,3 +80,23 @@ def test_dense_lora_rows_are_grouped_once_per_forward(tmp_path, monkeypatch):
     assert sum(lora_forwards) >= 4 and len(made) == sum(lora_forwards), (len(made), lora_forwards)
     assert used and all(any(g is m for m in made) for g in used)
     assert len(used) >= 2 * len(engine.runner.model.layers) * len(made)  # q|k|v and o in every layer, each forward
+
+
+def test_adapters_on_experts_alone_group_no_rows(tmp_path, monkeypatch):
+    """With LoRA on the routed experts alone no dense projection reads a grouping of the rows by slot, so a LoRA
+    forward makes none (a launch a step for nothing); the adapter still changes the output."""
+    from moeserve.kernels import lora_dense
+
+    made = []
+    group_rows = lora_dense.group_rows
+    monkeypatch.setattr(lora_dense, "group_rows", lambda *a, **k: made.append(1) or group_rows(*a, **k))
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
+    ad, _ = make_peft_adapter(family, tmp_path / "ad", kind="experts", rank=4, seed=3,
+                              config_overrides=INTERPRETED_LAYERS)
+    engine = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", lora_modules={"ad": str(ad)},
+                                 max_lora_rank=4, block_size=16, moe_backend="triton", attention_backend="triton"))
+    sp = SamplingParams(max_tokens=2, logprobs=0, temperature=0.0, ignore_eos=True)
+    with_ad, without = (engine.generate([[5, 6, 7, 8, 9]], sp, lora=lora)[0] for lora in ("ad", None))
+    assert not made
+    assert with_ad.logprobs[0].logprob != without.logprobs[0].logprob

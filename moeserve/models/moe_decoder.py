@@ -21,6 +21,7 @@ from moeserve.layers.parallel import (ExpertParallelMoEBlock, ShardedRMSNorm, vo
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.model_spec import ModelSpec
 from moeserve.layers.batch import ForwardBatch
+from moeserve.layers.linear import LoRALinear
 
 
 class DecoderLayer(nn.Module):
@@ -97,6 +98,7 @@ class MoEForCausalLM(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else nn.Parameter(
             torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the runner's, see bind_kv_caches
+        self._dense_lora: bool | None = None  # any dense projection with LoRA buffers: known at the first LoRA forward
         self.packed_logits = cpu_linear.PackedWeight()  # float32 on the CPU: the output weight packed for oneDNN
 
     def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -122,8 +124,13 @@ class MoEForCausalLM(nn.Module):
 
     def group_lora_rows(self, batch: ForwardBatch) -> ForwardBatch:
         """The batch with its rows grouped by adapter slot for the dense LoRA kernels (one launch), which every
-        projection of one forward reads; the batch as it is without LoRA or on the torch LoRA backend."""
+        projection of one forward reads; the batch as it is without LoRA, without dense LoRA targets, or on the torch
+        LoRA backend."""
         if batch.lora is None or self.lora_kernels is None:
+            return batch
+        if self._dense_lora is None:  # the slot pool attached its buffers before any LoRA forward, never to move
+            self._dense_lora = any(m.lora_a is not None for m in self.modules() if isinstance(m, LoRALinear))
+        if not self._dense_lora:  # adapters on the experts alone: nothing reads a grouping
             return batch
         groups = self.lora_kernels.group_rows(batch.lora.token_slots, batch.lora.slot_ranks.numel(), pdl=self.pdl)
         return dataclasses.replace(batch, lora=dataclasses.replace(batch.lora, dense_groups=groups))
