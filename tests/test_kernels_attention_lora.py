@@ -15,11 +15,15 @@ if not torch.cuda.is_available():
 from moeserve.kernels.lora_dense import RANK_BLOCK, _dense_lora, dense_lora, dense_lora_ref, group_rows  # noqa: E402
 from moeserve.layers.linear import dense_lora_torch  # noqa: E402
 from moeserve.kernels.paged_attention import (  # noqa: E402
+    LONG_PREFILL_TILE,
+    SHORT_PREFILL_MAX_QUERY,
+    SHORT_PREFILL_TILE,
     PrefillTile,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
     paged_prefill_attention_ref,
+    prefill_tile,
 )
 
 gpu = pytest.mark.gpu
@@ -297,8 +301,9 @@ def test_gpu_decode_qwen3_bf16(batch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("tile", [PrefillTile(), PrefillTile(split_causal=True), PrefillTile(64, 128, 4, 3, True)],
-                         ids=["default", "split_causal", "m64_n128_split"])
+@pytest.mark.parametrize("tile", [PrefillTile(), PrefillTile(split_causal=True), PrefillTile(64, 128, 4, 3, True),
+                                  SHORT_PREFILL_TILE, LONG_PREFILL_TILE],
+                         ids=["default", "split_causal", "m64_n128_split", "short", "long"])
 def test_gpu_prefill_qwen3_bf16(tile):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q_lens = [512, 1, 300, 77]
@@ -311,6 +316,28 @@ def test_gpu_prefill_qwen3_bf16(tile):
     got = paged_prefill_attention(q, k, v, tables, qsl, sl, scale, max(q_lens), tile=tile)
     want = paged_prefill_attention_ref(q, k, v, tables, qsl, sl, scale)
     assert rel_err(got, want) < 1e-2
+    if tile.block_n == PrefillTile().block_n:  # the same KV steps, so the same online-softmax order: the same bits
+        assert torch.equal(got, paged_prefill_attention(q, k, v, tables, qsl, sl, scale, max(q_lens),
+                                                        tile=PrefillTile()))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("q_len", [1, SHORT_PREFILL_MAX_QUERY, SHORT_PREFILL_MAX_QUERY + 1, 2048])
+def test_gpu_prefill_launch_by_query_length(q_len):
+    """The engine's call (no tile) runs prefill_tile's launch for its longest query, and matches the reference."""
+    gen = torch.Generator(device="cuda").manual_seed(q_len)
+    q_lens, seq_lens = [q_len, 1], [q_len + 100, 40]
+    k, v, tables = make_cache(seq_lens, 16, QWEN3["n_kv"], QWEN3["head_dim"], torch.bfloat16, "cuda", gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), QWEN3["n_heads"], QWEN3["head_dim"], generator=gen, device="cuda").bfloat16()
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    scale = QWEN3["head_dim"] ** -0.5
+    got = paged_prefill_attention(q, k, v, tables, qsl, sl, scale, q_len)
+    want_tile = SHORT_PREFILL_TILE if q_len <= SHORT_PREFILL_MAX_QUERY else LONG_PREFILL_TILE
+    assert prefill_tile(q_len) == want_tile
+    assert torch.equal(got, paged_prefill_attention(q, k, v, tables, qsl, sl, scale, q_len, tile=want_tile))
+    assert rel_err(got, paged_prefill_attention_ref(q, k, v, tables, qsl, sl, scale)) < 1e-2
 
 
 QKV_SIZES = (4096, 512, 512)

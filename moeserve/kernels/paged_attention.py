@@ -50,6 +50,26 @@ class PrefillTile(NamedTuple):
     num_warps: int | None = None  # None: 8 from 128 rows, else 4
     num_stages: int = 2
     split_causal: bool = False
+
+
+# The launch by the step's longest query (H200, Qwen3-30B-A3B heads: 32 q, 4 kv, 128 dims, bf16; µs per call, session 20,
+# `python -m benchmarks.kernels.prefill_attention --sweep`; each of these tiles gave bitwise the 128 x 64 default's
+# output). 32 prompts of 256: default 72.2, SHORT 65.6 (LONG 73.9); 4 of 2,048: 288.1 -> LONG 250.8; one of 8,192:
+# 1,010 -> 852; a 2,048 chunk after 6,144 cached: 162.5 -> 135.7. Short queries leave a 128-row tile few KV steps to
+# pipeline; long ones spend most steps where no row needs the causal mask.
+SHORT_PREFILL_TILE = PrefillTile(64, 64, 4, 2, False)
+LONG_PREFILL_TILE = PrefillTile(128, 64, 8, 3, True)
+SHORT_PREFILL_MAX_QUERY = 256
+
+
+def prefill_tile(max_query_len: int) -> PrefillTile:
+    """The prefill launch for a step whose longest query chunk is `max_query_len` tokens (the interpreter: the
+    small default tile)."""
+    if _INTERPRET:
+        return PrefillTile()
+    return SHORT_PREFILL_TILE if max_query_len <= SHORT_PREFILL_MAX_QUERY else LONG_PREFILL_TILE
+
+
 MAX_DECODE_SPLITS = 64
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -363,19 +383,21 @@ def _prefill_kernel(
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale: float,
                             max_query_len: int, pdl: bool = False, k_scale: float = 1.0,
-                            v_scale: float = 1.0, tile: PrefillTile = PrefillTile()) -> torch.Tensor:
+                            v_scale: float = 1.0, tile: PrefillTile | None = None) -> torch.Tensor:
     """Causal attention for S packed query chunks. q [T, n_heads, head_dim] -> same shape, q dtype.
 
     Sequence s owns q rows query_start_loc[s]:query_start_loc[s+1]; seq_lens[s] counts its
     tokens in the cache after this chunk, so query i sits at position seq_lens[s] - q_len + i
     and attends to cache positions 0..itself (earlier chunks included). k_scale / v_scale: as for decode; `tile`:
-    the launch (benchmarks.kernels.prefill_attention sweeps it).
+    the launch (None: prefill_tile's by max_query_len; benchmarks.kernels.prefill_attention sweeps them).
     """
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     out = torch.empty((q.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
     num_seqs = seq_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
+    if tile is None:
+        tile = prefill_tile(max_query_len)
     group_pad = triton.next_power_of_2(group)
     block_m = max(tile.block_m, group_pad, 16)
     tokens = block_m // group_pad
