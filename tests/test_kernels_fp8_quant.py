@@ -99,15 +99,17 @@ def _bitwise(a, b):
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("scale_m_major", [False, True])
 @pytest.mark.parametrize("m,k,group", [(5, 256, 128), (3, 200, 128), (17, 96, 32)])
-def test_group_quant_kernel_is_its_twin(m, k, group):
+def test_group_quant_kernel_is_its_twin(m, k, group, scale_m_major):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-14, 6, (m, k), generator=gen).float())
     x[0] = 0  # an all-zero row: scale 0, zeros
     x[1, :7] = torch.tensor([1e4, -1e4, 2.0**-10, 1.5 * 2.0**-10, 1.0625, -1.1875, 0.0])
-    q, s = quantize_groups_fp8(x.to(DEV), group)
+    q, s = quantize_groups_fp8(x.to(DEV), group, scale_m_major=scale_m_major)
     qr, sr = quantize_groups_fp8_ref(x, group)
     assert s.shape == (m, -(-k // group))
+    assert s.stride() == ((1, m) if scale_m_major else (s.shape[1], 1))  # M-major: as torch._scaled_mm takes it
     assert torch.equal(s.cpu(), sr) and _bitwise(q.cpu(), qr)
     assert s[0].eq(0).all() and q[0].float().eq(0).all()
 

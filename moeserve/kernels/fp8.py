@@ -154,7 +154,7 @@ def fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8: tl.constexpr, SCALE_PRO
 
 @triton.jit(do_not_specialize=["num_rows"])  # sizes that vary by step: one compile
 def _quantize_groups_kernel(
-    x_ptr, q_ptr, scale_ptr, h_ptr, K, num_rows, stride_x, stride_q, stride_s, stride_h,
+    x_ptr, q_ptr, scale_ptr, h_ptr, K, num_rows, stride_x, stride_q, stride_s, stride_sg, stride_h,
     GROUP: tl.constexpr, ROWS: tl.constexpr, SILU_MUL: tl.constexpr, FP8_MAX: tl.constexpr, USE_PDL: tl.constexpr,
     WRITE_H: tl.constexpr = False,
 ):
@@ -176,32 +176,39 @@ def _quantize_groups_kernel(
         v = h.to(tl.float32)
     q, scale = quantize_tile_fp8(v, FP8_MAX)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], q, mask=ok)
-    tl.store(scale_ptr + rows.to(tl.int64) * stride_s + tl.program_id(1), scale, mask=row_ok)
+    tl.store(scale_ptr + rows.to(tl.int64) * stride_s + tl.program_id(1) * stride_sg, scale, mask=row_ok)
 
 
-def _quantize_groups(x: torch.Tensor, k: int, group: int, silu_mul: bool, pdl: bool, h: torch.Tensor | None = None):
+def _quantize_groups(x: torch.Tensor, k: int, group: int, silu_mul: bool, pdl: bool, h: torch.Tensor | None = None,
+                     scale_m_major: bool = False):
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"expected a 2-D row-major activation, got {tuple(x.shape)} strides {x.stride()}")
     if group & (group - 1):
         raise ValueError(f"group {group} is not a power of two")
     m = x.shape[0]
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(m, triton.cdiv(k, group), dtype=torch.float32, device=x.device)
+    groups = triton.cdiv(k, group)
+    if scale_m_major:  # [m, groups] with the rows adjacent: the layout cuBLAS's blockwise scales take
+        scale = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
     rows = max(1, min(16, 2048 // group))
     _quantize_groups_kernel[(triton.cdiv(m, rows), scale.shape[1])](
-        x, q, scale, q if h is None else h, k, m, x.stride(0), q.stride(0), scale.stride(0),
+        x, q, scale, q if h is None else h, k, m, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
         0 if h is None else h.stride(0),
         GROUP=group, ROWS=rows, SILU_MUL=silu_mul, FP8_MAX=FP8_MAX, USE_PDL=pdl, WRITE_H=h is not None,
         launch_pdl=pdl, num_warps=4)
     return q, scale
 
 
-def quantize_groups_fp8(x: torch.Tensor, group: int = ACT_GROUP, pdl: bool = False):
+def quantize_groups_fp8(x: torch.Tensor, group: int = ACT_GROUP, pdl: bool = False, scale_m_major: bool = False):
     """Dynamic per-token-group quantization: x [M, K] -> (q [M, K] fp8, scale [M, ceil(K/group)] fp32), scale =
-    amax / 448 per (row, group of `group` columns). Bitwise `quantize_groups_fp8_ref`."""
-    return _quantize_groups(x, x.shape[-1], group, silu_mul=False, pdl=pdl)
+    amax / 448 per (row, group of `group` columns). Bitwise `quantize_groups_fp8_ref`. `scale_m_major`: the scale
+    stored with its rows adjacent (strides (1, M)), as torch._scaled_mm's blockwise scales want it, instead of copied
+    into that layout by another launch."""
+    return _quantize_groups(x, x.shape[-1], group, silu_mul=False, pdl=pdl, scale_m_major=scale_m_major)
 
 
 def silu_mul_quant_fp8(gu: torch.Tensor, group: int = ACT_GROUP, pdl: bool = False, with_h: bool = False):

@@ -10,7 +10,7 @@ Backends:
   projection in 80 or 32 programs: too few to stream the weight).
 - "scaled_mm" (W8A8 on CUDA): torch._scaled_mm with (BlockWise1x128, BlockWise128x128) scales, which torch 2.13
   accepts on sm_90 (cuBLAS); its layout needs: the weight column-major (w_fp8.t() of the [N, K] weight), the
-  activation scales M-major, rows padded to a multiple of 4, a count of K blocks that is a multiple of 4
+  activation scales M-major (the quantization kernel writes them so), rows padded to a multiple of 4, a count of K blocks that is a multiple of 4
   (scaled_mm_serves; other K take the Triton W8A8 kernel). Checked against the twin by the GPU tests.
 - "torch": dequantize the weight and F.linear (CPU without the interpreter, and the twin).
 
@@ -241,8 +241,7 @@ def _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl):
                          f"blocks {block}, K {x2.shape[1]}")
     m = x2.shape[0]
     pad_m = -m % 4
-    a, a_scale = quantize_groups_fp8(F.pad(x2, (0, 0, 0, pad_m)) if pad_m else x2, pdl=pdl)
-    a_scale = a_scale.t().contiguous().t()  # M-major
+    a, a_scale = quantize_groups_fp8(F.pad(x2, (0, 0, 0, pad_m)) if pad_m else x2, pdl=pdl, scale_m_major=True)
     w_scale = scale_inv.t()  # [K blocks, N blocks], column-major view of the [N, K] layout
     out = F.scaled_mm(a, w_fp8.t(), a_scale, F.ScalingType.BlockWise1x128, w_scale,
                       F.ScalingType.BlockWise128x128, output_dtype=x2.dtype)[:m]
