@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 20, call 3 (tree after the act-epilogue merge): SiLU*up in the gate_up GEMM's epilogue against the shipped
+# plans at prefill sizes, with its bitwise GPU test (#22); the GPU tests of this session's kernel changes (the input
+# norm's q|k|v shrink at one row, the GEMV's entry wait, the M-major FP8 activation scales); decode at B = 1, 8, 64
+# by LoRA mode (#24: did a launch fewer at one row pay?); FP8 decode without the scale copy (#25).
+source benchmarks/device_env.sh
+t0=$(date +%s)
+timeout 170 python3 benchmarks/session20/act_epilogue.py --out $OUT/act_epilogue > $OUT/act_epilogue.log 2>&1
+echo "act_epilogue rc=$? $(( $(date +%s)-t0 ))s"; grep -vE "^\s*$|[Ww]arn" $OUT/act_epilogue.log | tail -22
+LANE_TIMEOUT=90 lane test_kernels_moe test_kernels_norm_rotary test_kernels_gemv test_kernels_fp8_linear test_kernels_fp8_quant
+echo "== decode at $(( $(date +%s)-t0 ))s"
+timeout 120 python3 -m moeserve.bench.decode --layers 48 --batches 1,8,64 --modes base,active,mixed --steps 32 \
+  --repeats 1 --out /tmp/decode > $OUT/decode.log 2>&1; echo "rc=$?"; grep -A6 "^Decode tokens" $OUT/decode.log
+echo "== FP8 decode at $(( $(date +%s)-t0 ))s"
+timeout $(( 575 - ($(date +%s)-t0) )) python3 -m moeserve.bench.decode --layers 48 --batches 64,256,512 \
+  --modes base,active --steps 32 --repeats 1 --quantization fp8 --out /tmp/decode_fp8 > $OUT/decode_fp8.log 2>&1
+echo "rc=$?"; grep -A6 "^Decode tokens" $OUT/decode_fp8.log
+echo "done at $(( $(date +%s)-t0 ))s"
