@@ -7,7 +7,9 @@ source benchmarks/device_env.sh
 t0=$(date +%s)
 timeout 170 python3 benchmarks/session20/act_epilogue.py --out $OUT/act_epilogue > $OUT/act_epilogue.log 2>&1
 echo "act_epilogue rc=$? $(( $(date +%s)-t0 ))s"; grep -vE "^\s*$|[Ww]arn" $OUT/act_epilogue.log | tail -22
-LANE_TIMEOUT=90 lane test_kernels_moe test_kernels_norm_rotary test_kernels_gemv test_kernels_fp8_linear test_kernels_fp8_quant
+timeout 120 python3 -m pytest -q -m gpu tests/test_kernels_moe.py -k "act_epilogue or tma or qwen3" -rf --tb=short \
+  -p no:cacheprovider > $OUT/test_kernels_moe.log 2>&1; echo "test_kernels_moe rc=$?: $(tail -1 $OUT/test_kernels_moe.log)"
+LANE_TIMEOUT=90 lane test_kernels_norm_rotary test_kernels_gemv test_kernels_fp8_linear test_kernels_fp8_quant
 echo "== decode at $(( $(date +%s)-t0 ))s"
 timeout 120 python3 -m moeserve.bench.decode --layers 48 --batches 1,8,64 --modes base,active,mixed --steps 32 \
   --repeats 1 --out /tmp/decode > $OUT/decode.log 2>&1; echo "rc=$?"; grep -A6 "^Decode tokens" $OUT/decode.log
