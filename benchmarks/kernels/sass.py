@@ -4,7 +4,7 @@ registers, spills, shared memory, instruction mix and the width of its global lo
     pip install --target /tmp/triton36 triton==3.6.0      # the GPU machine's Triton, for the same code
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass fp8_moe [--tile 64,128,128,4,3] [--tma] [--lora]
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass dense_shrink | dense_expand | moe_lora_shrink
-    PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass gemv_gate_up | gemv_down [--gemv-tile 16,256,4,1] [--lora]
+    PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass gemv_gate_up | gemv_down [--lora] [--gemv-tile 16,256,4,1]
     ... --sass FILE   (the whole disassembly, for reading the main loop)
 
 Scalar loads (`LDG.E.U16` where a 16-byte `LDG.E.128` or `LDGSTS...128` was meant), a layout conversion inside a K
@@ -126,7 +126,8 @@ def _moe_lora_shrink(args):
 # that are not multiples of 16 there (top_k 8, the gate_up shrink's 4 splits) left unspecialized
 _GEMV_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", gu_ptr="*fp32", y_ptr="*fp32", topk_weights_ptr="*fp32",
                    topk_ids_ptr="*i32", slots_ptr="*i32", ranks_ptr="*i32", lora_b_ptr="*bf16", shrunk_ptr="*fp32",
-                   separate_ptr="*i32")
+                   separate_ptr="*i32", down_a_ptr="*bf16", down_part_ptr="*fp32")
+_GEMV_INTER = 768
 
 
 def _gemv_constexprs(args):
@@ -139,7 +140,7 @@ def _gemv_gate_up(args):
     from moeserve.kernels.fused_moe import _gemv_gate_up_kernel
 
     constexprs, warps, stages = _gemv_constexprs(args)
-    constexprs.update(BLOCK_S=4, UP_HALF=False)
+    constexprs.update(BLOCK_S=4, UP_HALF=False, DOWN_SHRINK=args.lora)  # with LoRA: the down shrink's partials too
     return compile_sm90(_gemv_gate_up_kernel, _GEMV_TYPES, constexprs, warps, stages,
                         unspecialized=("top_k", "num_splits"))
 
@@ -148,7 +149,8 @@ def _gemv_down(args):
     from moeserve.kernels.fused_moe import _gemv_down_kernel
 
     constexprs, warps, stages = _gemv_constexprs(args)
-    constexprs.update(BLOCK_S=2)
+    # with LoRA: the partials of the down shrink, one per gate_up tile (BLOCK_N / 2 columns of h each)
+    constexprs.update(BLOCK_S=triton.next_power_of_2(triton.cdiv(_GEMV_INTER, int(args.gemv_tile.split(",")[0]) // 2)))
     return compile_sm90(_gemv_down_kernel, _GEMV_TYPES, constexprs, warps, stages,
                         unspecialized=("top_k", "num_splits"))
 
