@@ -4,7 +4,8 @@ registers, spills, shared memory, instruction mix and the width of its global lo
     pip install --target /tmp/triton36 triton==3.6.0      # the GPU machine's Triton, for the same code
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass fp8_moe [--tile 64,128,128,4,3] [--tma] [--lora]
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass dense_shrink | dense_expand | moe_lora_shrink
-    PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass gemv_gate_up | gemv_down [--lora] [--gemv-tile 16,256,4,1]
+    PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass gemv_gate_up | gemv_down | gemv_fp8_gate_up [--lora]
+        [--gemv-tile 16,256,4,1]
     ... --sass FILE   (the whole disassembly, for reading the main loop)
 
 Scalar loads (`LDG.E.U16` where a 16-byte `LDG.E.128` or `LDGSTS...128` was meant), a layout conversion inside a K
@@ -155,8 +156,23 @@ def _gemv_down(args):
                         unspecialized=("top_k", "num_splits"))
 
 
+def _gemv_fp8_gate_up(args):
+    from moeserve.kernels.fused_moe_fp8 import _gemv_fp8_kernel
+
+    constexprs, warps, stages = _gemv_constexprs(args)
+    block_k = constexprs.pop("BLOCK_K")
+    types = dict(_GEMV_TYPES, a_ptr="*bf16", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32",
+                 out_ptr="*fp32")
+    constexprs.update(GROUPS=max(1, block_k // 128), SUB_K=min(block_k, 128), SCALE_N=128, SCALE_K=128,
+                      ACT_FP8=False, FUSED_ACT=False, ROUTE_WEIGHT=False, BLOCK_S=4, UP_HALF=False,
+                      DOWN_SHRINK=args.lora)  # weight-only, as the engine's decode runs it
+    return compile_sm90(_gemv_fp8_kernel, types, constexprs, warps, stages,
+                        unspecialized=("pairs_per_row", "top_k", "num_splits"))
+
+
 PRESETS = {"fp8_moe": _fp8_moe, "dense_shrink": _dense_shrink, "dense_expand": _dense_expand,
-           "moe_lora_shrink": _moe_lora_shrink, "gemv_gate_up": _gemv_gate_up, "gemv_down": _gemv_down}
+           "moe_lora_shrink": _moe_lora_shrink, "gemv_gate_up": _gemv_gate_up, "gemv_down": _gemv_down,
+           "gemv_fp8_gate_up": _gemv_fp8_gate_up}
 
 
 def main(argv=None) -> int:
