@@ -8,8 +8,10 @@ Two paths, chosen from the number of (token, k) pairs only (so a CUDA graph of a
 size always records the same kernels):
 
 - decode (few pairs): no alignment. GEMV-style programs, one per (pair, N tile), read the
-  pair's expert rows directly; LoRA shrinks run per pair and their expands are fused into
-  the GEMV epilogues.
+  pair's expert rows directly. LoRA: the gate_up shrink runs per pair before the gate_up GEMV;
+  with LoRA that GEMV's tiles pair gate and up rows, and each writes its share of the down
+  shrink of silu(g) * u (no launch between the two GEMVs); the expands are fused into the GEMV
+  epilogues.
 - sorted (many pairs): pairs are aligned into blocks of one expert (moe_align), then two
   grouped GEMMs: gate_up -> [pairs, 2I], and down with SiLU*up fused into its A-operand
   load, routing weight applied in the epilogue. LoRA: shrinks grouped by the same expert
@@ -505,8 +507,7 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     block_r = lora_rank_block(lora) if has_lora else 16
     up_half = has_lora and lora.up_a is not None
     if has_lora:  # partials [pairs, (2 halves,) splits, R]
-        shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a,
-                                      pdl=pdl)
+        shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, up_a=lora.up_a, pdl=pdl)
         gu_b = lora.gate_up_b
         gu_b_args = (*gu_b.stride()[:3], shrunk_gu.stride(0), shrunk_gu.stride(-2), shrunk_gu.shape[-2],
                      lora.gate_up_separate if up_half else topk_ids, shrunk_gu.stride(1) if up_half else 0, inter)

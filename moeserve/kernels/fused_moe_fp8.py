@@ -448,7 +448,7 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     gu_lora = d_lora = None
     if lora is not None:  # the shrinks read x and silu(g) * u of the fp32 gate_up sums (with their deltas), never
         # fp8 copies; the down one in the gate_up GEMV's epilogue, as fused_moe's
-        shrunk = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a, pdl=pdl)
+        shrunk = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, up_a=lora.up_a, pdl=pdl)
         down_part = down_shrink_partials(num_pairs, inter, plan.gate_up.block_n, lora, x.device)
         gu_lora = (lora, lora.gate_up_b, shrunk, inter if lora.up_a is not None else None, down_part)
         d_lora = (lora, lora.down_b, down_part, None, None)
