@@ -255,25 +255,29 @@ def test_decode_lora_down_shrink_rides_in_the_gate_up_gemv(monkeypatch, separate
     GEMV's expand adds up. I = 21 (not a multiple of the 8 columns of h a 16-row tile holds; H = 40 not a multiple
     of the K step); slots -1, rank 0 (poisoned: never read), rank 4 and full rank 8 of a rank-8 pool, NaN past
     each rank; with `separate_up` the full-rank slot has its own up A. Checked: the output against the fp32
-    reference; each adapter pair's partials summed against A_down @ silu(g) * u of its gu row; gu and y of the pairs
-    without an adapter bitwise the LoRA-free call's."""
+    reference; each adapter pair's partials summed against A_down @ silu(g) * u of its gu row, nothing written past
+    its rank nor for a pair without an adapter (slot 0 has rank 4: what slot -1 would read if it were not skipped);
+    gu and y of the pairs without an adapter bitwise the LoRA-free call's."""
     num_tokens, top_k, num_experts, hidden, inter = 5, 2, 4, 40, 21
     tile = GemmTile(block_n=16, block_k=16, num_warps=4, num_stages=1)
     plan = MoEPlan(True, tile, tile)
     gen, x, w13, w2, weights, ids = _moe_problem(num_tokens, top_k, num_experts, hidden, inter, seed=9, std=0.2)
-    ranks, pool = _lora_pool(3, num_experts, hidden, inter, 8, [0, 4, 8], gen, std=0.3)
+    ranks, pool = _lora_pool(3, num_experts, hidden, inter, 8, [4, 0, 8], gen, std=0.3)
     dirty = [w.clone() for w in pool]
     for which, w in enumerate(dirty):
-        for s, r in enumerate([0, 4, 8]):
+        for s, r in enumerate([4, 0, 8]):
             _dirty_past_rank(w, which, s, r)
-    slots = torch.tensor([-1, 0, 1, 2, 1], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([-1, 1, 0, 2, 0], dtype=torch.int32, device=DEV)
     extra = {}
     if separate_up:
         up_a = torch.randn(pool[0].shape, generator=gen, device=DEV) * 0.3
-        up_a[1, :, 4:] = 0
+        up_a[0, :, 4:] = 0
         extra = dict(up_a=up_a, gate_up_separate=torch.tensor([0, 0, 1], dtype=torch.int32, device=DEV))
     lora, lora_dirty = MoELoRAArgs(slots, ranks, *pool, **extra), MoELoRAArgs(slots, ranks, *dirty, **extra)
 
+    make_partials = fused_moe_module.down_shrink_partials
+    monkeypatch.setattr(fused_moe_module, "down_shrink_partials",  # NaN wherever the GEMV writes nothing
+                        lambda *a, **k: make_partials(*a, **k).fill_(float("nan")))
     launches = _recorded_launches(monkeypatch)
     base = fused_moe(x, w13, w2, weights, ids, plan=plan)
     base_gu, base_y = (args[2] for name, args in launches if name in ("_gemv_gate_up_kernel", "_gemv_down_kernel"))
@@ -292,6 +296,7 @@ def test_decode_lora_down_shrink_rides_in_the_gate_up_gemv(monkeypatch, separate
     for pair, expert in enumerate(ids.flatten().tolist()):
         slot = slots[pair // top_k].item()
         rank = ranks[slot].item() if slot >= 0 else 0
+        assert partials[pair, :, rank:].isnan().all(), pair
         if rank == 0:
             assert torch.equal(_bits(gu[pair]), _bits(base_gu[pair])), pair
             assert torch.equal(_bits(y[pair]), _bits(base_y[pair])), pair
