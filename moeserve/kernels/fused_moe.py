@@ -520,7 +520,7 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     else:
         gu_b_args, gu_splits = (0, 0, 0, 0, 0, 0, topk_ids, 0, 0), 1
         gu_lora = (topk_ids, topk_ids, x, x)  # unused placeholders
-        down_shrink = (x, x, 0, 0, 0, 0, 0)
+        down_shrink = (x, x, 0, 0, 0, 0, 0)  # unused placeholders too
         gu_tiles = triton.cdiv(two_i, t.block_n)
 
     _gemv_gate_up_kernel[(num_pairs, gu_tiles)](
