@@ -538,27 +538,6 @@ def test_gpu_weights_by_tma_match_pointer_loads_bitwise(num_tokens):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("num_tokens", [256, 1024, 8192])
-def test_gpu_act_epilogue_gives_the_separate_activation_bits(num_tokens):
-    """act_epilogue on the shipped table's plan and on the same plan with gate_up tiles of 128 columns: bitwise that
-    plan with SiLU*up by its own kernel (fused_act=False) on the same tiles, without and with adapters (a token
-    without one), by TMA as shipped and, at 1,024, by pointers. Base rows must not change with the option."""
-    x, w13, w2, weights, ids, lora = _qwen3_problem(num_tokens, 5 + num_tokens, True)
-    problem = MoEProblem(w13.shape[0], x.shape[1], w2.shape[2], ids.shape[1], x.dtype, x.device)
-    n = 64  # the per-pair reference is slow: rows are independent
-    for adapters in (None, lora):
-        plan = default_plan(num_tokens, ids.shape[1], lora=adapters is not None, problem=problem)
-        for block_n in sorted({plan.gate_up.block_n, 128}):
-            for tma in (True, False) if num_tokens == 1024 else (plan.weights_tma,):
-                apart = replace(plan, fused_act=False, weights_tma=tma, gate_up=replace(plan.gate_up, block_n=block_n))
-                got = fused_moe(x, w13, w2, weights, ids, adapters, plan=replace(apart, act_epilogue=True))
-                assert torch.equal(got, fused_moe(x, w13, w2, weights, ids, adapters, plan=apart)), (block_n, tma)
-        sub = None if adapters is None else replace(adapters, token_slots=adapters.token_slots[:n])
-        assert _rel(got[:n], fused_moe_ref(x[:n], w13, w2, weights[:n], ids[:n], sub)) < 1e-2
-
-
-@pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("num_tokens,plan_of", [(t, "lora") for t in (16, 64, 256, 512, 1024)] + [
     (t, "no_lora") for t in (64, 256, 1024)])
 def test_gpu_sorted_lora_bf16_mixed_ranks(num_tokens, plan_of):
@@ -696,7 +675,7 @@ def test_every_plan_fits_shared_memory_in_every_dtype(num_tokens):
         plan = default_plan(num_tokens, 8, lora=lora)
         for dtype in (torch.float32, torch.bfloat16):
             elt = torch.empty((), dtype=dtype).element_size()
-            down_loads = 2 if plan.down_fuses_act else 1
+            down_loads = 2 if plan.fused_act else 1
             gate_up = moe_plan.fit_tile(plan.gate_up, elt, 1, H200_SMEM)
             down = moe_plan.fit_tile(plan.down, elt, down_loads, H200_SMEM)
             for tile, loads in ((gate_up, 1), (down, down_loads)):
@@ -758,8 +737,8 @@ def test_lora_calls_run_the_tuned_no_lora_tiles(monkeypatch):
             if base.decode:
                 continue
             assert not lora.decode and (lora.lora_gate_up_splits, lora.lora_down_splits) == (1, 1), tokens
-            assert (lora.gate_up, lora.down, lora.y_fp32, lora.fused_act, lora.weights_tma, lora.act_epilogue) == (
-                base.gate_up, base.down, base.y_fp32, base.fused_act, base.weights_tma, base.act_epilogue), tokens
+            assert (lora.gate_up, lora.down, lora.y_fp32, lora.fused_act, lora.weights_tma) == (
+                base.gate_up, base.down, base.y_fp32, base.fused_act, base.weights_tma), tokens
     finally:
         moe_plan.default_plan.cache_clear()
 
@@ -773,7 +752,7 @@ def test_shipped_table_parses_and_fits():
         for _, gate_up, down, options in rows:
             assert set(options) <= set(moe_plan.PLAN_OPTIONS)
             assert gate_up.block_m == down.block_m, (device, key)
-            down_loads = 2 if options.get("fused_act", True) and not options.get("act_epilogue") else 1
+            down_loads = 2 if options.get("fused_act", True) else 1
             assert moe_plan.tile_smem(gate_up, elt, 1) <= H200_SMEM - moe_plan.SMEM_MARGIN
             assert moe_plan.tile_smem(down, elt, down_loads) <= H200_SMEM - moe_plan.SMEM_MARGIN
             # the plan a call runs is the tuned one: fitting changes nothing
@@ -801,68 +780,3 @@ def test_sorted_plan_options_match_reference(y_fp32, fused_act, dtype):
         out = fused_moe(*problem, lora, plan=plan)
         assert out.dtype == dtype
         assert _rel(out, fused_moe_ref(*problem, lora)) < bound
-
-
-# SiLU*up in the gate_up GEMM's epilogue (MoEPlan.act_epilogue): 16 gate and 16 up columns a tile (a dot's N >= 16)
-ACT_TILE = replace(SMALL_TILE, block_n=32)
-ACT_PLAN = replace(SMALL_PLAN, gate_up=ACT_TILE, down=ACT_TILE, act_epilogue=True)
-
-
-@pytest.mark.parametrize("weights", ["pointers", "tma_grouped"])
-@pytest.mark.parametrize("shape", [(24, 64, 32), (28, 48, 40)], ids=["H64I32", "H48I40"])
-def test_sorted_act_epilogue_matches_references(shape, weights):
-    """act_epilogue on the mixed-rank case (NaN wherever nothing may be read) against fp32 fused_moe_ref and the torch
-    backend, the LoRA delta, rows without an adapter bitwise its no-LoRA call's; I = 40: the last tile's gate and up
-    halves masked past I. `tma_grouped`: the weights through descriptors of half-tile boxes, blocks walked 3 a tile."""
-    num_tokens, hidden, inter = shape
-    plan = ACT_PLAN
-    if weights == "tma_grouped":
-        plan = replace(plan, weights_tma=True, gate_up=replace(ACT_TILE, group_m=3))
-    _check_sorted_lora(*_mixed_lora_problem(num_tokens, hidden, inter, seed=7), plan)
-
-
-def _dyadic(t, step):
-    """t rounded to multiples of `step` (a power of two): fp16 products and fp32 sums of such values are exact."""
-    return torch.round(t / step) * step
-
-
-def test_sorted_act_epilogue_gives_the_separate_activation_bits(monkeypatch):
-    """act_epilogue against fused_act=False on the same tiles: the same fp16 bits, with and without LoRA, by pointers
-    and by TMA; no activation kernel runs. The values are dyadic (x in 1/8, weights in 1/64, A in 1/16) so that every
-    fp32 sum of the gate_up GEMM and its expands is exact: the interpreter's dots (numpy) sum in an order that depends
-    on the tile's width, which the GPU's MMAs do not (test_gpu_act_epilogue_gives_the_separate_activation_bits); what
-    is compared is the epilogue's own arithmetic, g and u rounded to fp16 before silu_mul as gu was. I = 40: the apart
-    plan's second tile holds gate and up columns."""
-    problem, ranks, slots, clean, _ = _mixed_lora_problem(28, 48, 40, seed=11)
-    x, w13, w2, weights, ids = problem
-    problem = (_dyadic(x, 1 / 8).clamp(-4, 4).half(), _dyadic(w13, 1 / 64).half(), _dyadic(w2, 1 / 64).half(),
-               weights, ids)
-    ga, gb, da, db = clean
-    pool = [_dyadic(ga, 1 / 16).half(), _dyadic(gb, 1 / 64).half(), _dyadic(da, 1 / 64).half(),
-            _dyadic(db, 1 / 64).half()]
-    apart = replace(ACT_PLAN, act_epilogue=False, fused_act=False)
-    for lora in (None, MoELoRAArgs(slots, ranks, *pool)):
-        for tma in (False, True):
-            want = fused_moe(*problem, lora, plan=replace(apart, weights_tma=tma))
-            with monkeypatch.context() as m:
-                m.setattr(fused_moe_module, "silu_mul_rows", None)  # h comes from the gate_up epilogue alone
-                got = fused_moe(*problem, lora, plan=replace(ACT_PLAN, weights_tma=tma))
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (lora is not None, tma)
-            assert _rel(got, fused_moe_ref(*problem, lora)) < 5e-3
-
-
-def test_act_epilogue_plans_fit_and_refuse_odd_tiles():
-    """The gate_up tile's two weight tiles take one block_n tile's shared memory; fitting keeps 16 columns a half; the
-    down GEMM reads h (one A tile) whatever fused_act says; a tile too narrow to halve is refused by name."""
-    plan = replace(MoEPlan(False, GemmTile(64, 256, 128, 8, 4), GemmTile(64, 256, 128, 8, 4)), act_epilogue=True)
-    assert not plan.down_fuses_act and replace(plan, act_epilogue=False).down_fuses_act
-    cpu = torch.device("cpu")
-    fitted = moe_plan.fit_plan(plan, torch.float32, cpu, limit=64 << 10)
-    assert fitted.gate_up == moe_plan.fit_tile(plan.gate_up, 4, 1, 64 << 10)  # as any tile with one B tile
-    assert fitted.down.block_n == 128  # reads h, one A tile: gate and up tiles would leave it 64
-    assert moe_plan.fit_plan(replace(plan, act_epilogue=False), torch.float32, cpu, limit=64 << 10).down.block_n == 64
-    tight = moe_plan.fit_plan(plan, torch.float32, cpu, limit=32 << 10)
-    assert tight.gate_up.block_n == 32 and tight.down.block_n == 16
-    problem, *_ = _mixed_lora_problem(4, 32, 32, seed=1)
-    with pytest.raises(ValueError, match="act_epilogue"):
-        fused_moe(*problem, plan=replace(ACT_PLAN, gate_up=replace(ACT_TILE, block_n=16)))

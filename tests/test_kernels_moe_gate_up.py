@@ -6,7 +6,6 @@ CPU: tiny fp32 shapes under the Triton interpreter. GPU (marked `gpu`): bf16 at 
 """
 
 import os
-from dataclasses import replace
 
 import torch
 
@@ -35,9 +34,6 @@ SMALL_TILE = GemmTile(block_m=16, block_n=16, block_k=16, num_warps=4, num_stage
 SORTED_PLAN = MoEPlan(False, SMALL_TILE, SMALL_TILE, lora_shrink_block_k=16, lora_gate_up_splits=3,
                       lora_down_splits=2, lora_shrink_lanes=2)
 DECODE_PLAN = MoEPlan(True, SMALL_TILE, SMALL_TILE)
-# SiLU*up in the gate_up epilogue (MoEPlan.act_epilogue): tiles of 16 gate and 16 up columns, two expand walks
-ACT_TILE = replace(SMALL_TILE, block_n=32)
-ACT_PLAN = replace(SORTED_PLAN, gate_up=ACT_TILE, down=ACT_TILE, act_epilogue=True)
 
 
 def _rel(out, ref):
@@ -95,16 +91,15 @@ def _one_a(lora):
     return MoELoRAArgs(lora.token_slots, lora.slot_ranks, lora.gate_up_a, lora.gate_up_b, lora.down_a, lora.down_b)
 
 
-@pytest.mark.parametrize("path", ["decode", "sorted", "act_epilogue"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
 @pytest.mark.parametrize("shape", [(8, 64, 32), (10, 48, 40)], ids=["H64I32", "H48I40"])
-def test_separate_and_one_a_slots_in_one_batch_match_references(shape, path):
+def test_separate_and_one_a_slots_in_one_batch_match_references(shape, decode):
     """Ranks 8/16 in a rank-16 pool, separate and one-A slots side by side, tokens without an adapter and on an
     empty slot; NaN wherever the kernels must not read (beyond ranks, the up half of one-A slots, empty slots).
-    Against fp32 fused_moe_ref and the torch MoE backend; rows without an adapter bitwise the no-LoRA kernel's.
-    act_epilogue: the sorted path with SiLU*up in its gate_up epilogue (MoEPlan.act_epilogue)."""
+    Against fp32 fused_moe_ref and the torch MoE backend; rows without an adapter bitwise the no-LoRA kernel's."""
     num_tokens, hidden, inter = shape
     problem, slots, clean, dirty = make_problem(num_tokens, 2, 4, hidden, inter, seed=num_tokens)
-    plan = {"decode": DECODE_PLAN, "sorted": SORTED_PLAN, "act_epilogue": ACT_PLAN}[path]
+    plan = DECODE_PLAN if decode else SORTED_PLAN
     out = fused_moe(*problem, dirty, plan=plan)
     ref = fused_moe_ref(*problem, clean)
     assert torch.isfinite(out).all()
@@ -146,16 +141,15 @@ def test_slot_reloaded_from_separate_to_one_a_and_back():
             assert torch.isfinite(out).all() and _rel(out, ref) < 1e-5, (separate, plan)
 
 
-@pytest.mark.parametrize("plan", [SORTED_PLAN, ACT_PLAN], ids=["gu", "act_epilogue"])
-def test_up_halves_walked_over_several_rank_steps(plan):
+def test_up_halves_walked_over_several_rank_steps():
     """The sorted path's epilogue on a pool with up A's and ranks above one rank step: its gate_up GEMM walks each
     separate slot's gate and up halves, step by step up to the slot's rank (lora_block_expand), into the
     accumulator. Ranks 8/16/64 in a rank-64 pool (rank 64: four steps a half), separate and one-A slots, an empty
-    separate-flagged slot, rows without an adapter; NaN wherever nothing may be read. Against the fp32 reference.
-    act_epilogue: a tile's gate and up columns in two accumulators, walked apart (the up walk on the up shrink)."""
+    separate-flagged slot, rows without an adapter; NaN wherever nothing may be read. Against the fp32 reference."""
     ranks, separate = [8, 16, 64, 8, 0], [1, 0, 1, 0, 1]
     problem, slots, clean, dirty = make_problem(16, 2, 4, 48, 40, seed=21, ranks=ranks, separate=separate,
                                                 max_rank=64, std=0.15)
+    plan = SORTED_PLAN
     out = fused_moe(*problem, dirty, plan=plan)
     ref = fused_moe_ref(*problem, clean)
     assert torch.isfinite(out).all()

@@ -4,7 +4,6 @@ registers, spills, shared memory, instruction mix and the width of its global lo
     pip install --target /tmp/triton36 triton==3.6.0      # the GPU machine's Triton, for the same code
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass fp8_moe [--tile 64,128,128,4,3] [--tma] [--lora]
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass dense_shrink | dense_expand | moe_lora_shrink
-    PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass moe_gate_up [--tile 128,256,64,8,4] [--tma] [--lora] [--act-epilogue]
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass gemv_gate_up | gemv_down | gemv_fp8_gate_up [--lora]
         [--gemv-tile 16,256,4,1]
     ... --sass FILE   (the whole disassembly, for reading the main loop)
@@ -81,7 +80,7 @@ def report(compiled, label: str) -> str:
 def _fp8_moe(args):
     from moeserve.kernels.fused_moe_fp8 import _moe_fp8_gemm_kernel
 
-    bm, bn, bk, warps, stages = (int(v) for v in (args.tile or "64,128,128,4,3").split(","))
+    bm, bn, bk, warps, stages = (int(v) for v in args.tile.split(","))
     types = dict(a_ptr="*fp8e4nv", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", out_ptr="*bf16",
                  topk_weights_ptr="*fp32", sorted_ids_ptr="*i32", block_groups_ptr="*i32", slots_ptr="*i32",
                  ranks_ptr="*i32", lora_b_ptr="*bf16", shrunk_ptr="*fp32", separate_ptr="*i32",
@@ -91,24 +90,6 @@ def _fp8_moe(args):
                       B_SCALAR=128 % bn == 0, W_TMA=args.tma)
     return compile_sm90(_moe_fp8_gemm_kernel, types, constexprs, warps, stages,
                         unspecialized=("w_desc", "top_k", "stride_sh"))
-
-
-def _moe_gate_up(args):
-    """The bf16 sorted path's gate_up GEMM at Qwen3-30B-A3B shapes (the tuned prefill tile by default);
-    --act-epilogue: SiLU*up in its epilogue (MoEPlan.act_epilogue: weight boxes of half the tile's rows)."""
-    from moeserve.kernels.fused_moe import _moe_gate_up_kernel
-
-    bm, bn, bk, warps, stages = (int(v) for v in (args.tile or "128,256,64,8,4").split(","))
-    types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sorted_ids_ptr="*i32", block_groups_ptr="*i32",
-                 slots_ptr="*i32", ranks_ptr="*i32", lora_b_ptr="*bf16",
-                 shrunk_ptr="*fp32" if args.lora else "*bf16", separate_ptr="*i32",
-                 w_desc=f"tensordesc<bf16[{bn // 2 if args.act_epilogue else bn}, {bk}]>" if args.tma
-                 else "*bf16")
-    constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, HAS_LORA=args.lora, K_SPLITS=1,
-                      RANK_STEP=16, UP_HALF=False, USE_PDL=True, GROUP_M=1, W_TMA=args.tma,
-                      ACT_EPILOGUE=args.act_epilogue)
-    return compile_sm90(_moe_gate_up_kernel, types, constexprs, warps, stages,
-                        unspecialized=("w_desc", "top_k"))
 
 
 def _dense_shrink(args):
@@ -189,19 +170,17 @@ def _gemv_fp8_gate_up(args):
                         unspecialized=("pairs_per_row", "top_k", "num_splits"))
 
 
-PRESETS = {"fp8_moe": _fp8_moe, "moe_gate_up": _moe_gate_up, "dense_shrink": _dense_shrink,
-           "dense_expand": _dense_expand, "moe_lora_shrink": _moe_lora_shrink, "gemv_gate_up": _gemv_gate_up,
-           "gemv_down": _gemv_down, "gemv_fp8_gate_up": _gemv_fp8_gate_up}
+PRESETS = {"fp8_moe": _fp8_moe, "dense_shrink": _dense_shrink, "dense_expand": _dense_expand,
+           "moe_lora_shrink": _moe_lora_shrink, "gemv_gate_up": _gemv_gate_up, "gemv_down": _gemv_down,
+           "gemv_fp8_gate_up": _gemv_fp8_gate_up}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.sass", description=__doc__.split("\n")[0])
     ap.add_argument("kernel", choices=sorted(PRESETS))
-    ap.add_argument("--tile", help="fp8_moe, moe_gate_up: block_m,block_n,block_k,warps,stages (default "
-                    "64,128,128,4,3 and 128,256,64,8,4)")
-    ap.add_argument("--tma", action="store_true", help="fp8_moe, moe_gate_up: weight tiles through a TMA descriptor")
-    ap.add_argument("--lora", action="store_true", help="fp8_moe, moe_gate_up, gemv_*: with the LoRA epilogue")
-    ap.add_argument("--act-epilogue", action="store_true", help="moe_gate_up: SiLU*up in the epilogue, h stored")
+    ap.add_argument("--tile", default="64,128,128,4,3", help="fp8_moe: block_m,block_n,block_k,warps,stages")
+    ap.add_argument("--tma", action="store_true", help="fp8_moe: weight tiles through a TMA descriptor")
+    ap.add_argument("--lora", action="store_true", help="fp8_moe, gemv_*: with the LoRA epilogue")
     ap.add_argument("--gemv-tile", default="16,256,4,1", help="gemv_*: block_n,block_k,warps,stages (the decode "
                     "plan's tiles: 16,256,4,1 up to 16 pairs, 32,128,4,1 above)")
     ap.add_argument("--sass", help="write the whole disassembly here")

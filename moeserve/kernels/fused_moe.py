@@ -14,9 +14,7 @@ size always records the same kernels):
   epilogues.
 - sorted (many pairs): pairs are aligned into blocks of one expert (moe_align), then two
   grouped GEMMs: gate_up -> [pairs, 2I], and down with SiLU*up fused into its A-operand
-  load, routing weight applied in the epilogue (plan options: SiLU*up by its own kernel into
-  h [pairs, I], or in the gate_up epilogue, each tile holding gate columns and their up columns,
-  storing h itself: MoEPlan.fused_act, act_epilogue). LoRA: shrinks grouped by the same expert
+  load, routing weight applied in the epilogue. LoRA: shrinks grouped by the same expert
   blocks run before each GEMM (moe_lora), and the expands are added in the GEMM epilogues
   (before the routing weight), walking the block's adapter slots into the accumulator itself,
   so each touched adapter-expert weight is read about once per block and gu / y are written
@@ -43,9 +41,7 @@ from moeserve.kernels.moe_align import moe_align
 from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
-    block_slots,
     lora_block_epilogue,
-    lora_block_expand,
     lora_block_shrink,
     lora_rank_block,
     lora_shrink_pairs,
@@ -110,29 +106,22 @@ def _weight_tile(b_ptrs, w_desc, row0, k0, K, offs_k, EVEN_K: tl.constexpr, W_TM
 
 @triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_groups_ptr,
+    x_ptr, w_ptr, gu_ptr, sorted_ids_ptr, block_groups_ptr,
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
     num_pairs, top_k, N, K,
-    stride_xt, stride_we, stride_wn, stride_out,
+    stride_xt, stride_we, stride_wn, stride_gu,
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
     separate_ptr, stride_sh, up_col0, w_desc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, K_SPLITS: tl.constexpr, RANK_STEP: tl.constexpr,
     UP_HALF: tl.constexpr, USE_PDL: tl.constexpr, GROUP_M: tl.constexpr = 1, W_TMA: tl.constexpr = False,
-    ACT_EPILOGUE: tl.constexpr = False,
 ):
     """gu[pair] = W13_e @ x[token] (+ B (A x) of the pair's adapter) for the BLOCK_M pairs of one
-    aligned block, one N tile, into out_ptr [pairs, N]. The LoRA shrink comes precomputed (lora_block_shrink);
-    UP_HALF: columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand). With
-    LoRA the kernel waits for the shrink just launched only before its epilogue (late wait).
-    ACT_EPILOGUE (MoEPlan.act_epilogue): a tile is BLOCK_N // 2 gate columns and the matching up columns, and
-    the program stores h = silu(g) * u into out_ptr [pairs, N // 2] in place of its gu columns."""
+    aligned block, one N tile. The LoRA shrink comes precomputed (lora_block_shrink); UP_HALF:
+    columns >= up_col0 of slots flagged separate expand its up half (see lora_block_expand). With
+    LoRA the kernel waits for the shrink just launched only before its epilogue (late wait)."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
-    if ACT_EPILOGUE:
-        num_n = tl.cdiv(N // 2, BLOCK_N // 2)
-    else:
-        num_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _block_tile(tl.program_id(0), num_n, GROUP_M)
+    pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
         pdl_launch.late(USE_PDL, HAS_LORA)
@@ -140,71 +129,30 @@ def _moe_gate_up_kernel(
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_ok = pairs < num_pairs
     tokens = (pairs // top_k).to(tl.int64)
-    if ACT_EPILOGUE:  # h's columns: the tile's gate rows of W13_e, and its up rows less I
-        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]
-    if ACT_EPILOGUE:  # gate rows c0 + j of W13_e and up rows I + c0 + j, j < BLOCK_N // 2: two accumulators
-        inter = N // 2
-        gate_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
-                     + (offs_n % inter).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
-        up_ptrs = gate_ptrs + inter.to(tl.int64) * stride_wn
-        gate_row0 = expert * N + pid_n * (BLOCK_N // 2)
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=pair_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=pair_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-            b_gate = _weight_tile(gate_ptrs, w_desc, gate_row0, k0, K, offs_k, EVEN_K, W_TMA)
-            b_up = _weight_tile(up_ptrs, w_desc, gate_row0 + inter, k0, K, offs_k, EVEN_K, W_TMA)
-            acc_gate = tl.dot(a, b_gate.to(a.dtype), acc_gate)
-            acc_up = tl.dot(a, b_up.to(a.dtype), acc_up)
-            a_ptrs += BLOCK_K
-            gate_ptrs += BLOCK_K
-            up_ptrs += BLOCK_K
-        pdl_launch.late(USE_PDL, HAS_LORA)
-        if HAS_LORA:  # one walk a half: B's gate rows (masked at I), then its up rows, all >= up_col0, so a
-            # separate slot walks its up shrink alone there
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            slots, row_ranks = block_slots(slots_ptr, ranks_ptr, pairs, pair_ok, top_k)
-            acc_gate = lora_block_expand(acc_gate, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
-                                         offs_n, inter, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                         separate_ptr, stride_sh, up_col0, K_SPLITS, RANK_STEP, UP_HALF)
-            acc_up = lora_block_expand(acc_up, slots, row_ranks, rows, shrunk_ptr, lora_b_ptr, expert,
-                                       inter + offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
-                                       separate_ptr, stride_sh, up_col0, K_SPLITS, RANK_STEP, UP_HALF)
-        # g and u rounded to h's dtype first, as gu stored in it and read back by _silu_mul_kernel: the same h bits
-        gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-        tl.store(out_ptrs, silu_mul(gate, up).to(out_ptr.dtype.element_ty),
-                 mask=pair_ok[:, None] & (offs_n < inter)[None, :])
-    else:
-        b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
-                  + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=pair_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=pair_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-            b = _weight_tile(b_ptrs, w_desc, expert * N + pid_n * BLOCK_N, k0, K, offs_k, EVEN_K, W_TMA)
-            acc = tl.dot(a, b.to(a.dtype), acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        pdl_launch.late(USE_PDL, HAS_LORA)
-        if HAS_LORA:
-            acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
-                                      lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
-                                      stride_be, stride_bn, separate_ptr, stride_sh, up_col0, BLOCK_M,
-                                      K_SPLITS, RANK_STEP, UP_HALF)
-        out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
-                 mask=pair_ok[:, None] & (offs_n < N)[None, :])
+    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=pair_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=pair_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        b = _weight_tile(b_ptrs, w_desc, expert * N + pid_n * BLOCK_N, k0, K, offs_k, EVEN_K, W_TMA)
+        acc = tl.dot(a, b.to(a.dtype), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    if HAS_LORA:
+        acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
+                                  lora_b_ptr, expert, offs_n, N, stride_sk, stride_sr, stride_bl,
+                                  stride_be, stride_bn, separate_ptr, stride_sh, up_col0, BLOCK_M,
+                                  K_SPLITS, RANK_STEP, UP_HALF)
+    out_ptrs = gu_ptr + pairs.to(tl.int64)[:, None] * stride_gu + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(gu_ptr.dtype.element_ty),
+             mask=pair_ok[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
@@ -529,14 +477,12 @@ def tma_readable(w: torch.Tensor) -> bool:
     return _has_tma(w.device)
 
 
-def weight_descs(w13: torch.Tensor, w2: torch.Tensor, plan: MoEPlan, gate_up_rows: int | None = None) -> tuple:
-    """(gate_up weights, down weights, W_TMA): TMA descriptors in the plan's [block_n, block_k] boxes (the gate_up
-    box `gate_up_rows` high where given) where the plan asks for them and both weights allow them, else the tensors
-    themselves (unread placeholders) and pointer loads."""
+def weight_descs(w13: torch.Tensor, w2: torch.Tensor, plan: MoEPlan) -> tuple:
+    """(gate_up weights, down weights, W_TMA): TMA descriptors in the plan's [block_n, block_k] boxes where the plan
+    asks for them and both weights allow them, else the tensors themselves (unread placeholders) and pointer loads."""
     if not (plan.weights_tma and tma_readable(w13) and tma_readable(w2)):
         return w13, w2, False
-    gate_up_rows = gate_up_rows or plan.gate_up.block_n
-    return (TensorDescriptor.from_tensor(w13.view(-1, w13.shape[-1]), [gate_up_rows, plan.gate_up.block_k]),
+    return (TensorDescriptor.from_tensor(w13.view(-1, w13.shape[-1]), [plan.gate_up.block_n, plan.gate_up.block_k]),
             TensorDescriptor.from_tensor(w2.view(-1, w2.shape[-1]), [plan.down.block_n, plan.down.block_k]), True)
 
 
@@ -637,28 +583,22 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         return ((lora.token_slots, lora.slot_ranks, b, shrunk),
                 (shrunk.stride(-3), shrunk.stride(-2), *b.stride()[:3]), shrunk.shape[-3])
 
-    # the gate_up GEMM writes gu [pairs, 2I], or with act_epilogue h [pairs, I] (tiles of block_n // 2 gate and as
-    # many up columns, weight boxes as high)
-    act_epilogue = plan.act_epilogue
-    if act_epilogue and (t.block_n % 2 or t.block_n < 32):
-        raise ValueError(f"act_epilogue splits the gate_up tile in two dots of block_n // 2 >= 16: {t.block_n}")
-    tile_cols = t.block_n // 2 if act_epilogue else t.block_n
-    gate_up_out = torch.empty(num_pairs, inter if act_epilogue else two_i, dtype=x.dtype, device=dev)
-    w13_desc, w2_desc, w_tma = weight_descs(w13, w2, plan, gate_up_rows=tile_cols)
+    gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=dev)
+    w13_desc, w2_desc, w_tma = weight_descs(w13, w2, plan)
     ptrs, strides, k_splits = epilogue_lora(False, x, plan.lora_gate_up_splits)
     halves = (lora.gate_up_separate, ptrs[3].stride(0), inter) if up_half else (topk_ids, 0, two_i)
-    _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter if act_epilogue else two_i, tile_cols),)](
-        x, w13, gate_up_out, aligned.sorted_ids, aligned.block_groups, *ptrs,
+    _moe_gate_up_kernel[(num_blocks * triton.cdiv(two_i, t.block_n),)](
+        x, w13, gu, aligned.sorted_ids, aligned.block_groups, *ptrs,
         num_pairs, top_k, two_i, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), gate_up_out.stride(0), *strides, *halves, w13_desc,
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *strides, *halves, w13_desc,
         W_TMA=w_tma, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         EVEN_K=hidden % t.block_k == 0, HAS_LORA=has_lora, K_SPLITS=k_splits,
-        RANK_STEP=RANK_STEP, UP_HALF=up_half, GROUP_M=t.group_m, USE_PDL=pdl, ACT_EPILOGUE=act_epilogue,
-        launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
+        RANK_STEP=RANK_STEP, UP_HALF=up_half, GROUP_M=t.group_m, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=t.num_warps, num_stages=t.num_stages)
 
-    # the down GEMM's A: gu with SiLU*up applied as it loads, or h (the gate_up epilogue's or its own kernel's)
-    fused_act = plan.down_fuses_act
-    act = gate_up_out if fused_act or act_epilogue else silu_mul_rows(gate_up_out, pdl)
+    # the down GEMM's A: gu with SiLU*up applied as it loads, or h computed by its own kernel
+    fused_act = plan.fused_act
+    act = gu if fused_act else silu_mul_rows(gu, pdl)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=dev)
     t = plan.down
     # the down shrink reads h where a kernel wrote it (H200, T=256: 42 us from gu's gate and up, 18 from h at 1,024)

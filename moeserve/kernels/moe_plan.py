@@ -57,15 +57,6 @@ class MoEPlan:
     fused_act: bool = True
     # sorted path: the GEMMs read their weight tiles through TMA descriptors (Hopper and later) instead of pointers
     weights_tma: bool = False
-    # sorted path (bf16/fp16/fp32 weights; FP8 plans ignore it): SiLU*up in the gate_up GEMM's epilogue, each tile
-    # block_n // 2 gate columns and the matching up columns, storing h [pairs, I] (no gu, no activation kernel; the
-    # down GEMM reads h as a plain operand, so fused_act is moot). The same bits as fused_act=False on the same tiles
-    act_epilogue: bool = False
-
-    @property
-    def down_fuses_act(self) -> bool:
-        """Whether the down GEMM applies SiLU*up as it loads gate and up tiles of gu (else it reads h)."""
-        return self.fused_act and not self.act_epilogue
 
 
 @dataclass(frozen=True)
@@ -146,14 +137,13 @@ def smem_limit(device: torch.device) -> int | None:
 
 def tile_smem(tile: GemmTile, elt_bytes: int, a_loads: int) -> int:
     """Bytes of a sorted-path GEMM's pipelined operands: num_stages buffers of the A tile(s) and the B tile
-    (`a_loads`: A tiles per K step, 2 for a down GEMM that loads gate and up, MoEPlan.fused_act). A gate_up tile
-    with act_epilogue loads two B tiles of block_n // 2 rows: the bytes of one block_n tile."""
+    (`a_loads`: A tiles per K step, 2 for a down GEMM that loads gate and up, MoEPlan.fused_act)."""
     return tile.num_stages * (a_loads * tile.block_m + tile.block_n) * tile.block_k * elt_bytes
 
 
-def fit_tile(tile: GemmTile, elt_bytes: int, a_loads: int, limit: int | None, min_block_n: int = 16) -> GemmTile:
+def fit_tile(tile: GemmTile, elt_bytes: int, a_loads: int, limit: int | None) -> GemmTile:
     """`tile` shrunk until its operands fit `limit` with the margin: fewer stages (down to 2), then a shorter
-    K step (down to 32), then a narrower N tile (down to min_block_n)."""
+    K step (down to 32), then a narrower N tile."""
     if limit is None:
         return tile
     while tile_smem(tile, elt_bytes, a_loads) > limit - SMEM_MARGIN:
@@ -161,7 +151,7 @@ def fit_tile(tile: GemmTile, elt_bytes: int, a_loads: int, limit: int | None, mi
             tile = replace(tile, num_stages=tile.num_stages - 1)
         elif tile.block_k > 32:
             tile = replace(tile, block_k=tile.block_k // 2)
-        elif tile.block_n > min_block_n:
+        elif tile.block_n > 16:
             tile = replace(tile, block_n=tile.block_n // 2)
         else:
             break
@@ -175,10 +165,9 @@ def fit_plan(plan: MoEPlan, dtype: torch.dtype, device: torch.device, limit: int
     if plan.decode or limit is None:
         return plan
     elt = dtype.itemsize
-    down_loads = 2 if plan.down_fuses_act else 1  # gate and up tiles, or the activation's one
-    # act_epilogue: each half of the gate_up tile is a dot's N, at least 16
-    gate_up = fit_tile(plan.gate_up, elt, 1, limit, min_block_n=32 if plan.act_epilogue else 16)
-    return replace(plan, gate_up=gate_up, down=fit_tile(plan.down, elt, down_loads, limit))
+    down_loads = 2 if plan.fused_act else 1  # gate and up tiles, or the activation's one
+    return replace(plan, gate_up=fit_tile(plan.gate_up, elt, 1, limit),
+                   down=fit_tile(plan.down, elt, down_loads, limit))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,8 +181,7 @@ def gpu_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
-# MoEPlan fields a table row may set besides the tiles
-PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma", "act_epilogue")
+PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma")  # MoEPlan fields a table row may set besides the tiles
 
 
 def _read_table(path: Path) -> dict:
