@@ -4,8 +4,6 @@ registers, spills, shared memory, instruction mix and the width of its global lo
     pip install --target /tmp/triton36 triton==3.6.0      # the GPU machine's Triton, for the same code
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass fp8_moe [--tile 64,128,128,4,3] [--tma] [--lora]
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass dense_shrink | dense_expand | moe_lora_shrink
-    PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass gemv_gate_up | gemv_down | gemv_fp8_gate_up [--lora]
-        [--gemv-tile 16,256,4,1]
     ... --sass FILE   (the whole disassembly, for reading the main loop)
 
 Scalar loads (`LDG.E.U16` where a 16-byte `LDG.E.128` or `LDGSTS...128` was meant), a layout conversion inside a K
@@ -123,56 +121,8 @@ def _moe_lora_shrink(args):
     return compile_sm90(_lora_block_shrink_kernel, types, constexprs, 4, 3, unspecialized=("top_k", "stride_sh"))
 
 
-# the decode GEMVs at Qwen3-30B-A3B shapes (H 2,048, I 768, top-8, 128 experts), one rank-16 adapter pool; integers
-# that are not multiples of 16 there (top_k 8, the gate_up shrink's 4 splits) left unspecialized
-_GEMV_TYPES = dict(x_ptr="*bf16", w_ptr="*bf16", gu_ptr="*fp32", y_ptr="*fp32", topk_weights_ptr="*fp32",
-                   topk_ids_ptr="*i32", slots_ptr="*i32", ranks_ptr="*i32", lora_b_ptr="*bf16", shrunk_ptr="*fp32",
-                   separate_ptr="*i32", down_a_ptr="*bf16", down_part_ptr="*fp32")
-_GEMV_INTER = 768
-
-
-def _gemv_constexprs(args):
-    block_n, block_k, warps, stages = (int(v) for v in args.gemv_tile.split(","))
-    return dict(HAS_LORA=args.lora, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=16, EVEN_K=True, USE_PDL=True), \
-        warps, stages
-
-
-def _gemv_gate_up(args):
-    from moeserve.kernels.fused_moe import _gemv_gate_up_kernel
-
-    constexprs, warps, stages = _gemv_constexprs(args)
-    constexprs.update(BLOCK_S=4, UP_HALF=False, DOWN_SHRINK=args.lora)  # with LoRA: the down shrink's partials too
-    return compile_sm90(_gemv_gate_up_kernel, _GEMV_TYPES, constexprs, warps, stages,
-                        unspecialized=("top_k", "num_splits"))
-
-
-def _gemv_down(args):
-    from moeserve.kernels.fused_moe import _gemv_down_kernel
-
-    constexprs, warps, stages = _gemv_constexprs(args)
-    # with LoRA: the partials of the down shrink, one per gate_up tile (BLOCK_N / 2 columns of h each)
-    constexprs.update(BLOCK_S=triton.next_power_of_2(triton.cdiv(_GEMV_INTER, int(args.gemv_tile.split(",")[0]) // 2)))
-    return compile_sm90(_gemv_down_kernel, _GEMV_TYPES, constexprs, warps, stages,
-                        unspecialized=("top_k", "num_splits"))
-
-
-def _gemv_fp8_gate_up(args):
-    from moeserve.kernels.fused_moe_fp8 import _gemv_fp8_kernel
-
-    constexprs, warps, stages = _gemv_constexprs(args)
-    block_k = constexprs.pop("BLOCK_K")
-    types = dict(_GEMV_TYPES, a_ptr="*bf16", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32",
-                 out_ptr="*fp32")
-    constexprs.update(GROUPS=max(1, block_k // 128), SUB_K=min(block_k, 128), SCALE_N=128, SCALE_K=128,
-                      ACT_FP8=False, FUSED_ACT=False, ROUTE_WEIGHT=False, BLOCK_S=4, UP_HALF=False,
-                      DOWN_SHRINK=args.lora)  # weight-only, as the engine's decode runs it
-    return compile_sm90(_gemv_fp8_kernel, types, constexprs, warps, stages,
-                        unspecialized=("pairs_per_row", "top_k", "num_splits"))
-
-
 PRESETS = {"fp8_moe": _fp8_moe, "dense_shrink": _dense_shrink, "dense_expand": _dense_expand,
-           "moe_lora_shrink": _moe_lora_shrink, "gemv_gate_up": _gemv_gate_up, "gemv_down": _gemv_down,
-           "gemv_fp8_gate_up": _gemv_fp8_gate_up}
+           "moe_lora_shrink": _moe_lora_shrink}
 
 
 def main(argv=None) -> int:
@@ -180,9 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("kernel", choices=sorted(PRESETS))
     ap.add_argument("--tile", default="64,128,128,4,3", help="fp8_moe: block_m,block_n,block_k,warps,stages")
     ap.add_argument("--tma", action="store_true", help="fp8_moe: weight tiles through a TMA descriptor")
-    ap.add_argument("--lora", action="store_true", help="fp8_moe, gemv_*: with the LoRA epilogue")
-    ap.add_argument("--gemv-tile", default="16,256,4,1", help="gemv_*: block_n,block_k,warps,stages (the decode "
-                    "plan's tiles: 16,256,4,1 up to 16 pairs, 32,128,4,1 above)")
+    ap.add_argument("--lora", action="store_true", help="fp8_moe: with the in-place LoRA epilogue")
     ap.add_argument("--sass", help="write the whole disassembly here")
     args = ap.parse_args(argv)
     sass = report(PRESETS[args.kernel](args), f"{args.kernel} (Triton {triton.__version__}, sm_90)")

@@ -8,10 +8,8 @@ Two paths, chosen from the number of (token, k) pairs only (so a CUDA graph of a
 size always records the same kernels):
 
 - decode (few pairs): no alignment. GEMV-style programs, one per (pair, N tile), read the
-  pair's expert rows directly. LoRA: the gate_up shrink runs per pair before the gate_up GEMV;
-  with LoRA that GEMV's tiles pair gate and up rows, and each writes its share of the down
-  shrink of silu(g) * u (no launch between the two GEMVs); the expands are fused into the GEMV
-  epilogues.
+  pair's expert rows directly; LoRA shrinks run per pair and their expands are fused into
+  the GEMV epilogues.
 - sorted (many pairs): pairs are aligned into blocks of one expert (moe_align), then two
   grouped GEMMs: gate_up -> [pairs, 2I], and down with SiLU*up fused into its A-operand
   load, routing weight applied in the epilogue. LoRA: shrinks grouped by the same expert
@@ -259,53 +257,6 @@ def _lora_expand_rows(
 
 
 @triton.jit
-def gemv_tile_rows(pid_n, N, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
-    """(output columns, weight rows) of a GEMV program's N tile: BLOCK_N consecutive rows, or PAIRED (gate_up, N = 2I)
-    matching gate and up rows interleaved, column j being gate row c0 + j // 2 for even j and up row I + c0 + j // 2
-    for odd j (c0 = pid_n * BLOCK_N / 2), so that one program holds g and u of the same BLOCK_N / 2 columns of h.
-    Rows past the end wrap around (loads stay in bounds; stores are masked by gemv_tile_mask)."""
-    if PAIRED:
-        j = tl.arange(0, BLOCK_N)
-        offs_n = (pid_n * (BLOCK_N // 2) + j // 2) % (N // 2) + (j % 2) * (N // 2)
-        return offs_n, offs_n
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        return offs_n, offs_n % N
-
-
-@triton.jit
-def gemv_tile_mask(pid_n, N, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
-    """The columns of gemv_tile_rows that exist (the others are wrapped rows)."""
-    if PAIRED:
-        return pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2 < N // 2
-    else:
-        return pid_n * BLOCK_N + tl.arange(0, BLOCK_N) < N
-
-
-@triton.jit
-def gemv_down_shrink(gu_tile, pair, token, expert, pid_n, inter, slots_ptr, ranks_ptr, a_ptr, part_ptr,
-                     stride_al, stride_ae, stride_ar, stride_pp, stride_pt,
-                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """part[pair, pid_n, :rank] = A_down[slot, expert][:rank, c0:c0 + BLOCK_N/2] @ h[c0:c0 + BLOCK_N/2] from a
-    PAIRED gate_up tile (gemv_tile_rows), h = silu(g) * u of its fp32 values: the tile's share of the pair's down
-    shrink, which the down GEMV's expand adds up over the tiles (no atomics: one partial per tile). Nothing is read
-    or written for a token without an adapter or on a rank-0 slot."""
-    slot = tl.load(slots_ptr + token).to(tl.int32)
-    rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
-    if (slot >= 0) & (rank > 0):
-        gate, up = tl.split(tl.reshape(gu_tile, (BLOCK_N // 2, 2)))  # even columns are g, odd ones u
-        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        c_ok = cols < inter
-        h = tl.where(c_ok, silu_mul(gate, up), 0.0)  # past I: wrapped rows
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < rank
-        a = tl.load(a_ptr + slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
-                    + offs_r[:, None] * stride_ar + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-        tl.store(part_ptr + pair.to(tl.int64) * stride_pp + pid_n * stride_pt + offs_r,
-                 tl.sum(a.to(tl.float32) * h[None, :], 1), mask=r_ok)
-
-
-@triton.jit
 def _gemv_gate_up_kernel(
     x_ptr, w_ptr, gu_ptr, topk_ids_ptr,
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr,
@@ -313,15 +264,10 @@ def _gemv_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_gu,
     stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
     separate_ptr, stride_sh, up_row0,
-    down_a_ptr, down_part_ptr, stride_dl, stride_de, stride_dr, stride_dp, stride_dt,
     HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, UP_HALF: tl.constexpr, USE_PDL: tl.constexpr,
-    DOWN_SHRINK: tl.constexpr = False,
 ):
-    """gu[pair, tile] = W13_e[tile] @ x[token] (+ LoRA expand), fp32; one program per (pair, tile). DOWN_SHRINK (with
-    LoRA): the tile pairs gate and up rows (gemv_tile_rows) and also writes its share of the pair's down shrink,
-    fp32 partials [pairs, tiles, BLOCK_R] at down_part_ptr (gemv_down_shrink), so no kernel runs between this one
-    and the down GEMV."""
+    """gu[pair, tile] = W13_e[tile] @ x[token] (+ LoRA expand), fp32; one program per (pair, tile)."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K walk
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -330,7 +276,8 @@ def _gemv_gate_up_kernel(
         pdl_launch.late(USE_PDL, HAS_LORA)
         return
     token = pair // top_k
-    offs_n, rows = gemv_tile_rows(pid_n, N, BLOCK_N, DOWN_SHRINK)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
@@ -362,10 +309,7 @@ def _gemv_gate_up_kernel(
                                   BLOCK_R, BLOCK_S, UP_HALF)
     if HAS_LORA:
         out += delta
-    tl.store(gu_ptr + pair.to(tl.int64) * stride_gu + offs_n, out, mask=gemv_tile_mask(pid_n, N, BLOCK_N, DOWN_SHRINK))
-    if DOWN_SHRINK:
-        gemv_down_shrink(out, pair, token, expert, pid_n, N // 2, slots_ptr, ranks_ptr, down_a_ptr, down_part_ptr,
-                         stride_dl, stride_de, stride_dr, stride_dp, stride_dt, BLOCK_N, BLOCK_R)
+    tl.store(gu_ptr + pair.to(tl.int64) * stride_gu + offs_n, out, mask=offs_n < N)
 
 
 @triton.jit
@@ -378,13 +322,13 @@ def _gemv_down_kernel(
     HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """y[pair, tile] = w[pair] * (W2_e[tile] @ silu(g) * u (+ LoRA expand)), fp32. The LoRA's shrink partials come from
-    the gate_up GEMV (DOWN_SHRINK), one per gate_up tile."""
-    pdl_launch.enter(USE_PDL)  # the main loop reads gu, which the kernel just before writes: no late wait
+    """y[pair, tile] = w[pair] * (W2_e[tile] @ silu(g) * u (+ LoRA expand)), fp32."""
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K walk
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     if (expert < 0) | (expert >= num_experts):
+        pdl_launch.late(USE_PDL, HAS_LORA)
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n % N
@@ -393,7 +337,7 @@ def _gemv_down_kernel(
               + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :])
     gate_ptrs = gu_ptr + pair.to(tl.int64) * stride_gu + offs_k
     delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_LORA:  # issued before the main loop so its loads overlap the weight stream
+    if HAS_LORA and not USE_PDL:
         delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair,
                                   pair // top_k, expert, rows, stride_bl, stride_be, stride_bn,
                                   stride_sp, stride_ss, num_splits, slots_ptr, 0, 0,
@@ -413,6 +357,12 @@ def _gemv_down_kernel(
         w_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
     out = tl.sum(acc, 1)
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    if HAS_LORA and USE_PDL:  # after the wait: the shrink ran under the loop above
+        delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair,
+                                  pair // top_k, expert, rows, stride_bl, stride_be, stride_bn,
+                                  stride_sp, stride_ss, num_splits, slots_ptr, 0, 0,
+                                  BLOCK_R, BLOCK_S, False)
     if HAS_LORA:
         out += delta
     out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
@@ -486,13 +436,6 @@ def weight_descs(w13: torch.Tensor, w2: torch.Tensor, plan: MoEPlan) -> tuple:
             TensorDescriptor.from_tensor(w2.view(-1, w2.shape[-1]), [plan.down.block_n, plan.down.block_k]), True)
 
 
-def down_shrink_partials(num_pairs: int, inter: int, block_n: int, lora, device) -> torch.Tensor:
-    """fp32 [pairs, gate_up tiles, rank block]: each PAIRED gate_up GEMV tile's share of its pair's down shrink
-    (gemv_down_shrink), BLOCK_N / 2 columns of h a tile; rows of pairs without an adapter are never written or read."""
-    return torch.empty(num_pairs, triton.cdiv(inter, block_n // 2), lora_rank_block(lora), dtype=torch.float32,
-                       device=device)
-
-
 def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
@@ -501,41 +444,37 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
     num_pairs = num_tokens * top_k
     dev = x.device
     gu = torch.empty(num_pairs, two_i, dtype=torch.float32, device=dev)
-    t = plan.gate_up
 
     has_lora = lora is not None
     block_r = lora_rank_block(lora) if has_lora else 16
     up_half = has_lora and lora.up_a is not None
     if has_lora:  # partials [pairs, (2 halves,) splits, R]
-        shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, up_a=lora.up_a, pdl=pdl)
+        shrunk_gu = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a,
+                                      pdl=pdl)
         gu_b = lora.gate_up_b
         gu_b_args = (*gu_b.stride()[:3], shrunk_gu.stride(0), shrunk_gu.stride(-2), shrunk_gu.shape[-2],
                      lora.gate_up_separate if up_half else topk_ids, shrunk_gu.stride(1) if up_half else 0, inter)
         gu_lora = (lora.token_slots, lora.slot_ranks, gu_b, shrunk_gu)
         gu_splits = triton.next_power_of_2(shrunk_gu.shape[-2])
-        # the down shrink in the gate_up GEMV's epilogue: one launch fewer a layer (each ~2.5-3 us at T = 1, H200)
-        shrunk_d = down_shrink_partials(num_pairs, inter, t.block_n, lora, dev)
-        down_shrink = (lora.down_a, shrunk_d, *lora.down_a.stride()[:3], *shrunk_d.stride()[:2])
-        gu_tiles = shrunk_d.shape[1]
     else:
         gu_b_args, gu_splits = (0, 0, 0, 0, 0, 0, topk_ids, 0, 0), 1
         gu_lora = (topk_ids, topk_ids, x, x)  # unused placeholders
-        down_shrink = (x, x, 0, 0, 0, 0, 0)  # unused placeholders too
-        gu_tiles = triton.cdiv(two_i, t.block_n)
 
-    _gemv_gate_up_kernel[(num_pairs, gu_tiles)](
+    t = plan.gate_up
+    _gemv_gate_up_kernel[(num_pairs, triton.cdiv(two_i, t.block_n))](
         x, w13, gu, topk_ids, *gu_lora,
         num_experts, top_k, two_i, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *gu_b_args, *down_shrink,
+        x.stride(0), w13.stride(0), w13.stride(1), gu.stride(0), *gu_b_args,
         HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
-        BLOCK_S=gu_splits, EVEN_K=hidden % t.block_k == 0, UP_HALF=up_half, DOWN_SHRINK=has_lora,
+        BLOCK_S=gu_splits, EVEN_K=hidden % t.block_k == 0, UP_HALF=up_half,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=t.num_warps, num_stages=t.num_stages)
 
     if has_lora:
+        shrunk_d = lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True, pdl=pdl)
         d_b = lora.down_b
-        d_b_args = (*d_b.stride()[:3], *shrunk_d.stride()[:2], gu_tiles)
+        d_b_args = (*d_b.stride()[:3], *shrunk_d.stride()[:2], shrunk_d.shape[1])
         d_lora = (lora.token_slots, lora.slot_ranks, d_b, shrunk_d)
-        d_splits = triton.next_power_of_2(gu_tiles)
+        d_splits = triton.next_power_of_2(shrunk_d.shape[1])
     else:
         d_b_args, d_splits = (0, 0, 0, 0, 0, 0), 1
         d_lora = (topk_ids, topk_ids, x, x)

@@ -28,10 +28,9 @@ on its own ([E, 2 * ceil(I/128), ceil(H/128)]), as a checkpoint stores gate_proj
 LoRA (`lora`, MoELoRAArgs): the shrinks read x and h = silu(g) * u in x's dtype, never their fp8 copies (the
 LoRA of a quantized base goes wrong exactly there). Rows without an adapter come out bitwise as in a call without
 LoRA:
-- decode (GEMV) path: as fused_moe's: the per-pair shrink of x (moe_lora.lora_shrink_pairs) runs before the gate_up
-  GEMV, whose epilogue adds the pair's expand to its fp32 sum and writes its tile's share of the down shrink (of
-  silu(g)*u of those fp32 sums: its tiles pair gate and up rows); the down GEMV's epilogue adds the down expand
-  before the routing weight. A pair without an adapter adds an exact zero.
+- decode (GEMV) path: as fused_moe's: the per-pair shrinks (moe_lora.lora_shrink_pairs, of x and of silu(g)*u read
+  from gu) run before each GEMV, whose epilogue adds the pair's expand to its fp32 sum (gu before the down GEMV
+  applies SiLU*up; y before the routing weight); a pair without an adapter adds an exact zero.
 - sorted path (`lora_options` gives the shrinks' options): the bf16 path's LoRA epilogue on the FP8 GEMMs' own
   tiles, in one pass: each GEMM adds the expands into its scaled fp32 accumulator itself before the routing weight
   and its store, a row without an adapter adding exact zeros, so gu, h and y of such a row are the no-LoRA call's.
@@ -65,10 +64,6 @@ from moeserve.kernels.fused_moe import (
     _lora_expand_rows,
     _topk_sum,
     _weight_tile,
-    down_shrink_partials,
-    gemv_down_shrink,
-    gemv_tile_mask,
-    gemv_tile_rows,
     silu_mul_rows,
     weight_descs,
 )
@@ -199,12 +194,11 @@ def _gemv_fp8_kernel(
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, top_k,
     stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits, separate_ptr, stride_sh, lora_up_row0,
-    down_a_ptr, down_part_ptr, stride_dl, stride_de, stride_dr, stride_dp, stride_dt,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
     ROUTE_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
     HAS_LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, BLOCK_S: tl.constexpr = 1,
-    UP_HALF: tl.constexpr = False, DOWN_SHRINK: tl.constexpr = False,
+    UP_HALF: tl.constexpr = False,
 ):
     """Decode: out[pair, tile] = (w[pair] *) dequant(W_e)[tile] @ a[pair // pairs_per_row] in fp32 on CUDA cores,
     one program per (pair, N tile), no alignment (fused_moe's GEMV path with FP8 rows: half the bytes). Each K
@@ -213,15 +207,15 @@ def _gemv_fp8_kernel(
     flight). Operands as in _moe_fp8_gemm_kernel; under ACT_FP8 the activation is dequantized by its group scale
     (the W8A8 numerics, for results that do not depend on the path). HAS_LORA: the pair's LoRA expand (its shrink
     already in shrunk_ptr, fp32 partials) added to the fp32 sum before the routing weight, as fused_moe's GEMV
-    epilogue does (rows without an adapter add an exact zero). DOWN_SHRINK (gate_up with LoRA): fused_moe's paired
-    gate and up rows, the tile's share of the down shrink written to down_part_ptr (fused_moe.gemv_down_shrink)."""
+    epilogue does (rows without an adapter add an exact zero)."""
     pdl_launch.enter(USE_PDL)
     pair = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     if (expert < 0) | (expert >= num_experts):
         return
     row = (pair // pairs_per_row).to(tl.int64)
-    offs_n, cols = gemv_tile_rows(tl.program_id(1), N, BLOCK_N, DOWN_SHRINK)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n % N
     sub = tl.arange(0, GROUPS) * SUB_K  # first column of each sub-step
     offs_k = sub[:, None] + tl.arange(0, SUB_K)[None, :]  # [GROUPS, SUB_K]
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None, None] * stride_wn
@@ -260,11 +254,7 @@ def _gemv_fp8_kernel(
                                  stride_sh, lora_up_row0, BLOCK_R, BLOCK_S, UP_HALF)
     if ROUTE_WEIGHT:
         out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, out,
-             mask=gemv_tile_mask(tl.program_id(1), N, BLOCK_N, DOWN_SHRINK))
-    if DOWN_SHRINK:
-        gemv_down_shrink(out, pair, pair // top_k, expert, tl.program_id(1), N // 2, slots_ptr, ranks_ptr, down_a_ptr,
-                         down_part_ptr, stride_dl, stride_de, stride_dr, stride_dp, stride_dt, BLOCK_N, BLOCK_R)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n, out, mask=offs_n < N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,27 +393,20 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
 
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
                  up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl, lora=None):
-    """`lora`: (MoELoRAArgs, its B for this GEMM, shrunk partials [pairs, (2,) splits, R], up-half rows or None,
-    the down shrink's partials to write or None): with the last (gate_up), the tile pairs gate and up rows and
-    writes its share of the down shrink (DOWN_SHRINK)."""
+    """`lora`: (MoELoRAArgs, its B for this GEMM, shrunk partials [pairs, (2,) splits, R], up-half rows or None)."""
     sub_k = min(tile.block_k, block[1])
-    tiles = triton.cdiv(n, tile.block_n)
     if lora is None:
-        lora_args, lora_opts = (topk_ids, topk_ids, a, a, 1, 0, 0, 0, 0, 0, 1, topk_ids, 0, 0, a, a, 0, 0, 0, 0, 0), {}
+        lora_args, lora_opts = (topk_ids, topk_ids, a, a, 1, 0, 0, 0, 0, 0, 1, topk_ids, 0, 0), {}
     else:
-        args, b, shrunk, up_row0, down_part = lora
+        args, b, shrunk, up_row0 = lora
         up_half = up_row0 is not None
-        down = (args.down_a, down_part, *args.down_a.stride()[:3], *down_part.stride()[:2]) \
-            if down_part is not None else (a, a, 0, 0, 0, 0, 0)
         lora_args = (args.token_slots, args.slot_ranks, b, shrunk, topk_ids.shape[1], *b.stride()[:3],
                      shrunk.stride(0), shrunk.stride(-2), shrunk.shape[-2],
                      args.gate_up_separate if up_half else topk_ids, shrunk.stride(1) if up_half else 0,
-                     up_row0 if up_half else 0, *down)
+                     up_row0 if up_half else 0)
         lora_opts = dict(HAS_LORA=True, BLOCK_R=lora_rank_block(args), BLOCK_S=triton.next_power_of_2(shrunk.shape[-2]),
-                         UP_HALF=up_half, DOWN_SHRINK=down_part is not None)
-        if down_part is not None:
-            tiles = down_part.shape[1]
-    _gemv_fp8_kernel[(topk_ids.numel(), tiles)](
+                         UP_HALF=up_half)
+    _gemv_fp8_kernel[(topk_ids.numel(), triton.cdiv(n, tile.block_n))](
         a, a_scale, w, w_scale, out, topk_weights, topk_ids,
         w.shape[0], pairs_per_row, n, k, up_col0, up_scale_row0,
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
@@ -446,14 +429,14 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
         a, a_scale = x, topk_weights  # a_scale: an unread placeholder
     gu = torch.empty(num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
     gu_lora = d_lora = None
-    if lora is not None:  # the shrinks read x and silu(g) * u of the fp32 gate_up sums (with their deltas), never
-        # fp8 copies; the down one in the gate_up GEMV's epilogue, as fused_moe's
-        shrunk = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, up_a=lora.up_a, pdl=pdl)
-        down_part = down_shrink_partials(num_pairs, inter, plan.gate_up.block_n, lora, x.device)
-        gu_lora = (lora, lora.gate_up_b, shrunk, inter if lora.up_a is not None else None, down_part)
-        d_lora = (lora, lora.down_b, down_part, None, None)
+    if lora is not None:  # the shrinks read x and silu(g) * u of gu (with the gate_up deltas), never fp8 copies
+        shrunk = lora_shrink_pairs(x, lora.gate_up_a, topk_ids, lora, from_gate_up=False, up_a=lora.up_a, pdl=pdl)
+        gu_lora = (lora, lora.gate_up_b, shrunk, inter if lora.up_a is not None else None)
     _launch_gemv(a, a_scale, w13, s13, gu, topk_weights, topk_ids, top_k, 2 * inter, hidden, inter,
                  triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, pdl, gu_lora)
+    if lora is not None:
+        d_lora = (lora, lora.down_b, lora_shrink_pairs(gu, lora.down_a, topk_ids, lora, from_gate_up=True, pdl=pdl),
+                  None)
     if act_quant:
         h, h_scale = silu_mul_quant_fp8(gu, block[1], pdl=pdl)
     else:

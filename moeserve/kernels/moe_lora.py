@@ -8,11 +8,10 @@ masks rank columns beyond it, so a rank-8 adapter in a rank-64 pool reads 8 colu
 each weight (the decode kernels hold a rank tile of R rounded up to a power of two, >= 16
 for tl.dot; the sorted-path ones step 16 rank columns at a time up to the rank).
 
-- decode path: `lora_shrink_pairs` (gate_up) runs one program per ((token, k) pair, K split), each
+- decode path: `lora_shrink_pairs` runs one program per ((token, k) pair, K split), each
   writing fp32 partial sums [pairs, splits, R] (short programs: a whole-row shrink per
-  program was latency-bound, 12 us per launch at T=1 on H200); the down shrink runs in the
-  gate_up GEMV's epilogue, one partial per N tile (fused_moe.gemv_down_shrink); the matching
-  expands, which add the partials up, are fused into the fused_moe GEMV epilogues.
+  program was latency-bound, 12 us per launch at T=1 on H200); the matching expands, which
+  add the partials up, are fused into the fused_moe GEMV epilogues.
 - sorted path: the LoRA rides on the base alignment (expert blocks of block_m pairs).
   `lora_block_shrink` walks the distinct adapter slots of each expert block (no second
   alignment, no sorting) and writes the block's shrink as fp32 partials split along K; the
@@ -68,13 +67,15 @@ def silu_mul(gate, up):
 
 @triton.jit
 def _lora_shrink_pairs_kernel(
-    x_ptr, a_ptr, out_ptr, topk_ids_ptr, slots_ptr, ranks_ptr, up_a_ptr, separate_ptr,
+    src_ptr, a_ptr, out_ptr, topk_ids_ptr, slots_ptr, ranks_ptr, up_a_ptr, separate_ptr,
     num_experts, top_k, K,
-    stride_x, stride_al, stride_ae, stride_ar, stride_op, stride_os, stride_oh,
-    UP_HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_src, stride_al, stride_ae, stride_ar, stride_op, stride_os, stride_oh,
+    FROM_GATE_UP: tl.constexpr, UP_HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """out[pair, (half,) split, :rank] = A[slot, expert][:rank, split cols] @ x[token, split cols]. UP_HALF: slots
-    flagged separate also write half 1 from up_a (same strides as A)."""
+    """out[pair, (half,) split, :rank] = A[slot, expert][:rank, split cols] @ v[split cols],
+    v = x[token], or silu(g) * u of gu[pair] (fp32 rows [g | u]). UP_HALF: slots flagged
+    separate also write half 1 from up_a (same strides as A)."""
     pdl_launch.enter(USE_PDL)
     pair = tl.program_id(0)
     split = tl.program_id(1)
@@ -88,7 +89,14 @@ def _lora_shrink_pairs_kernel(
     r_ok = offs_r < rank
     offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
-    v = tl.load(x_ptr + token.to(tl.int64) * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    if FROM_GATE_UP:
+        src = src_ptr + pair.to(tl.int64) * stride_src + offs_k
+        gate = tl.load(src, mask=k_ok, other=0.0).to(tl.float32)
+        up = tl.load(src + K, mask=k_ok, other=0.0).to(tl.float32)
+        v = silu_mul(gate, up)
+    else:
+        v = tl.load(src_ptr + token.to(tl.int64) * stride_src + offs_k, mask=k_ok,
+                    other=0.0).to(tl.float32)
     a_offs = (slot.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
               + offs_r[:, None] * stride_ar + offs_k[None, :])
     a_mask = r_ok[:, None] & k_ok[None, :]
@@ -102,11 +110,11 @@ def _lora_shrink_pairs_kernel(
             tl.store(out_ptrs + stride_oh, tl.sum(a.to(tl.float32) * v[None, :], 1), mask=r_ok)
 
 
-def lora_shrink_pairs(x: torch.Tensor, a: torch.Tensor, topk_ids: torch.Tensor, lora,
-                      up_a: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """The decode path's gate_up shrink of x per pair, split along H -> fp32 partials [pairs, splits, rank block], or
-    with `up_a` (a pool with separate up A's) [pairs, 2, splits, rank block], half 1 written only for the pairs of
-    slots flagged in lora.gate_up_separate. (The down shrink runs in the gate_up GEMV: fused_moe.gemv_down_shrink.)"""
+def lora_shrink_pairs(src: torch.Tensor, a: torch.Tensor, topk_ids: torch.Tensor, lora,
+                      from_gate_up: bool, up_a: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """Per-pair split shrink for the decode path -> fp32 partials [pairs, splits, rank block], or
+    with `up_a` (gate_up of a pool with separate up A's) [pairs, 2, splits, rank block], half 1
+    written only for the pairs of slots flagged in lora.gate_up_separate."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     block_r = lora_rank_block(lora)
@@ -117,14 +125,14 @@ def lora_shrink_pairs(x: torch.Tensor, a: torch.Tensor, topk_ids: torch.Tensor, 
     if up_half and up_a.stride() != a.stride():
         raise ValueError(f"up_a {tuple(up_a.shape)} must have gate_up_a's layout {tuple(a.shape)}")
     out = torch.empty(num_pairs, *((2,) if up_half else ()), splits, block_r, dtype=torch.float32,
-                      device=x.device)
+                      device=src.device)
     _lora_shrink_pairs_kernel[(num_pairs, splits)](
-        x, a, out, topk_ids, lora.token_slots, lora.slot_ranks,
+        src, a, out, topk_ids, lora.token_slots, lora.slot_ranks,
         up_a if up_half else a, lora.gate_up_separate if up_half else lora.slot_ranks,
         a.shape[1], top_k, k,
-        x.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(-2),
+        src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0), out.stride(-2),
         out.stride(1) if up_half else 0,
-        UP_HALF=up_half, BLOCK_R=block_r, BLOCK_K=block_k, USE_PDL=pdl,
+        FROM_GATE_UP=from_gate_up, UP_HALF=up_half, BLOCK_R=block_r, BLOCK_K=block_k, USE_PDL=pdl,
         launch_pdl=pdl, num_warps=4)
     return out
 
