@@ -16,7 +16,6 @@ from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from moeserve.kernels import fused_moe as fused_moe_module  # noqa: E402
 from moeserve.kernels import moe_lora  # noqa: E402
 from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref, tma_readable  # noqa: E402
 from moeserve.kernels import moe_plan  # noqa: E402
