@@ -40,60 +40,6 @@ def test_rms_norm_and_fused_add_match_the_layer_and_the_twin(T, H):
     assert torch.equal(x, x0) and torch.equal(residual, residual0)  # out of place: inputs untouched
 
 
-def _shrink_case(T, H, slices, max_rank, device, dtype, seed):
-    gen = torch.Generator(device).manual_seed(seed)
-    x, residual = (torch.randn(T, H, generator=gen, device=device).to(dtype) for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(H, generator=gen, device=device)).to(dtype)
-    lora_a = torch.randn(4, slices, max_rank, H, generator=gen, device=device).to(dtype)
-    ranks = torch.tensor([max_rank, 0, 4, max_rank // 2], dtype=torch.int32, device=device)
-    for slot, r in enumerate(ranks.tolist()):
-        lora_a[slot, :, r:] = 0  # the pool holds zeros past a slot's rank
-    slots = torch.tensor([(0, -1, 2, 3, 1)[i % 5] for i in range(T)], dtype=torch.int32, device=device)
-    return x, residual, weight, lora_a, slots, ranks
-
-
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("T,H,slices,max_rank", [(1, 96, 3, 16), (2, 300, 1, 32), (5, 64, 2, 16)])
-def test_norm_with_lora_shrink_is_the_norm_and_the_dense_shrink(T, H, slices, max_rank, with_residual):
-    """The norm that also writes the next projection's LoRA shrink: its normed rows and residual are bitwise the
-    plain norm's, and its scratch sums (over K splits) to the stored rows times each row's A slices (fp32) up to
-    the rank rounded up to 16, where an expand reads it (rows without an adapter or of rank 0 are not read)."""
-    x, residual, weight, lora_a, slots, ranks = _shrink_case(T, H, slices, max_rank, "cpu", torch.float32, T * H)
-    res = residual if with_residual else None
-    normed, new_res, scratch = norm_rotary.rms_norm_lora_shrink(x, res, weight, EPS, lora_a, slots, ranks)
-    if with_residual:
-        want_normed, want_res = norm_rotary.fused_add_rms_norm(x, residual, weight, EPS)
-    else:
-        want_normed, want_res = norm_rotary.rms_norm(x, weight, EPS), x
-    assert torch.equal(normed, want_normed) and torch.equal(new_res, want_res)
-    assert scratch.shape == (-(-H // norm_rotary.SHRINK_SPLIT_K), slices, T, max_rank)
-    for t, slot in enumerate(slots.tolist()):
-        rank = ranks[slot].item() if slot >= 0 else 0
-        if rank == 0:
-            continue
-        read = min(-(-rank // 16) * 16, max_rank)
-        want = torch.einsum("srk,k->sr", lora_a[slot, :, :read].double(), normed[t].double())
-        torch.testing.assert_close(scratch[:, :, t, :read].sum(0).double(), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("T", [1, 2])
-def test_gpu_norm_with_lora_shrink_bf16(T):
-    """Qwen3-30B-A3B's q|k|v shrink (hidden 2048, 3 slices, a rank-16 pool) in bf16: the normed rows bitwise the
-    plain fused norm's, the shrink within fp32 rounding of the dense LoRA kernel's on the same rows."""
-    from moeserve.kernels.lora_dense import dense_lora_shrink
-
-    x, residual, weight, lora_a, slots, ranks = _shrink_case(T, 2048, 3, 16, "cuda", torch.bfloat16, T)
-    normed, new_res, scratch = norm_rotary.rms_norm_lora_shrink(x, residual, weight, EPS, lora_a, slots, ranks)
-    want_normed, want_res = norm_rotary.fused_add_rms_norm(x, residual, weight, EPS)
-    assert torch.equal(normed, want_normed) and torch.equal(new_res, want_res)
-    want = dense_lora_shrink(normed, lora_a, slots, ranks).sum(0)
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0 and ranks[slot] > 0:
-            torch.testing.assert_close(scratch[:, :, t].sum(0), want[:, t], rtol=1e-4, atol=1e-3)
-
-
 def test_fused_add_rms_norm_refuses_a_mismatched_residual():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="residual"):

@@ -46,15 +46,12 @@ class GemvConfig(NamedTuple):
 
 class GemvLoRA(NamedTuple):
     """The LoRA expand the gemv epilogue adds: shrink scratch [k_splits, slices, T, R] fp32 (lora_dense's
-    `dense_lora_shrink`), lora_b [S, N, R], per-row slots [T] (-1: none), per-slot ranks [S]. `late`: the scratch's
-    writer is the kernel launched just before and wrote nothing else the GEMV reads, so the K walk runs under it
-    (kernels/pdl.py, late wait); False where that kernel also wrote x (the norm that shrinks its own output)."""
+    `dense_lora_shrink`), lora_b [S, N, R], per-row slots [T] (-1: none), per-slot ranks [S]."""
     scratch: torch.Tensor
     lora_b: torch.Tensor
     token_slots: torch.Tensor
     slot_ranks: torch.Tensor
     slice_sizes: tuple[int, ...]
-    late: bool = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,8 +114,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr,
                  stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
                  BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                  EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                 LORA_K_SPLITS: tl.constexpr, USE_PDL: tl.constexpr, LATE: tl.constexpr):
-    pdl_launch.enter_late(USE_PDL, LATE)  # with LoRA: the shrink just launched runs under the K walk
+                 LORA_K_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K walk
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     # clamped rows/columns: loads need no masks; what they compute is never stored
@@ -135,7 +132,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr,
             w = tl.load(w_rows + k[None, :], mask=k_mask[None, :], other=0.0)
             xt = tl.load(x_rows + k[None, :], mask=k_mask[None, :], other=0.0)
         acc3 += xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    pdl_launch.late(USE_PDL, LATE)
+    pdl_launch.late(USE_PDL, HAS_LORA)
     _epilogue(tl.sum(acc3, 2), t, n, T, N, bias_ptr, out_ptr, stride_ot,
               scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
               stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
@@ -151,8 +148,8 @@ def _check_config(cfg: GemvConfig) -> None:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
          lora: GemvLoRA | None = None, config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """y [T, N] = x [T, K] W[N, K]^T (+ bias) (+ the LoRA expand of `lora`), fp32 accumulation, one rounding
-    to out's dtype (default x.dtype). 1 <= T <= GEMV_MAX_TOKENS; x and W contiguous along K. With `lora` (`late`)
-    and `pdl`, the shrink that wrote lora.scratch must be the kernel launched just before: the K walk runs under it
+    to out's dtype (default x.dtype). 1 <= T <= GEMV_MAX_TOKENS; x and W contiguous along K. With `lora` and
+    `pdl`, the shrink that wrote lora.scratch must be the kernel launched just before: the K walk runs under it
     and waits only for the epilogue (kernels/pdl.py, late wait)."""
     T, K = x.shape
     N = weight.shape[0]
@@ -182,7 +179,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x.stride(0), weight.stride(0), out.stride(0), *lora_args[8:],
         BLOCK_T=triton.next_power_of_2(T), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=RANK_BLOCK,
         EVEN_K=K % cfg.block_k == 0, HAS_BIAS=bias is not None, HAS_LORA=lora is not None,
-        LORA_K_SPLITS=lora_k_splits, USE_PDL=pdl, LATE=lora is not None and lora.late, launch_pdl=pdl,
+        LORA_K_SPLITS=lora_k_splits, USE_PDL=pdl, launch_pdl=pdl,
         num_warps=cfg.num_warps, num_stages=2,  # the config measured on the H200
     )
     return out

@@ -22,7 +22,6 @@ import triton.language as tl
 from moeserve.kernels import pdl as pdl_launch
 from moeserve.kernels.fp8 import rne_e4m3
 from moeserve.kernels.kv_fp8 import KV_FP8_DTYPE, KV_FP8_MAX, write_kv_slots
-from moeserve.kernels.lora_dense import RANK_BLOCK
 
 NORM_MODES = {"none": 0, "head": 1, "full": 2}
 
@@ -34,34 +33,8 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _normed(x_ptr, res_ptr, w_ptr, row, cols, mask, x_stride, res_stride, rstd, out_dtype,
-            HAS_RESIDUAL: tl.constexpr):
-    """Columns `cols` of the row's normalised output as stored in out_dtype (rstd: the row's 1 / rms), in fp32."""
-    act = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        x = _round(x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32), act)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return (w * _round(x * rstd, act)).to(out_dtype).to(tl.float32)
-
-
-@triton.jit
-def _store_norm(out_ptr, res_out_ptr, row, cols, mask, n_cols, summed, normed, HAS_RESIDUAL: tl.constexpr):
-    if HAS_RESIDUAL:
-        tl.store(res_out_ptr + row * n_cols + cols, summed.to(res_out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + row * n_cols + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride, n_cols, eps,
-                     a_ptr, slots_ptr, ranks_ptr, scratch_ptr, R_MAX, stride_al, stride_as, stride_ar,
-                     stride_sk, stride_ss, stride_st,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                     SHRINK: tl.constexpr = False, SLICES: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1,
-                     BLOCK_R: tl.constexpr = 16):
-    """One program per row, or with SHRINK one per (row, split of SPLIT_K columns): each normalises the whole row,
-    the split-0 program stores it, and each writes the LoRA shrink of its columns of the stored row for the row's
-    slot, A [L, SLICES, R, n_cols] -> scratch[split, slice, row, :rank] (the next projection's k splits)."""
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_launch.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -71,34 +44,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = _round(x + r, act)  # the sum torch holds in the activation dtype
+        tl.store(res_out_ptr + row * n_cols + cols, x.to(act), mask=mask)
     var = tl.sum(x * x, axis=0) / n_cols
-    rstd = tl.rsqrt(var + eps)
-    h = _round(x * rstd, act)
+    h = _round(x * tl.rsqrt(var + eps), act)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if not SHRINK:
-        _store_norm(out_ptr, res_out_ptr, row, cols, mask, n_cols, x, w * h, HAS_RESIDUAL)
-    else:
-        if tl.program_id(1) == 0:
-            _store_norm(out_ptr, res_out_ptr, row, cols, mask, n_cols, x, w * h, HAS_RESIDUAL)
-        slot = tl.load(slots_ptr + row)
-        rank = tl.where(slot >= 0, tl.load(ranks_ptr + tl.maximum(slot, 0)), 0)
-        if rank > 0:
-            split = tl.program_id(1)
-            k = split * SPLIT_K + tl.arange(0, SPLIT_K)
-            k_ok = k < n_cols
-            # this split's columns again (from cache), so no register tile spans the row's split
-            y = _normed(x_ptr, res_ptr, w_ptr, row, k, k_ok, x_stride, res_stride, rstd,
-                        out_ptr.dtype.element_ty, HAS_RESIDUAL)
-            a_slot = a_ptr + slot.to(tl.int64) * stride_al
-            for sl in tl.static_range(SLICES):
-                for r0 in range(0, rank, BLOCK_R):
-                    rr = r0 + tl.arange(0, BLOCK_R)
-                    r_ok = rr < R_MAX
-                    a = tl.load(a_slot + sl * stride_as + rr[:, None] * stride_ar + k[None, :],
-                                mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                    part = tl.sum(a.to(tl.float32) * y[None, :], 1)
-                    tl.store(scratch_ptr + split * stride_sk + sl * stride_ss + row * stride_st + rr, part,
-                             mask=r_ok)
+    tl.store(out_ptr + row * n_cols + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -115,45 +65,10 @@ def _launch_norm(x, residual, weight, eps, num_warps, pdl):
     res = rows if residual is None else _rows(residual)
     res_out = out if residual is None else torch.empty_like(rows)  # without a residual: never written
     if T > 0:
-        _rms_norm_kernel[(T, 1)](rows, res, weight, out, res_out, rows.stride(0), res.stride(0), N, eps,
-                                 rows, rows, rows, rows, *_NO_SHRINK, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(N),
-                                 USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
+        _rms_norm_kernel[(T,)](rows, res, weight, out, res_out, rows.stride(0), res.stride(0), N, eps,
+                               HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(N),
+                               USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
     return out.view(x.shape), res_out.view(x.shape)
-
-
-_NO_SHRINK = (0,) * 7  # R_MAX and the six strides of the shrink (with unread pointers: the rows)
-SHRINK_SPLIT_K = 256  # columns of a row per program of rms_norm_lora_shrink: the dense shrink's K split at one row
-
-
-def rms_norm_lora_shrink(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                         lora_a: torch.Tensor, token_slots: torch.Tensor, slot_ranks: torch.Tensor,
-                         num_warps: int = 4, pdl: bool = False):
-    """rms_norm (residual None) or fused_add_rms_norm, and the LoRA shrink of the normalised rows as stored for
-    the projection they feed: (normed, new residual (x where none was given), scratch [k_splits, slices, T, R]
-    fp32 as lora_dense.dense_lora_shrink writes it (rows of rank > 0, rank columns up to the rank rounded up to
-    16). At a row or two (the GEMV path) this spares that projection its shrink launch."""
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
-                         f"{tuple(x.shape)} {x.dtype}")
-    rows = _rows(x)
-    T, N = rows.shape
-    num_slots, slices, max_rank, a_in = lora_a.shape
-    if a_in != N or lora_a.stride(3) != 1 or token_slots.shape != (T,) or slot_ranks.shape != (num_slots,):
-        raise ValueError(f"rms_norm_lora_shrink: A {tuple(lora_a.shape)} / slots {tuple(token_slots.shape)} / ranks "
-                         f"{tuple(slot_ranks.shape)} do not fit rows of {N} x {T}")
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    res = rows if residual is None else _rows(residual)
-    res_out = torch.empty_like(rows) if residual is not None else rows
-    k_splits = triton.cdiv(N, SHRINK_SPLIT_K)
-    scratch = torch.empty((k_splits, slices, T, max_rank), dtype=torch.float32, device=x.device)
-    if T > 0 and max_rank > 0:
-        _rms_norm_kernel[(T, k_splits)](
-            rows, res, weight, out, res_out, rows.stride(0), res.stride(0), N, eps,
-            lora_a, token_slots, slot_ranks, scratch, max_rank, lora_a.stride(0), lora_a.stride(1),
-            lora_a.stride(2), scratch.stride(0), scratch.stride(1), scratch.stride(2),
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(N), USE_PDL=pdl, SHRINK=True,
-            SLICES=slices, SPLIT_K=SHRINK_SPLIT_K, BLOCK_R=RANK_BLOCK, num_warps=num_warps, launch_pdl=pdl)
-    return out.view(x.shape), (res_out if residual is not None else rows).view(x.shape), scratch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int = 4,

@@ -131,10 +131,8 @@ class Attention(nn.Module):
             fused_prologue = options.norm_backend == "triton"
         self.prologue_kernels = kernels("norm", "triton" if fused_prologue else "torch")
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                qkv_shrunk: torch.Tensor | None = None):
-        """`qkv_shrunk`: x's LoRA shrink for q|k|v, where the input norm made it (LoRALinear.forward's `shrunk`)."""
-        qkv = self.qkv_proj(x, batch.lora, qkv_shrunk)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        qkv = self.qkv_proj(x, batch.lora)
         q = self.qk_norm_rotary_write_kv(qkv, batch.positions, batch.attn, k_cache, v_cache)
         return self.o_proj(self.attend(q, batch.attn, k_cache, v_cache), batch.lora)
 

@@ -70,16 +70,7 @@ class LoRALinear(nn.Module):
             self.gemv_kernels = None  # the GEMV reads plain weights; FP8 runs fp8_linear at every size
             self.fp8_backend = "triton" if options.linear_backend == "triton" else "torch"
 
-    def shrink_from_producer(self, num_rows: int) -> bool:
-        """Whether a call of `num_rows` rows with adapters takes its LoRA shrink from the kernel that makes its input
-        (`forward`'s `shrunk`): the GEMV path, whose epilogue expands it, with the Triton LoRA kernels."""
-        return (self.use_triton and self.lora_a is not None and not self.weights.quantized
-                and self.gemv_kernels is not None and self.gemv_kernels.serves(num_rows, self.out_features,
-                                                                               self.in_features))
-
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None, shrunk: torch.Tensor | None = None) -> torch.Tensor:
-        """`shrunk`: x's LoRA shrink [k_splits, slices, T, R] made by the kernel that wrote x (where
-        shrink_from_producer), instead of a launch of its own."""
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         with_lora = lora is not None and self.lora_a is not None
         if self.weights.quantized:
             y = self.weights.linear(self, x, self.fp8_backend, self.pdl)
@@ -88,25 +79,24 @@ class LoRALinear(nn.Module):
             return y
         if self.gemv_kernels is not None and self.gemv_kernels.serves(x.shape[0], self.out_features,
                                                                       self.in_features):
-            return self._gemv_forward(x, lora if with_lora else None, shrunk)
+            return self._gemv_forward(x, lora if with_lora else None)
         y = cpu_linear.linear(x, self.weight, self.packed.get(self.weight), self.bias)
         if with_lora:
             self.add_lora(x, lora, y)
         return y
 
-    def _gemv_forward(self, x: torch.Tensor, lora: LoRABatch | None, shrunk: torch.Tensor | None = None):
+    def _gemv_forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         if lora is None:
             return self.gemv_kernels.gemv(x, self.weight, self.bias, pdl=self.pdl)
         if not self.use_triton:
             y = self.gemv_kernels.gemv(x, self.weight, self.bias, pdl=self.pdl)
             self.add_lora(x, lora, y)
             return y
-        # the shrink (alone, or the producer's), then the expand inside the base projection's epilogue; the K walk
-        # runs under a shrink launched alone, but must wait for a producer that also wrote x
-        scratch = shrunk if shrunk is not None else self.lora_kernels.dense_lora_shrink(
-            x, self.lora_a, lora.token_slots, lora.slot_ranks, lora.dense_groups, pdl=self.pdl)
+        # shrink alone, then the expand inside the base projection's epilogue
+        scratch = self.lora_kernels.dense_lora_shrink(x, self.lora_a, lora.token_slots, lora.slot_ranks,
+                                                      lora.dense_groups, pdl=self.pdl)
         expand = self.gemv_kernels.GemvLoRA(scratch, self.lora_b, lora.token_slots, lora.slot_ranks,
-                                            self.slice_sizes, late=shrunk is None)
+                                            self.slice_sizes)
         return self.gemv_kernels.gemv(x, self.weight, self.bias, lora=expand, pdl=self.pdl)
 
     def add_lora(self, x: torch.Tensor, lora: LoRABatch, out: torch.Tensor) -> None:

@@ -30,13 +30,6 @@ class RMSNorm(nn.Module):
         x = x + residual
         return self._norm(x), x
 
-    def with_lora_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, lora_a: torch.Tensor, lora):
-        """(normed x, residual stream, the LoRA shrink of the normed rows by `lora_a` [L, S, R, dim] for each row's
-        slot in `lora` (a LoRABatch)): one launch where the norm and the next projection's shrink were two. Triton
-        norm backend only (see LoRALinear.shrink_from_producer)."""
-        return self.kernels.rms_norm_lora_shrink(x, residual, self.weight, self.eps, lora_a, lora.token_slots,
-                                                 lora.slot_ranks, pdl=self.pdl)
-
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()

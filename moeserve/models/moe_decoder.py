@@ -56,15 +56,11 @@ class DecoderLayer(nn.Module):
         """Residual-stream form: x is the previous layer's MLP output (the embeddings for the first layer, whose
         residual is None); returns (this layer's MLP output, residual stream). Each residual add is fused into
         the norm that follows it; the model's final norm adds the last MLP output."""
-        qkv_proj, qkv_shrunk = self.self_attn.qkv_proj, None
-        if (batch.lora is not None and self.input_layernorm.kernels is not None
-                and qkv_proj.shrink_from_producer(x.shape[0])):  # the norm makes q|k|v's LoRA shrink too
-            h, residual, qkv_shrunk = self.input_layernorm.with_lora_shrink(x, residual, qkv_proj.lora_a, batch.lora)
-        elif residual is None:
+        if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        attn_out = self.self_attn(h, batch, k_cache, v_cache, qkv_shrunk)
+        attn_out = self.self_attn(h, batch, k_cache, v_cache)
         if self.tp is not None:  # attention and MLP outputs are per-rank partial sums (row-parallel)
             attn_out = self.tp.all_reduce(attn_out)
         h, residual = self.post_attention_layernorm(attn_out, residual)
