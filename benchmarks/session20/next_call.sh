@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# A first device call for the session after 20 (not yet run; `bash benchmarks/device_wheels.sh` first, then carry .whl):
+# 1. where an active decode step's time goes kernel by kernel in its own graph at B = 1 and 8 (step_timeline.py: the
+#    region profile prices launches that the late wait hides; two launches removed in session 20 bought nothing);
+# 2. the CPU-sized sorted-path MoE tests run on the GPU (not marked gpu): 19 failed in session 20's call 3, whose log
+#    was cut before saying why (tf32 dots on fp32 inputs is the guess) — their messages, on the unchanged tree;
+# 3. the real server in FP8 with adapters (#25's `bench serve`; last measured in session 19 on the tile walk).
+source benchmarks/device_env.sh
+t0=$(date +%s)
+timeout 150 python3 benchmarks/session20/step_timeline.py --batches 1,8 --out $OUT/timeline > $OUT/timeline.log 2>&1
+echo "timeline rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^B=|gap" $OUT/timeline.log | head -80
+timeout 100 python3 -m pytest -q tests/test_kernels_moe.py -k "sorted and not gpu" -x -rf --tb=short \
+  -p no:cacheprovider > $OUT/moe_cpu_tests_on_gpu.log 2>&1; echo "rc=$?"; grep -E "^E |assert|FAILED" \
+  $OUT/moe_cpu_tests_on_gpu.log | head -12
+timeout $(( 580 - ($(date +%s)-t0) )) python3 -m moeserve.bench.protocol --parts cold --out /tmp/cold_fp8 \
+  --server-args "--quantization fp8" > $OUT/protocol_fp8.log 2>&1
+echo "protocol fp8 rc=$? $(( $(date +%s)-t0 ))s"; grep -E "run |cold-|base " $OUT/protocol_fp8.log | tail -6
