@@ -10,8 +10,9 @@ Backends:
   projection in 80 or 32 programs: too few to stream the weight).
 - "scaled_mm" (W8A8 on CUDA): torch._scaled_mm with (BlockWise1x128, BlockWise128x128) scales, which torch 2.13
   accepts on sm_90 (cuBLAS); its layout needs: the weight column-major (w_fp8.t() of the [N, K] weight), the
-  activation scales M-major (the quantization kernel writes them so), rows padded to a multiple of 4, a count of K blocks that is a multiple of 4
-  (scaled_mm_serves; other K take the Triton W8A8 kernel). Checked against the twin by the GPU tests.
+  activation scales M-major (the quantization kernel writes them so), rows padded to a multiple of 4, a count of K
+  blocks that is a multiple of 4 (scaled_mm_serves; other K take the Triton W8A8 kernel). Checked against the twin by
+  the GPU tests.
 - "torch": dequantize the weight and F.linear (CPU without the interpreter, and the twin).
 
 `act_quant=None` (what the engine runs) picks per call by row count, from the H200 sweep at Qwen3-30B-A3B's qkv and
