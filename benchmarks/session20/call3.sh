@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (benchmarks/session20/act_epilogue.py ran from the act-epilogue merge, reverted after this call: it is at 7af72a6)
 # Session 20, call 3 (tree after both helpers' merges): SiLU*up in the gate_up GEMM's epilogue against the shipped
 # plans at prefill sizes, with its bitwise GPU test (#22); the GPU tests of this session's kernel changes (the input
 # norm's q|k|v shrink at one row, the GEMV's entry wait, the M-major FP8 activation scales, the decode MoE's down
