@@ -25,6 +25,10 @@ sum), and the result is fused_moe_fp8(..., act_quant=True, decode=False)'s.
     # GPU (H200, < 120 s): Qwen3-30B-A3B experts, the prototype's variants against the shipped W8A8 sorted path:
     PYTHONPATH=. python benchmarks/session20/fp8_swap_ab.py --out DIR [--tokens 256,...] [--block-p 16,32] \
         [--configs quick|default|full]
+    (per T: each variant checked against the shipped call, then CUDA graphs rotating 4 weight sets, interleaved
+    rounds, medians: the whole call and, --gemms, the two GEMMs alone; the bytes floor is the touched experts' FP8
+    weights / 4.3 TB/s; DIR/fp8_swap_ab.json is rewritten after every T. `--device cpu --shape 4,256,128,2
+    --tokens 5,33` under TRITON_INTERPRET runs this mode's bookkeeping on the CPU with a wall-clock timer.)
 
 Check bounds (CPU): against the twin reference, fp32 activations: both multiply the same fp8 values with the same
 scales and quantize x by the same (bitwise) kernel; only the fp32 summation order differs (~1e-7 relative), which
@@ -284,6 +288,60 @@ def _wall_time_us(fns, reps: int = 3) -> float:
     return statistics.median(times)
 
 
+def _gemm_only_fns(weights, inputs, plan, variants, pdl, block=WEIGHT_BLOCK) -> dict:
+    """name -> [fn per (weights, inputs) set] that run only the two GEMMs (gate_up, then down: the shipped
+    _moe_fp8_gemm_kernel at its plan, or the prototype at its options), on alignments, quantized activations and
+    output buffers prepared here (align, quantize, SiLU*up and the top-k sum are left out)."""
+    from moeserve.kernels import fused_moe_fp8 as shipped
+    from moeserve.kernels.fused_moe import weight_descs
+
+    num_experts, two_i, hidden = weights[0][0].shape
+    inter = two_i // 2
+    prepared = []
+    for (q13, s13, q2, s2), (x, tw, ids) in zip(weights, inputs):
+        a, a_scale = quantize_groups_fp8(x, block[1])
+        num_pairs = ids.numel()
+        gu = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
+        y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
+        prepared.append((q13, s13, q2, s2, tw, ids, a, a_scale, gu, y, num_pairs))
+    fns = {}
+    aligned = [moe_align(p[5], num_experts, plan.gate_up.block_m) for p in prepared]
+    hs = []
+    for p, al in zip(prepared, aligned):  # h from a real gu (the shipped gate_up), quantized once
+        q13, s13, q2, s2, tw, ids, a, a_scale, gu, y, num_pairs = p
+        d13, d2, w_tma = weight_descs(q13, q2, plan)
+        shipped._launch(a, a_scale, q13, s13, gu, tw, al, num_pairs, ids.shape[1], two_i, hidden, inter,
+                        triton.cdiv(inter, block[0]), plan.gate_up, block, True, False, False, False, pdl, d13, w_tma)
+        hs.append(silu_mul_quant_fp8(gu, block[1]))
+
+    def shipped_fn(p, al, h, d13, d2, w_tma):
+        q13, s13, q2, s2, tw, ids, a, a_scale, gu, y, num_pairs = p
+        shipped._launch(a, a_scale, q13, s13, gu, tw, al, num_pairs, ids.shape[1], two_i, hidden, inter,
+                        triton.cdiv(inter, block[0]), plan.gate_up, block, True, False, False, False, pdl, d13, w_tma)
+        shipped._launch(h[0], h[1], q2, s2, y, tw, al, num_pairs, 1, hidden, inter, hidden, 0, plan.down, block,
+                        True, False, True, False, pdl, d2, w_tma)
+
+    fns["shipped"] = [lambda p=p, al=al, h=h, d=weight_descs(p[0], p[2], plan): shipped_fn(p, al, h, *d)
+                      for p, al, h in zip(prepared, aligned, hs)]
+    by_block = {}
+    for name, o in variants.items():
+        bp = o["block_p"]
+        if bp not in by_block:
+            by_block[bp] = [moe_align(p[5], num_experts, bp) for p in prepared]
+
+        def swap_fn(p, al, h, o=o):
+            q13, s13, q2, s2, tw, ids, a, a_scale, gu, y, num_pairs = p
+            opts = dict(block_p=o["block_p"], block_w=128, block_k=128, block=block, num_warps=o["num_warps"],
+                        num_stages=o["num_stages"], pdl=pdl, w_tma=o["w_tma"])
+            _launch_swap_ab(a, a_scale, q13, s13, gu, tw, al, num_pairs, ids.shape[1], two_i, hidden, inter,
+                            triton.cdiv(inter, block[0]), route_weight=False, **opts)
+            _launch_swap_ab(h[0], h[1], q2, s2, y, tw, al, num_pairs, 1, hidden, inter, hidden, 0,
+                            route_weight=True, **opts)
+
+        fns[name] = [lambda p=p, al=al, h=h, f=swap_fn: f(p, al, h) for p, al, h in zip(prepared, by_block[bp], hs)]
+    return fns
+
+
 def run_gpu(args) -> int:
     from moeserve.bench.common import graph_time_us
     from moeserve.kernels.pdl import supported as pdl_supported
@@ -353,6 +411,13 @@ def run_gpu(args) -> int:
                 row["max_rel_err"][name] = f"{type(exc).__name__}: {exc}"[:300]
         sets = {name: [lambda w=w, i=i, fn=fn: fn(w, i) for w, i in zip(weights, inputs)]
                 for name, fn in fns.items() if not isinstance(row["max_rel_err"].get(name), str)}
+        if args.gemms:  # the two GEMMs alone (align, quantize, SiLU*up and the top-k sum left out)
+            try:
+                for name, g in _gemm_only_fns(weights, inputs, plan, variants, pdl).items():
+                    if name in sets:
+                        sets[name + "@gemms"] = g
+            except Exception:
+                traceback.print_exc()
         times = {name: [] for name in sets}
         for _ in range(args.rounds):  # interleaved: A, B, ..., A, B, ...
             for name, s in sets.items():
@@ -368,14 +433,20 @@ def run_gpu(args) -> int:
         print(f"\nT={batch} experts {experts:.1f} floor {floor_us:.1f} us; shipped {base:.1f} us "
               f"({floor_us / base:.0%} of floor) plan gate_up {row['shipped_plan'][0]} tma {row['shipped_plan'][2]}"
               f" [{time.time() - t0:.0f} s]")
-        print(f"  {'variant':<22} {'us':>8} {'floor%':>7} {'vs shipped':>10} {'max rel':>9} {'norm rel':>9}")
+        gb = row["us"].get("shipped@gemms", float("nan"))
+        print(f"  shipped GEMMs alone {gb:.1f} us ({floor_us / gb:.0%} of floor)")
+        print(f"  {'variant':<22} {'us':>8} {'floor%':>7} {'vs shipped':>10} {'max rel':>9} {'norm rel':>9} "
+              f"{'GEMMs us':>9} {'floor%':>7} {'vs shipped':>10}")
         for name in variants:
             us, err = row["us"].get(name), row["max_rel_err"].get(name)
             if us is None or isinstance(err, str):
                 print(f"  {name:<22} error: {err}")
                 continue
             print(f"  {name:<22} {us:8.1f} {floor_us / us:7.0%} {base / us:10.2f} {err:9.1e} "
-                  f"{row['norm_rel_err'][name]:9.1e}{'  <- error above 2e-2' if err > 2e-2 else ''}", flush=True)
+                  f"{row['norm_rel_err'][name]:9.1e} {row['us'].get(name + '@gemms', float('nan')):9.1f} "
+                  f"{floor_us / row['us'].get(name + '@gemms', float('nan')):7.0%} "
+                  f"{gb / row['us'].get(name + '@gemms', float('nan')):10.2f}"
+                  f"{'  <- error above 2e-2' if err > 2e-2 else ''}", flush=True)
     print(f"\nwrote {out_dir / 'fp8_swap_ab.json'} ({time.time() - t0:.0f} s)")
     return 0
 
@@ -391,6 +462,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="default", choices=("quick", "default", "full"),
                     help="GPU mode: (warps, stages, TMA) per block_p: quick w4s3 pointer/TMA; default + TMA w4s4, "
                          "w8s3; full: w4s3, w4s4, w8s3 each pointer and TMA")
+    ap.add_argument("--gemms", action=argparse.BooleanOptionalAction, default=True,
+                    help="GPU mode: also time the two GEMMs alone (shipped kernel at its plan against the prototype)")
     ap.add_argument("--budget-s", type=float, default=100.0, help="GPU mode: start no new T past this many s")
     ap.add_argument("--rounds", type=int, default=3, help="GPU mode: interleaved rounds (median)")
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None)
