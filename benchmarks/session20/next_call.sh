@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A first device call for the session after 20 (not yet run; `bash benchmarks/device_wheels.sh` first, then carry .whl):
-# 1. where an active decode step's time goes kernel by kernel in its own graph at B = 1 and 8 (step_timeline.py: the
-#    region profile prices launches that the late wait hides; two launches removed in session 20 bought nothing);
+# 1. where an active decode step's time goes kernel by kernel in its own graph at B = 1, 8, 256 and 512
+#    (step_timeline.py: the region profile prices launches that the late wait hides; two launches removed in session
+#    20 bought nothing; at 256 / 512 which expert kernels carry the LoRA's 13 / 27 µs a layer above its bytes);
 # 2. the CPU-sized sorted-path MoE tests run on the GPU (not marked gpu): 14 failed in session 20's call 3, whose log
 #    was cut before saying why (tf32 dots on fp32 inputs is the guess) — their messages, on the unchanged tree;
 # 3. the FP8 expert GEMMs with the weights on the MMA's M side (fp8_swap_ab.py, a prototype checked on the CPU and
@@ -10,8 +11,8 @@
 # 4. the real server in FP8 with adapters (#25's `bench serve`; last measured in session 19 on the tile walk).
 source benchmarks/device_env.sh
 t0=$(date +%s)
-timeout 150 python3 benchmarks/session20/step_timeline.py --batches 1,8 --out $OUT/timeline > $OUT/timeline.log 2>&1
-echo "timeline rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^B=|gap" $OUT/timeline.log | head -80
+timeout 170 python3 benchmarks/session20/step_timeline.py --batches 1,8,256,512 --out $OUT/timeline > $OUT/timeline.log 2>&1
+echo "timeline rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^B=|gap" $OUT/timeline.log | head -120
 timeout 130 python3 benchmarks/session20/fp8_swap_ab.py --out $OUT/swap_ab > $OUT/swap_ab.log 2>&1
 echo "swap_ab rc=$? $(( $(date +%s)-t0 ))s"; grep -vE "^\s*$|[Ww]arn" $OUT/swap_ab.log | tail -24
 timeout 100 python3 -m pytest -q tests/test_kernels_moe.py -k "sorted and not gpu" -x -rf --tb=short \
