@@ -48,9 +48,13 @@ def step_kernels(bench: DecodeBench, B: int, mode: str) -> list[tuple[str, float
 def layer_table(kernels: list[tuple[str, float, float]], num_layers: int) -> dict:
     """Per position in a layer: the kernel's short name and the medians over the middle layers of its duration and
     of its gap after the previous kernel's end; the layer's span. Layers are cut by the kernel count a layer runs
-    (the step's kernels minus those outside the layers, found as the remainder of an equal split)."""
+    (the step's kernels minus those outside the layers: the embedding and the rows' grouping before the first
+    layer's input norm, the final norm, logits and sampling after the last layer)."""
     per_layer = len(kernels) // num_layers
-    head = (len(kernels) - per_layer * num_layers) // 2  # embedding before, final norm / logits / sampling after
+    outside = len(kernels) - per_layer * num_layers
+    # a layer opens with its input norm: the first norm kernel is layer 0's (else split what is outside evenly)
+    head = next((i for i, k in enumerate(kernels) if "norm" in k[0].lower()), outside // 2)
+    head = min(head, outside)
     layers = [kernels[head + i * per_layer: head + (i + 1) * per_layer] for i in range(num_layers)]
     middle = layers[num_layers // 4: num_layers - num_layers // 4]
     rows = []
