@@ -36,9 +36,9 @@ can move an element of h across an e4m3 rounding boundary (one step: 2^-4 relati
 tests/test_kernels_moe_fp8.py's W8A8-twin bound, 1e-5 relative (norm). fp16 activations: gu and h rounded to fp16
 in the kernels, kept fp32 in the reference (a few h elements one e4m3 step apart): 1e-2, as that test. Against
 fused_moe_fp8 (the same gu and y dtypes, quantizers and top-k sum; only the GEMMs' tiling and summation order
-differ): the same bounds. Measured (E 4, H 256, I 128, top-2, T 5 / 33): against the twin 4.6e-7 / 8.5e-6 (fp32),
-1.9e-3 / 7.7e-3 (fp16) — the shipped path's own distance from the twin, to the digits printed; against the shipped
-path 1.8e-8 / 1.5e-8 (fp32) and bitwise equal (fp16). A mutated kernel (every K step reading k-group 0's scales)
+differ): the same bounds. Measured (E 4, H 256, I 128, top-2, T 5 / 33): against the twin 2.3e-7 / 3.3e-7 (fp32),
+7.6e-4 / 4.1e-3 (fp16) — the shipped path's own distance from the twin, to the digits printed; against the shipped
+path 1.3e-8 / 1.6e-8 (fp32) and bitwise equal (fp16). A mutated kernel (every K step reading k-group 0's scales)
 fails every case (0.25 relative).
 
 sm_90 (Triton 3.6, `--sass`; BLOCK_W = BLOCK_K = 128, bf16 out, PDL): registers / shared memory per CTA, no spills
@@ -199,16 +199,21 @@ def fused_moe_fp8_swap_ab(x, w13_fp8, s13, w2_fp8, s2, topk_weights, topk_ids, b
 # CPU check
 
 
-def _problem(num_tokens, num_experts, hidden, inter, top_k, seed=0, dtype=torch.float32, device="cpu"):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+def _fp8_weights(num_experts, hidden, inter, gen, device):
+    """(w13 fp8, its scales, w2 fp8, its scales) of random experts, quantized block-wise as a checkpoint stores them."""
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) * hidden**-0.5
+    q13, s13 = quantize_w13_fp8(w13)
+    del w13
     w2 = torch.randn(num_experts, hidden, inter, generator=gen, device=device) * inter**-0.5
+    return (q13, s13, *quantize_block_fp8(w2))
+
+
+def _routed_inputs(num_tokens, num_experts, hidden, top_k, gen, device, dtype):
+    """(x, routing weights, expert ids) of a random batch."""
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
     logits = torch.randn(num_tokens, num_experts, generator=gen, device=device)
     weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
-    q13, s13 = quantize_w13_fp8(w13)
-    q2, s2 = quantize_block_fp8(w2)
-    return x, q13, s13, q2, s2, weights, ids.to(torch.int32)
+    return x, weights, ids.to(torch.int32)
 
 
 def _errs(out, ref):
@@ -225,7 +230,9 @@ def run_check() -> int:
     print(f"{'dtype':>8} {'T':>3} {'bp':>3} {'tma':>4} | vs ref: {'rel':>8} {'maxabs':>8} {'maxrel':>8} | "
           f"vs fused_moe_fp8: {'rel':>8} {'maxabs':>8} {'maxrel':>8} | fused_moe_fp8 vs ref {'rel':>8} | bound")
     for dtype, t, bp, tma in cases:
-        x, q13, s13, q2, s2, w, ids = _problem(t, 4, 256, 128, 2, seed=t, dtype=dtype)
+        gen = torch.Generator().manual_seed(t)
+        x, w, ids = _routed_inputs(t, 4, 256, 2, gen, "cpu", dtype)
+        q13, s13, q2, s2 = _fp8_weights(4, 256, 128, gen, "cpu")
         # y (the down GEMM's per-pair output) in the shipped plan's dtype, so only the GEMMs' tiling differs
         y_fp32 = fp8_plan(t, 2, MoEProblem(4, 256, 128, 2, dtype, x.device), True, decode=False).y_fp32
         out = fused_moe_fp8_swap_ab(x, q13, s13, q2, s2, w, ids, block_p=bp, w_tma=tma, num_stages=2, y_fp32=y_fp32)
@@ -356,15 +363,7 @@ def run_gpu(args) -> int:
     t0 = time.time()
     pdl = pdl_supported(torch.device(dev)) if args.pdl is None else args.pdl
     gen = torch.Generator(dev).manual_seed(0)
-    weights = []
-    for _ in range(NUM_SETS):
-        w13 = torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen, device=dev) * HIDDEN**-0.5
-        q13, s13 = quantize_w13_fp8(w13)
-        del w13
-        w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen, device=dev) * INTER**-0.5
-        q2, s2 = quantize_block_fp8(w2)
-        del w2
-        weights.append((q13, s13, q2, s2))
+    weights = [_fp8_weights(NUM_EXPERTS, HIDDEN, INTER, gen, dev) for _ in range(NUM_SETS)]
     torch.cuda.empty_cache()
     block_ps = [int(v) for v in args.block_p.split(",")]
     configs = {"quick": [(4, 3, False), (4, 3, True)],  # (num_warps, num_stages, weights by TMA)
@@ -384,12 +383,7 @@ def run_gpu(args) -> int:
         if time.time() - t0 > args.budget_s:
             print(f"T={batch}: skipped, {time.time() - t0:.0f} s spent (--budget-s {args.budget_s})")
             continue
-        inputs = []
-        for _ in weights:
-            x = torch.randn(batch, HIDDEN, generator=gen, device=dev).to(act_dtype)
-            logits = torch.randn(batch, NUM_EXPERTS, generator=gen, device=dev)
-            tw, ids = torch.softmax(logits, -1).topk(TOP_K, -1)
-            inputs.append((x, tw, ids.to(torch.int32)))
+        inputs = [_routed_inputs(batch, NUM_EXPERTS, HIDDEN, TOP_K, gen, dev, act_dtype) for _ in weights]
         experts = statistics.mean(len(torch.unique(i[2])) for i in inputs)
         floor_us = experts * 3 * HIDDEN * INTER / HBM_BPS * 1e6
         plan = fp8_plan(batch, TOP_K, problem, True, decode=False)
