@@ -50,6 +50,15 @@ def test_triton_separate_gate_up_adapter_matches_peft(tmp_path):
     assert engine.generate([prompt[:6]], sp, lora="ad")[0].token_ids == want
 
 
+def _triton_engine_with_adapter(tmp_path, kind: str) -> Engine:
+    """A qwen3_moe engine on the Triton backends with one rank-4 adapter "ad" of PEFT kind `kind`."""
+    family = "qwen3_moe"
+    base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
+    ad, _ = make_peft_adapter(family, tmp_path / "ad", kind=kind, rank=4, seed=3, config_overrides=INTERPRETED_LAYERS)
+    return Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", lora_modules={"ad": str(ad)},
+                               max_lora_rank=4, block_size=16, moe_backend="triton", attention_backend="triton"))
+
+
 def test_dense_lora_rows_are_grouped_once_per_forward(tmp_path, monkeypatch):
     """The model groups a forward's rows by adapter slot once, and every dense LoRA call of that forward (q|k|v, o;
     the GEMV path's shrink at one row) reads that grouping: none makes its own (a launch per projection)."""
@@ -67,12 +76,7 @@ def test_dense_lora_rows_are_grouped_once_per_forward(tmp_path, monkeypatch):
     forward = MoEForCausalLM.forward
     monkeypatch.setattr(MoEForCausalLM, "forward",
                         lambda self, batch: lora_forwards.append(batch.lora is not None) or forward(self, batch))
-    family = "qwen3_moe"
-    base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
-    ad, _ = make_peft_adapter(family, tmp_path / "ad", kind="attn+experts", rank=4, seed=3,
-                              config_overrides=INTERPRETED_LAYERS)
-    engine = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", lora_modules={"ad": str(ad)},
-                                 max_lora_rank=4, block_size=16, moe_backend="triton", attention_backend="triton"))
+    engine = _triton_engine_with_adapter(tmp_path, "attn+experts")
     made.clear(), used.clear(), lora_forwards.clear()  # start-up (warm-up, capture) aside: the requests' steps
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.generate([[5, 6, 7, 8, 9], [11, 12, 13]], sp, lora=["ad", None])  # a prefill, then decode steps of 2 rows
@@ -90,12 +94,7 @@ def test_adapters_on_experts_alone_group_no_rows(tmp_path, monkeypatch):
     made = []
     group_rows = lora_dense.group_rows
     monkeypatch.setattr(lora_dense, "group_rows", lambda *a, **k: made.append(1) or group_rows(*a, **k))
-    family = "qwen3_moe"
-    base = save_base_checkpoint(family, tmp_path / "base", **INTERPRETED_LAYERS)
-    ad, _ = make_peft_adapter(family, tmp_path / "ad", kind="experts", rank=4, seed=3,
-                              config_overrides=INTERPRETED_LAYERS)
-    engine = Engine(EngineConfig(model=str(base), device="cpu", dtype="float32", lora_modules={"ad": str(ad)},
-                                 max_lora_rank=4, block_size=16, moe_backend="triton", attention_backend="triton"))
+    engine = _triton_engine_with_adapter(tmp_path, "experts")
     sp = SamplingParams(max_tokens=2, logprobs=0, temperature=0.0, ignore_eos=True)
     with_ad, without = (engine.generate([[5, 6, 7, 8, 9]], sp, lora=lora)[0] for lora in ("ad", None))
     assert not made
