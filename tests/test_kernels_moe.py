@@ -26,6 +26,12 @@ from moeserve.kernels.moe_align import align_max_blocks, moe_align, moe_align_re
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# The interpreter's fp32 dots are exact fp32; a GPU's tl.dot on fp32 runs in TF32 (operands rounded to 10 mantissa
+# bits, up to 2^-11 relative each), so the tiny fp32 cases, run on a GPU, agree to ~1e-3 of the norm (H200: 2.3e-3
+# through gate_up, SiLU and down), and a LoRA delta taken as a difference of two outputs to ~1e-2 of its own norm.
+EXACT_DOTS = os.environ.get("TRITON_INTERPRET") == "1"
+FP32_TOL = 1e-5 if EXACT_DOTS else 5e-3
+FP32_DELTA_TOL = 1e-4 if EXACT_DOTS else 5e-2
 
 
 def _rel(out, ref):
@@ -153,7 +159,7 @@ def test_fused_moe_matches_reference(shape, decode):
     out = fused_moe(x, w13, w2, weights, ids, decode=decode)
     ref = fused_moe_ref(x, w13, w2, weights, ids)
     assert out.dtype == x.dtype and out.shape == x.shape
-    assert _rel(out, ref) < 1e-5
+    assert _rel(out, ref) < FP32_TOL
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "sorted"])
@@ -162,7 +168,7 @@ def test_fused_moe_skips_pairs_routed_elsewhere(decode):
     ids[1, 0] = -1
     ids[3, 1] = 4  # == E: not an expert of this layer
     out = fused_moe(x, w13, w2, weights, ids, decode=decode)
-    assert _rel(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-5
+    assert _rel(out, fused_moe_ref(x, w13, w2, weights, ids)) < FP32_TOL
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
@@ -185,12 +191,12 @@ def test_fused_moe_lora_matches_reference(shape, decode, split, monkeypatch):
     lora = MoELoRAArgs(slots, ranks, ga, gb, da, db)
     out = fused_moe(x, w13, w2, weights, ids, lora, plan=plan)
     ref = fused_moe_ref(x, w13, w2, weights, ids, lora)
-    assert _rel(out, ref) < 1e-5
+    assert _rel(out, ref) < FP32_TOL
     # the delta itself, not only the sum: LoRA-on minus LoRA-off against the same in the reference
     base = fused_moe(x, w13, w2, weights, ids, plan=plan)
     ref_base = fused_moe_ref(x, w13, w2, weights, ids)
     assert _size_ratio(ref - ref_base, ref_base) > 0.3, "the test adapters must matter"
-    assert _rel(out - base, ref - ref_base) < 1e-4
+    assert _rel(out - base, ref - ref_base) < FP32_DELTA_TOL
     # tokens without an adapter (slot -1, empty slot 2) are bitwise the base output
     for t, s in enumerate(slots.tolist()):
         if s < 0 or ranks[s] == 0:
@@ -318,12 +324,12 @@ def _check_sorted_lora(problem, ranks, slots, clean, dirty, plan):
     out = fused_moe(*problem, MoELoRAArgs(slots, ranks, *dirty), plan=plan)
     ref = fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < 1e-5
-    assert _rel(out, _torch_reference(problem, ranks, slots, clean)) < 1e-5
+    assert _rel(out, ref) < FP32_TOL
+    assert _rel(out, _torch_reference(problem, ranks, slots, clean)) < FP32_TOL
     base = fused_moe(*problem, plan=plan)
     ref_base = fused_moe_ref(*problem)
     assert _size_ratio(ref - ref_base, ref_base) > 0.3, "the test adapters must matter"
-    assert _rel(out - base, ref - ref_base) < 1e-4
+    assert _rel(out - base, ref - ref_base) < FP32_DELTA_TOL
     no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
     assert torch.equal(_bits(out[no_adapter]), _bits(base[no_adapter]))
     return base
@@ -346,7 +352,7 @@ def test_sorted_lora_after_hot_load_and_eviction():
     lora = MoELoRAArgs(slots, ranks, *dirty)
     plan = SMALL_PLAN
     first = fused_moe(*problem, lora, plan=plan)
-    assert _rel(first, fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))) < 1e-5
+    assert _rel(first, fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))) < FP32_TOL
 
     gen = torch.Generator(DEV).manual_seed(9)
     for which, (w_dirty, w_clean) in enumerate(zip(dirty, clean)):
@@ -361,7 +367,7 @@ def test_sorted_lora_after_hot_load_and_eviction():
     second = fused_moe(*problem, lora, plan=plan)
     ref = fused_moe_ref(*problem, MoELoRAArgs(slots, ranks, *clean))
     assert torch.isfinite(second).all()
-    assert _rel(second, ref) < 1e-5
+    assert _rel(second, ref) < FP32_TOL
     base = fused_moe(*problem, plan=plan)
     no_adapter = [t for t, s in enumerate(slots.tolist()) if s < 0 or ranks[s] == 0]
     assert any(slots[t] == 1 for t in no_adapter), "tokens still pointing at the evicted slot"
@@ -396,7 +402,7 @@ def test_lora_block_shrink_matches_twin(from_gate_up, lanes, activated):
         r = want.numel()
         got = out[:, row, :r]
         assert torch.isfinite(got).all()
-        torch.testing.assert_close(got.sum(0), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.sum(0), want, rtol=FP32_TOL, atol=FP32_TOL)
         written[:, row, :r] = True
     assert out[~written].isnan().all()
 
@@ -568,7 +574,7 @@ def test_sorted_grouped_block_order_matches_reference(with_lora):
     lora = MoELoRAArgs(slots, ranks, *clean) if with_lora else None
     tile = replace(SMALL_TILE, group_m=3)
     out = fused_moe(*problem, lora, plan=replace(SMALL_PLAN, gate_up=tile, down=tile))
-    assert _rel(out, fused_moe_ref(*problem, lora)) < 1e-5
+    assert _rel(out, fused_moe_ref(*problem, lora)) < FP32_TOL
     # block order changes which program runs a tile, never its arithmetic
     assert torch.equal(out, fused_moe(*problem, lora, plan=SMALL_PLAN))
 
@@ -583,7 +589,7 @@ def test_sorted_weights_read_by_tma_descriptors_match_pointer_loads():
     for lora in (None, MoELoRAArgs(slots, ranks, *clean)):
         out = fused_moe(*problem, lora, plan=replace(pointers, weights_tma=True))
         assert torch.equal(out, fused_moe(*problem, lora, plan=pointers))
-        assert _rel(out, fused_moe_ref(*problem, lora)) < 1e-5
+        assert _rel(out, fused_moe_ref(*problem, lora)) < FP32_TOL
     # weights a descriptor cannot read (not contiguous) take the pointer loads: same result
     x, w13, w2, *rest = problem
     w13_strided = w13.transpose(1, 2).contiguous().transpose(1, 2)
@@ -701,7 +707,7 @@ def test_sorted_plan_options_match_reference(y_fp32, fused_act, dtype):
     problem = [t.to(dtype) if t.is_floating_point() and i < 3 else t for i, t in enumerate(problem)]
     pool = [w.to(dtype) for w in clean]
     plan = replace(SMALL_PLAN, y_fp32=y_fp32, fused_act=fused_act)
-    bound = 1e-5 if dtype == torch.float32 else 5e-3
+    bound = FP32_TOL if dtype == torch.float32 else 5e-3
     for lora in (None, MoELoRAArgs(slots, ranks, *pool)):
         out = fused_moe(*problem, lora, plan=plan)
         assert out.dtype == dtype
