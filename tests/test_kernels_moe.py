@@ -642,6 +642,32 @@ def test_tuned_table_lookup(tmp_path):
     assert moe_plan.tuned_tiles(10, other, "GPU X", table) is None
 
 
+def test_table_rows_carry_lora_shrink_options(tmp_path, monkeypatch):
+    """A row's LoRA shrink options reach the plans of LoRA calls at its token counts (integers, over the heuristic's
+    unsplit shrinks); a row without them leaves the heuristic's; the tiles stay the no-LoRA call's."""
+    problem = moe_plan.MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
+    entry = {"device": "GPU X", "dtype": "bfloat16", "experts": 128, "hidden": 2048, "inter": 768, "top_k": 8,
+             "tiles": [{"max_tokens": 256, "gate_up": [16, 128, 128, 4, 3, 1], "down": [16, 128, 128, 4, 3, 1]},
+                       {"max_tokens": 512, "gate_up": [64, 128, 64, 4, 3, 1], "down": [64, 128, 64, 4, 3, 1],
+                        "lora_shrink_lanes": 2, "lora_down_splits": 3, "lora_shrink_stages": 4}]}
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"version": 1, "entries": [entry]}))
+    monkeypatch.setenv(moe_plan.TABLE_ENV, str(path))
+    monkeypatch.setattr(moe_plan, "gpu_name", lambda device_: "GPU X")
+    moe_plan.default_plan.cache_clear()
+    try:
+        plan = lambda t, lora: moe_plan.default_plan(t, 8, problem=problem, lora=lora)  # noqa: E731
+        tuned = plan(400, True)
+        assert (tuned.lora_shrink_lanes, tuned.lora_down_splits, tuned.lora_shrink_stages) == (2, 3, 4)
+        assert tuned.lora_gate_up_splits == 1 and tuned.gate_up == plan(400, False).gate_up
+        assert type(tuned.lora_shrink_lanes) is int
+        heuristic = moe_plan.heuristic_plan(200, 8, lora=True)
+        fields = ("lora_shrink_lanes", "lora_down_splits", "lora_shrink_stages", "lora_shrink_warps")
+        assert [getattr(plan(200, True), f) for f in fields] == [getattr(heuristic, f) for f in fields]
+    finally:
+        moe_plan.default_plan.cache_clear()
+
+
 def test_heuristic_lora_plans_run_the_no_lora_tiles():
     """Problems the table does not hold (other GPUs, other shapes): a LoRA call's plan is the no-LoRA call's with the
     shrinks unsplit at every sorted size, so a row without an adapter in a mixed batch gets the LoRA-disabled
@@ -668,7 +694,9 @@ def test_lora_calls_run_the_tuned_no_lora_tiles(monkeypatch):
             base, lora = (moe_plan.default_plan(tokens, top_k, problem=problem, lora=flag) for flag in (False, True))
             if base.decode:
                 continue
-            assert not lora.decode and (lora.lora_gate_up_splits, lora.lora_down_splits) == (1, 1), tokens
+            row = min((r for r in rows if r[0] >= tokens), key=lambda r: r[0], default=rows[-1])
+            splits = (row[3].get("lora_gate_up_splits", 1), row[3].get("lora_down_splits", 1))
+            assert not lora.decode and (lora.lora_gate_up_splits, lora.lora_down_splits) == splits, tokens
             assert (lora.gate_up, lora.down, lora.y_fp32, lora.fused_act, lora.weights_tma) == (
                 base.gate_up, base.down, base.y_fp32, base.fused_act, base.weights_tma), tokens
     finally:
@@ -682,7 +710,7 @@ def test_shipped_table_parses_and_fits():
     for (device, key), rows in moe_plan.tile_table().items():
         elt = FP8_LABELS.get(key[-1]) or torch.empty((), dtype=getattr(torch, key[-1])).element_size()
         for _, gate_up, down, options in rows:
-            assert set(options) <= set(moe_plan.PLAN_OPTIONS)
+            assert set(options) <= set(moe_plan.PLAN_OPTIONS) | set(moe_plan.LORA_OPTIONS)
             assert gate_up.block_m == down.block_m, (device, key)
             down_loads = 2 if options.get("fused_act", True) else 1
             assert moe_plan.tile_smem(gate_up, elt, 1) <= H200_SMEM - moe_plan.SMEM_MARGIN

@@ -53,7 +53,7 @@ import torch
 from benchmarks.kernels import dense_lora
 from moeserve.bench.common import bandwidths, graph_time_us
 from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref
-from moeserve.kernels.moe_plan import GemmTile, MoEPlan, default_plan
+from moeserve.kernels.moe_plan import GemmTile, MoEPlan, MoEProblem, default_plan
 from moeserve.kernels.moe_align import moe_align, moe_align_ref
 from moeserve.kernels.pdl import supported as pdl_supported
 from moeserve.kernels.router import (
@@ -170,6 +170,13 @@ def _tile_label(row: dict) -> str:
     return one(gate_up) if gate_up == down else one(gate_up) + "|" + one(down)
 
 
+def engine_plan(batch: int, lora: bool = False, decode: bool | None = None) -> MoEPlan:
+    """The plan the engine runs at this batch: the tuned table's tiles for this GPU and shape (bf16), else the
+    heuristic's."""
+    problem = MoEProblem(NUM_EXPERTS, HIDDEN, INTER, TOP_K, torch.bfloat16, torch.device(DEVICE))
+    return default_plan(batch, TOP_K, decode, lora=lora, problem=problem)
+
+
 def _try_time(rows: list, label: dict, *args, **kw) -> None:
     try:
         rows.append({**label, "us": time_moe(*args, **kw)})
@@ -232,7 +239,7 @@ def lora_errors(weights, inputs, lora: MoELoRAArgs, plan: MoEPlan, reference) ->
 def time_lora_cases(batch: int, weights, inputs, pools, bw: dict, pdl: bool, rounds: int = 2) -> dict:
     """Per LoRA case: MoE alone and MoE + LoRA (each with its default plan), interleaved `rounds` times
     (medians)."""
-    plan, lora_plan = default_plan(batch, TOP_K), default_plan(batch, TOP_K, lora=True)
+    plan, lora_plan = engine_plan(batch), engine_plan(batch, lora=True)
     out = {}
     for case in LORA_CASES:
         loras = [lora_args(pools, i, batch, case) for i in range(NUM_SETS)]
@@ -264,6 +271,14 @@ def _lora_variants(plan: MoEPlan) -> dict[str, MoEPlan]:
         v[f"shrink_w{warps}"] = replace(plan, lora_shrink_warps=warps)
     v["lanes8_splits8/6_k64"] = replace(plan, lora_shrink_lanes=8, lora_gate_up_splits=8,
                                         lora_down_splits=6, lora_shrink_block_k=64)
+    for stages in (1, 2, 4):
+        v[f"shrink_st{stages}"] = replace(plan, lora_shrink_stages=stages)
+    for gs, ds, stages in ((4, 2, 3), (4, 1, 3), (4, 2, 4), (8, 3, 2), (16, 6, 2)):
+        v[f"splits{gs}/{ds}_st{stages}"] = replace(plan, lora_gate_up_splits=gs, lora_down_splits=ds,
+                                                   lora_shrink_stages=stages)
+    v["shrink_k256_w8"] = replace(plan, lora_shrink_block_k=256, lora_shrink_warps=8)
+    v["splits4/2_k256_w8"] = replace(plan, lora_shrink_block_k=256, lora_shrink_warps=8, lora_gate_up_splits=4,
+                                     lora_down_splits=2)
     v["base_n64"] = replace(plan, gate_up=replace(gu, block_n=64, num_stages=4),
                             down=replace(dn, block_n=64, num_stages=4))
     if gu.block_m == 16 and dn.block_n == 128:
@@ -283,7 +298,7 @@ def sweep_lora(batch: int, weights, inputs, pools, pdl: bool, rounds: int = 2, o
     if batch * TOP_K <= 64:
         return []  # decode path: no sorted-path LoRA kernels
     patterns = ["default", *only.split(",")]
-    plans = {name: plan for name, plan in _lora_variants(default_plan(batch, TOP_K, decode=False, lora=True)).items()
+    plans = {name: plan for name, plan in _lora_variants(engine_plan(batch, lora=True, decode=False)).items()
              if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
     times = {name: ([], []) for name in plans}
     for _ in range(rounds):
@@ -337,7 +352,7 @@ def profile(batch: int, weights, inputs, pools, pdl: bool) -> dict:
     under the LoRA call's default plan (each mode profiled on its own, so the LoRA GEMMs are not
     averaged with the base ones)."""
     loras = [lora_args(pools, i, batch, "lora4_r16") for i in range(NUM_SETS)]
-    plan, lora_plan = default_plan(batch, TOP_K), default_plan(batch, TOP_K, lora=True)
+    plan, lora_plan = engine_plan(batch), engine_plan(batch, lora=True)
     modes = {"moe": (None, plan), "lora4 default": (loras, lora_plan)}
     rounds = 5
     out = {}
@@ -363,7 +378,7 @@ def profile_table(batch: int, split: dict) -> str:
 
 def bench_batch(batch: int, args, gen, weights, pools, bw: dict, report: dict) -> None:
     inputs = [make_inputs(batch, gen) for _ in range(NUM_SETS)]
-    plan = default_plan(batch, TOP_K)
+    plan = engine_plan(batch)
     moe_us = time_moe(weights, inputs, pdl=args.pdl)
     gbps = touched_bytes(batch) / moe_us / 1e3
     row = {"batch": batch, "path": "decode" if plan.decode else "sorted",

@@ -510,6 +510,7 @@ def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         return lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
                                  block_k=plan.lora_shrink_block_k, splits=splits,
                                  lanes=plan.lora_shrink_lanes, num_warps=plan.lora_shrink_warps,
+                                 num_stages=plan.lora_shrink_stages,
                                  up_a=lora.up_a if up_half and not from_gate_up else None, pdl=pdl,
                                  activated=activated)
 

@@ -464,7 +464,8 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     def shrink(src, a, from_gate_up, splits, activated=True):
         return lora_block_shrink(src, a, aligned, lora, top_k, from_gate_up=from_gate_up,
                                  block_k=lp.lora_shrink_block_k, splits=splits, lanes=lp.lora_shrink_lanes,
-                                 num_warps=lp.lora_shrink_warps, pdl=pdl, activated=from_gate_up and activated,
+                                 num_warps=lp.lora_shrink_warps, num_stages=lp.lora_shrink_stages, pdl=pdl,
+                                 activated=from_gate_up and activated,
                                  up_a=lora.up_a if not from_gate_up else None)
 
     if act_quant:

@@ -351,7 +351,7 @@ def _lora_block_shrink_kernel(
 
 def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks, lora,
                       top_k: int, *, from_gate_up: bool, block_k: int = 128, splits: int = 4,
-                      lanes: int = 1, num_warps: int = 4, up_a: torch.Tensor | None = None,
+                      lanes: int = 1, num_warps: int = 4, num_stages: int = 3, up_a: torch.Tensor | None = None,
                       out: torch.Tensor | None = None, pdl: bool = False,
                       activated: bool = False) -> torch.Tensor:
     """Shrink grouped by the base expert blocks -> fp32 partials [splits, aligned rows, R]
@@ -388,7 +388,8 @@ def lora_block_shrink(src: torch.Tensor, a: torch.Tensor, aligned: AlignedBlocks
         src.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(-3), out.stride(-2),
         out.stride(0) if up_half else 0,
         FROM_GATE_UP=from_gate_up, BLOCK_M=block_m, BLOCK_K=block_k, RANK_STEP=RANK_STEP,
-        LANES=lanes, UP_HALF=up_half, USE_PDL=pdl, ACTIVATED=activated, launch_pdl=pdl, num_warps=num_warps)
+        LANES=lanes, UP_HALF=up_half, USE_PDL=pdl, ACTIVATED=activated, launch_pdl=pdl, num_warps=num_warps,
+        num_stages=num_stages)
     return out
 
 

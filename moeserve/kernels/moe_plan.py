@@ -6,7 +6,9 @@ GPU name, dtype and problem shape (experts, hidden, intermediate, top-k), one en
 adds a table of one's own in front of the shipped one). Problems the table does not hold take the heuristic
 of `heuristic_plan`. Calls with LoRA run the no-LoRA call's tiles and options (either source), so their rows without
 an adapter get the no-LoRA call's values; the LoRA's own options are its shrinks' (the expands ride in the GEMM
-epilogues, one way at every size: moe_lora.lora_block_expand).
+epilogues, one way at every size: moe_lora.lora_block_expand): the heuristic's, or a table row's (LORA_OPTIONS; the
+H200 bf16 rows at 256 and 512 tokens carry the best of a `--lora-sweep` on the tuned tiles, each measured through
+the whole decode step; `--tune` writes tiles only, so a regenerated table drops them).
 
 Every plan is fitted to the dtype it runs in and the device's shared memory before use (`fit_tile`): a tile
 chosen for bf16 would ask fp32 for more than the GPU has.
@@ -50,6 +52,7 @@ class MoEPlan:
     lora_down_splits: int = 2  # programs sharing one block's shrink over I
     lora_shrink_lanes: int = 4  # programs sharing the distinct slots of one block
     lora_shrink_warps: int = 4
+    lora_shrink_stages: int = 3  # software-pipelining depth of a shrink's K loop
     # sorted path: the per-pair outputs summed over top-k kept in fp32 (else in the activations' dtype: half the
     # bytes written and read again at large T); SiLU*up applied as the down GEMM loads its A tile (else by its
     # own kernel into [pairs, I], which the down GEMM then reads as a plain operand)
@@ -182,6 +185,9 @@ def gpu_name(device: torch.device) -> str | None:
 
 
 PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma")  # MoEPlan fields a table row may set besides the tiles
+# and the LoRA shrinks' options (integers), read by calls with adapters: the expands ride on the tiles themselves
+LORA_OPTIONS = ("lora_shrink_block_k", "lora_gate_up_splits", "lora_down_splits", "lora_shrink_lanes",
+                "lora_shrink_warps", "lora_shrink_stages")
 
 
 def _read_table(path: Path) -> dict:
@@ -190,7 +196,8 @@ def _read_table(path: Path) -> dict:
     for entry in json.loads(path.read_text())["entries"]:
         key = (entry["device"], (entry["experts"], entry["hidden"], entry["inter"], entry["top_k"], entry["dtype"]))
         rows = [(row["max_tokens"], GemmTile(*row["gate_up"]), GemmTile(*row["down"]),
-                 {k: bool(row[k]) for k in PLAN_OPTIONS if k in row}) for row in entry["tiles"]]
+                 {**{k: bool(row[k]) for k in PLAN_OPTIONS if k in row},
+                  **{k: int(row[k]) for k in LORA_OPTIONS if k in row}}) for row in entry["tiles"]]
         table[key] = sorted(rows, key=lambda r: r[0])
     return table
 
