@@ -14,7 +14,14 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from moeserve.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
-from moeserve.kernels.fp8_linear import AUTO_W8A8_MIN_ROWS, fp8_linear, fp8_linear_ref  # noqa: E402
+from moeserve.kernels import fp8_linear as fp8_linear_module  # noqa: E402
+from moeserve.kernels.fp8_linear import (  # noqa: E402
+    AUTO_W8A8_MIN_ROWS,
+    GemvTile,
+    fp8_linear,
+    fp8_linear_ref,
+    gemv_serves,
+)
 from moeserve.kernels.moe_plan import GemmTile  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,18 +66,33 @@ def test_weight_only_and_w8a8_against_twins(m, n, k):
 
 @pytest.mark.parametrize("m", [1, 2])
 def test_decode_rows_take_the_gemv_against_twins(m):
-    """Up to GEMV_MAX_ROWS rows: the CUDA-core GEMV (every weight row read once for all rows), with a ragged K
-    (320: a K step past K, a partial last scale group) and N (37: a partial last program), weight-only and W8A8,
-    against the twins and against the tensor-core kernel forced by a tile."""
+    """Up to GEMV_MAX_ROWS rows the CUDA-core GEMV (every weight row read once for all rows; forced by a launch
+    where gemv_serves would not), with a ragged K (320: a K step past K, a partial last scale group) and N (37: a
+    partial last program), weight-only and W8A8, against the twins and against the tensor-core kernel forced by a
+    tile."""
     x, q, s, b = _problem(m, 37, 320, seed=4)
     tile = GemmTile(block_m=16, block_n=32, block_k=64)
     for act_quant in (False, True):
-        out = fp8_linear(x, q, s, b, act_quant=act_quant)
+        out = fp8_linear(x, q, s, b, act_quant=act_quant, gemv_tile=GemvTile())
         assert out.shape == (m, 37)
         assert _rel(out, fp8_linear_ref(x, q, s, b, act_quant=act_quant)) < 1e-5
         assert _rel(out, fp8_linear(x, q, s, b, act_quant=act_quant, tile=tile)) < 1e-5
     # each row its own: a row alone gives the same result as in the batch
     assert _rel(fp8_linear(x[-1:], q, s, b, act_quant=False), fp8_linear(x, q, s, b, act_quant=False)[-1:]) < 1e-6
+
+
+def test_gemv_serves_one_row_where_k_exceeds_n(monkeypatch):
+    """The engine's pick at decode sizes: one row of a projection with K > N (o_proj's shape) runs the GEMV; one row
+    with K < N (q|k|v's) and two rows of either run the tensor-core kernel (H200: gemv_serves' numbers)."""
+    launched = []
+    monkeypatch.setattr(fp8_linear_module, "_gemv_linear", lambda *a, **k: launched.append("gemv") or
+                        torch.zeros(a[0].shape[0], a[1].shape[0]))
+    for m, n, k, want in ((1, 64, 256, ["gemv"]), (2, 64, 256, []), (1, 256, 64, []), (1, 128, 128, [])):
+        launched.clear()
+        x, q, s, _ = _problem(m, n, k, seed=2, bias=False)
+        fp8_linear(x, q, s, act_quant=False)
+        assert launched == want, (m, n, k)
+        assert gemv_serves(m, n, k) == bool(want)
 
 
 def test_auto_multiplication_by_row_count():

@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from moeserve.bench.common import bandwidths, graph_time_us  # noqa: E402
 from moeserve.kernels.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8  # noqa: E402
-from moeserve.kernels.fp8_linear import fp8_linear  # noqa: E402
+from moeserve.kernels.fp8_linear import GEMV_MAX_ROWS, GemvTile, fp8_linear  # noqa: E402
 from moeserve.kernels.fused_moe import fused_moe  # noqa: E402
 from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     FP8_DECODE_MAX_PAIRS,
@@ -76,6 +76,13 @@ SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages[, group_m])
 GEMV_SWEEP_TILES = [  # (block_n, block_k, num_warps, num_stages), GEMV path at T <= 8 (default 16 x 512 / 32 x 256)
     (16, 128, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1), (32, 256, 4, 1), (32, 512, 4, 1), (64, 256, 4, 1),
     (16, 1024, 4, 1), (16, 512, 8, 1), (32, 512, 8, 1),
+    # twice the bytes a program has in flight (an fp8 tile of bf16's elements holds half its bytes), and pipelined
+    (16, 256, 4, 2), (16, 512, 4, 2), (32, 256, 4, 2), (8, 512, 4, 1), (8, 1024, 4, 1), (32, 1024, 8, 1),
+    (16, 2048, 8, 1), (64, 512, 8, 1),
+]
+DENSE_GEMV_SWEEP = [  # fp8_linear's GEMV at 1-2 rows: (block_n, block_k, num_warps, num_stages); default 4 x 1024 w4 s2
+    (4, 1024, 4, 2), (4, 1024, 4, 1), (4, 1024, 4, 3), (4, 2048, 4, 1), (4, 2048, 8, 1), (8, 1024, 4, 1),
+    (8, 1024, 4, 2), (8, 1024, 8, 2), (8, 2048, 8, 1), (16, 512, 4, 2), (16, 1024, 8, 1), (2, 2048, 4, 1),
 ]
 
 
@@ -304,7 +311,17 @@ def bench_dense(tokens: list[int], gen, pdl: bool, sweep: bool = False) -> list[
                             lambda x=x, w=w, t=tile, aq=act_quant: fp8_linear(x, w[1], w[2], act_quant=aq, tile=t,
                                                                               pdl=pdl)
                             for x, w in zip(xs, sets)]
+                if batch <= GEMV_MAX_ROWS:
+                    for bn, bk, warps, stages in DENSE_GEMV_SWEEP:
+                        g = GemvTile(bn, bk, warps, stages)
+                        sets_by_tile[f"fp8_w_gemv_{bn}x{bk}w{warps}s{stages}"] = [
+                            lambda x=x, w=w, g=g: fp8_linear(x, w[1], w[2], act_quant=False, gemv_tile=g, pdl=pdl)
+                            for x, w in zip(xs, sets)]
                 row["sweep"] = time_interleaved(sets_by_tile, rounds=1)
+                ok = {k: v for k, v in row["sweep"].items() if "_gemv_" in k and isinstance(v, float)}
+                if ok:
+                    print("      gemv: " + " ".join(f"{k.removeprefix('fp8_w_gemv_')}={v:.1f}"
+                                                    for k, v in sorted(ok.items(), key=lambda kv: kv[1])), flush=True)
                 for name in ("fp8_w", "fp8_w8a8"):
                     ok = {k: v for k, v in row["sweep"].items() if k.startswith(name + "_") and isinstance(v, float)}
                     if ok:

@@ -77,12 +77,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--modes", default="base,active")
     ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--quantization", default=None, help="fp8: the FP8 engine (as bench decode's flag)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("step_timeline needs a CUDA device")
     batches = [int(b) for b in args.batches.split(",")]
     spec = preset_spec(args.preset, args.layers)
-    bench = DecodeBench(spec, max(batches), steps=8)
+    bench = DecodeBench(spec, max(batches), steps=8, quantization=args.quantization)
     bench.attach_lora_pool()
     bench.runner.graph_runner = bench.graphs(batches, [LORA, NOLORA])
     result = {}

@@ -5,9 +5,9 @@
 Backends:
 - "triton" (default on CUDA and under the interpreter): one GEMM kernel with the block scales applied per K step,
   weight-only (fp8 tile dequantized to x's dtype in the K loop) or W8A8 (x quantized per token-group of 128,
-  fp8 x fp8 dots scaled by x_scale[row, k-group] x scale_inv[n-block, k-group]); up to GEMV_MAX_ROWS rows (decode)
-  a GEMV on the CUDA cores instead, in fp32 on the dequantized weight (at 16-row tiles the GEMM ran a qkv or o
-  projection in 80 or 32 programs: too few to stream the weight).
+  fp8 x fp8 dots scaled by x_scale[row, k-group] x scale_inv[n-block, k-group]), on 16 x 32 tiles at decode sizes
+  (a qkv or o projection in 160 or 64 programs); at one row of a projection with K > N (gemv_serves) a GEMV on the
+  CUDA cores instead, in fp32 on the dequantized weight.
 - "scaled_mm" (W8A8 on CUDA): torch._scaled_mm with (BlockWise1x128, BlockWise128x128) scales, which torch 2.13
   accepts on sm_90 (cuBLAS); its layout needs: the weight column-major (w_fp8.t() of the [N, K] weight), the
   activation scales M-major (the quantization kernel writes them so), rows padded to a multiple of 4, a count of K
@@ -16,9 +16,9 @@ Backends:
 - "torch": dequantize the weight and F.linear (CPU without the interpreter, and the twin).
 
 `act_quant=None` (what the engine runs) picks per call by row count, from the H200 sweep at Qwen3-30B-A3B's qkv and
-o shapes (benchmarks/kernels/fp8_moe.py --parts dense --sweep; BENCHMARKS.md, session 13): up to GEMV_MAX_ROWS the
-weight-only GEMV (a decode row reads weights; quantizing it adds a launch), below AUTO_W8A8_MIN_ROWS the weight-only
-Triton GEMM (8 rows: 9.8 / 16.8 us weight-only, 11.0 / 16.1 W8A8), from there W8A8 through scaled_mm on CUDA where
+o shapes (benchmarks/kernels/fp8_moe.py --parts dense --sweep; BENCHMARKS.md, sessions 13 and 21): below
+AUTO_W8A8_MIN_ROWS weight-only (a decode row reads weights; quantizing it adds a launch) on the GEMV where
+gemv_serves, else the Triton GEMM (8 rows, 16 x 64 tiles: 9.8 / 16.8 us weight-only, 11.0 / 16.1 W8A8), from there W8A8 through scaled_mm on CUDA where
 it takes the K (scaled_mm_serves; 64 rows: 16.4 / 21.7 us against 17.1 / 22.5 weight-only; 256: 17.4 / 23.1 against
 31.7 / 43.5; 2,048: 52.8 / 45.2 against 128.2 / 103.4), through the Triton W8A8 GEMM elsewhere. A row's numerics
 therefore depend on the batch size it runs in, as in any engine whose kernels are chosen by shape; a given batch
@@ -27,6 +27,7 @@ size always runs the same kernels.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -144,10 +145,17 @@ def _fp8_gemv_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(t < M)[:, None] & (n < N)[None, :])
 
 
-# Rows the FP8 GEMV takes; more go to the tensor-core kernel. H200, Qwen3-30B-A3B decode step (48 layers, FP8
-# weight-only), tensor-core kernel -> GEMV: 1 row 3.44 -> 3.23 ms, 8 rows 7.35 -> 8.26 ms (the GEMV lost); 2-7 rows
-# not measured: 2, as the bf16 GEMV (gemv.serves).
+# Rows the FP8 GEMV can take (gemv_serves says where it does); more go to the tensor-core kernel.
 GEMV_MAX_ROWS = 2
+
+
+def gemv_serves(num_rows: int, n: int, k: int) -> bool:
+    """Whether a weight-only projection of `num_rows` rows runs the CUDA-core GEMV rather than the tensor-core
+    kernel on 16 x 32 tiles. H200, weight-only, us (session 21 call 3, `benchmarks.kernels.fp8_moe --parts dense
+    --sweep`): qkv 2048 -> 5120 at 1 / 2 rows GEMV 12.7 / 19.6 against 8.9 / 8.9 (bf16 cuBLAS 8.4 / 8.2); o 4096 ->
+    2048 GEMV 8.3 / 13.3 against 11.5 / 11.3 (bf16 9.7 / 9.7). The GEMV keeps one row where K > N (its programs then
+    walk long rows: 512 programs of 4 columns for o), as the bf16 GEMV does (gemv.serves)."""
+    return num_rows == 1 and k > n
 AUTO_W8A8_MIN_ROWS = 64  # act_quant=None: W8A8 from this many rows (module docstring)
 
 
@@ -168,26 +176,35 @@ def _operands(x2, w_fp8, scale_inv, act_quant, block, pdl):
     return a, a_scale, w_fp8.contiguous(), scale_inv.contiguous(), out
 
 
-def _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl):
+class GemvTile(NamedTuple):
+    """A launch of the FP8 GEMV: columns and K columns per program step, warps, software-pipelining stages."""
+    block_n: int = GEMV_BLOCK_N
+    block_k: int = GEMV_BLOCK_K
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, tile: GemvTile | None = None):
     m, k = x2.shape
     n = w_fp8.shape[0]
+    tile = tile or GemvTile()
     a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl)
-    block_k = min(GEMV_BLOCK_K, max(128, triton.next_power_of_2(k)))
+    block_k = min(tile.block_k, max(128, triton.next_power_of_2(k)))
     sub_k = min(block_k, block[1])
-    _fp8_gemv_kernel[(triton.cdiv(n, GEMV_BLOCK_N),)](
+    _fp8_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         a, a_scale, w, s, bias if bias is not None else s, out, m, n, k,
         a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0),
-        BLOCK_T=triton.next_power_of_2(m), BLOCK_N=GEMV_BLOCK_N, GROUPS=block_k // sub_k, SUB_K=sub_k,
+        BLOCK_T=triton.next_power_of_2(m), BLOCK_N=tile.block_n, GROUPS=block_k // sub_k, SUB_K=sub_k,
         EVEN_K=k % block_k == 0, SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_quant, HAS_BIAS=bias is not None,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=2)
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
 
 def linear_tile(num_rows: int) -> GemmTile:
     """A start, not tuned (benchmarks/kernels/fp8_moe.py --dense times it): short row tiles and narrow column
     tiles at decode sizes, so a projection of a few thousand columns still fills the GPU."""
-    if num_rows <= 16:
-        return GemmTile(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if num_rows <= 16:  # 16 x 32: at 1-2 rows 8.9 / 11.3 us for qkv / o against 9.7 / 16.9 at 16 x 64 (gemv_serves)
+        return GemmTile(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
     if num_rows <= 64:
         return GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4)
     if num_rows <= 256:
@@ -261,13 +278,15 @@ def fp8_linear(
     tile: GemmTile | None = None,
     weight_scale: str = "tile",
     pdl: bool = False,
+    gemv_tile: GemvTile | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), w_fp8 [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
     float32, bias [N] -> [..., N] in x.dtype. `act_quant`: W8A8 (x quantized per token-group of 128 at run time),
     False weight-only, None picked by row count (module docstring; where that picks W8A8 on CUDA, with no `tile`
     and a K scaled_mm takes, the triton backend hands the call to scaled_mm). `backend`: "triton", "scaled_mm" (W8A8
     only) or "torch"; default: triton on CUDA and under the interpreter, else torch. `tile` overrides the Triton
-    tile (linear_tile); `weight_scale` (weight-only Triton): "tile" or "product", as fused_moe_fp8's."""
+    tile (linear_tile); `weight_scale` (weight-only Triton): "tile" or "product", as fused_moe_fp8's; `gemv_tile`
+    runs the GEMV at 1-2 rows with that launch (where gemv_serves would not: tests, benchmarks)."""
     _check(x, w_fp8, scale_inv, bias, block)
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"fp8_linear: weight_scale {weight_scale!r}: choose 'tile' or 'product'")
@@ -289,8 +308,9 @@ def fp8_linear(
         if not act_quant:
             raise ValueError("fp8_linear: the scaled_mm backend multiplies fp8 by fp8: it needs act_quant=True")
         out = _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl)
-    elif 1 <= x2.shape[0] <= GEMV_MAX_ROWS and tile is None and block[1] & (block[1] - 1) == 0:
-        out = _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl)
+    elif (1 <= x2.shape[0] <= GEMV_MAX_ROWS and tile is None and block[1] & (block[1] - 1) == 0
+          and (gemv_tile is not None or gemv_serves(x2.shape[0], *w_fp8.shape))):
+        out = _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, gemv_tile)
     else:
         out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, weight_scale == "product", pdl)
     return out.reshape(*lead, w_fp8.shape[0])
