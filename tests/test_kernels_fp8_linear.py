@@ -20,6 +20,7 @@ from moeserve.kernels.fp8_linear import (  # noqa: E402
     GemvTile,
     fp8_linear,
     fp8_linear_ref,
+    fuses_lora,
     gemv_serves,
 )
 from moeserve.kernels.moe_plan import GemmTile  # noqa: E402
@@ -93,6 +94,43 @@ def test_gemv_serves_one_row_where_k_exceeds_n(monkeypatch):
         fp8_linear(x, q, s, act_quant=False)
         assert launched == want, (m, n, k)
         assert gemv_serves(m, n, k) == bool(want)
+
+
+@pytest.mark.parametrize("m,sizes,k,pattern", [
+    (1, (48, 16, 16), 64, (1,)),  # K < N: the tensor-core tile's epilogue, three q|k|v slices
+    (1, (40,), 320, (2,)),  # K > N: the GEMV's epilogue (o_proj's shape), one slice, a ragged K
+    (2, (48, 16, 16), 64, (0, -1)),  # two rows: the tile, one row without an adapter
+    (2, (40,), 320, (3, 1)),  # a rank-0 slot and a rank-16 one
+], ids=["tile-qkv", "gemv-o", "tile-2rows", "tile-rank0"])
+def test_lora_expand_in_the_fp8_epilogue_against_references(m, sizes, k, pattern):
+    """Weight-only decode rows (fuses_lora) add each adapter row's expand in the FP8 product's epilogue, from the
+    dense shrink's split partials: against the fp32 references (the dequantized product plus dense_lora_ref), and
+    rows without an adapter (slot -1, rank 0) bitwise the call without LoRA."""
+    from moeserve.kernels.gemv import GemvLoRA
+    from moeserve.kernels.lora_dense import dense_lora_ref, dense_lora_shrink
+
+    n = sum(sizes)
+    x, q, s, b = _problem(m, n, k, seed=11 + m + k)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    ranks = torch.tensor([8, 16, 4, 0], dtype=torch.int32, device=DEV)
+    a_pool = torch.randn(4, len(sizes), 16, k, generator=gen, device=DEV) * 0.1
+    b_pool = torch.randn(4, n, 16, generator=gen, device=DEV) * 0.1
+    for slot, r in enumerate(ranks.tolist()):  # the pool's contract: zeros past each slot's rank
+        a_pool[slot, :, r:] = 0
+        b_pool[slot, :, r:] = 0
+    slots = torch.tensor(pattern, dtype=torch.int32, device=DEV)
+    assert fuses_lora(m, None) and not fuses_lora(m, True) and not fuses_lora(3, None)
+    plain = fp8_linear(x, q, s, b, act_quant=None)
+    scratch = dense_lora_shrink(x, a_pool, slots, ranks, k_splits=2)
+    got = fp8_linear(x, q, s, b, act_quant=None, lora=GemvLoRA(scratch, b_pool, slots, ranks, sizes))
+    want = fp8_linear_ref(x, q, s, b, act_quant=False)
+    dense_lora_ref(x, a_pool, b_pool, slots, ranks, sizes, want)
+    assert _rel(got, want) < 1e-5
+    untouched = (slots < 0) | (ranks[slots.clamp_min(0).long()] == 0)
+    assert torch.equal(got[untouched], plain[untouched])
+    assert (got[~untouched] != plain[~untouched]).any(dim=1).all()
+    with pytest.raises(ValueError, match="LoRA epilogue"):  # W8A8 quantizes x in the launch the shrink needs
+        fp8_linear(x, q, s, b, act_quant=True, lora=GemvLoRA(scratch, b_pool, slots, ranks, sizes))
 
 
 def test_auto_multiplication_by_row_count():

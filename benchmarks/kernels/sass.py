@@ -4,6 +4,7 @@ registers, spills, shared memory, instruction mix and the width of its global lo
     pip install --target /tmp/triton36 triton==3.6.0      # the GPU machine's Triton, for the same code
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass fp8_moe [--tile 64,128,128,4,3] [--tma] [--lora]
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass dense_shrink | dense_expand | moe_lora_shrink
+    PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass fp8_linear [--tile 16,32,128,4,4] [--lora] | fp8_gemv
     ... --sass FILE   (the whole disassembly, for reading the main loop)
 
 Scalar loads (`LDG.E.U16` where a 16-byte `LDG.E.128` or `LDGSTS...128` was meant), a layout conversion inside a K
@@ -121,16 +122,40 @@ def _moe_lora_shrink(args):
     return compile_sm90(_lora_block_shrink_kernel, types, constexprs, 4, 3, unspecialized=("top_k", "stride_sh"))
 
 
+_LORA_EPILOGUE_TYPES = dict(scratch_ptr="*fp32", b_ptr="*bf16", slots_ptr="*i32", ranks_ptr="*i32")
+
+
+def _fp8_linear(args):
+    from moeserve.kernels.fp8_linear import _fp8_linear_kernel
+
+    bm, bn, bk, warps, stages = (int(v) for v in args.tile.split(","))
+    types = dict(a_ptr="*bf16", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*fp32",
+                 out_ptr="*bf16", **_LORA_EPILOGUE_TYPES)
+    constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, SCALE_N=128, SCALE_K=128, ACT_FP8=False,
+                      HAS_BIAS=False, USE_PDL=True, HAS_LORA=args.lora, LORA_K_SPLITS=1, LORA_ROWS=1)
+    return compile_sm90(_fp8_linear_kernel, types, constexprs, warps, stages, unspecialized=("R_MAX",))
+
+
+def _fp8_gemv(args):
+    from moeserve.kernels.fp8_linear import _fp8_gemv_kernel
+
+    types = dict(a_ptr="*bf16", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*fp32",
+                 out_ptr="*bf16", **_LORA_EPILOGUE_TYPES)
+    constexprs = dict(BLOCK_T=1, BLOCK_N=4, GROUPS=8, SUB_K=128, EVEN_K=True, SCALE_N=128, SCALE_K=128,
+                      ACT_FP8=False, HAS_BIAS=False, USE_PDL=True, HAS_LORA=args.lora, LORA_K_SPLITS=1)
+    return compile_sm90(_fp8_gemv_kernel, types, constexprs, 4, 2, unspecialized=("R_MAX",))
+
+
 PRESETS = {"fp8_moe": _fp8_moe, "dense_shrink": _dense_shrink, "dense_expand": _dense_expand,
-           "moe_lora_shrink": _moe_lora_shrink}
+           "moe_lora_shrink": _moe_lora_shrink, "fp8_linear": _fp8_linear, "fp8_gemv": _fp8_gemv}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.sass", description=__doc__.split("\n")[0])
     ap.add_argument("kernel", choices=sorted(PRESETS))
-    ap.add_argument("--tile", default="64,128,128,4,3", help="fp8_moe: block_m,block_n,block_k,warps,stages")
+    ap.add_argument("--tile", default="64,128,128,4,3", help="fp8_moe, fp8_linear: block_m,block_n,block_k,warps,stages")
     ap.add_argument("--tma", action="store_true", help="fp8_moe: weight tiles through a TMA descriptor")
-    ap.add_argument("--lora", action="store_true", help="fp8_moe: with the in-place LoRA epilogue")
+    ap.add_argument("--lora", action="store_true", help="fp8_moe, fp8_linear, fp8_gemv: with the LoRA epilogue")
     ap.add_argument("--sass", help="write the whole disassembly here")
     args = ap.parse_args(argv)
     sass = report(PRESETS[args.kernel](args), f"{args.kernel} (Triton {triton.__version__}, sm_90)")

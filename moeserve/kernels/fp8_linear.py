@@ -43,6 +43,8 @@ from moeserve.kernels.fp8 import (
     quantize_groups_fp8,
     quantize_groups_fp8_ref,
 )
+from moeserve.kernels.gemv import GEMV_MAX_TOKENS, GemvLoRA, gemv_epilogue, lora_epilogue_args
+from moeserve.kernels.lora_dense import RANK_BLOCK
 from moeserve.kernels.moe_plan import GemmTile
 
 BACKENDS = ("triton", "scaled_mm", "torch")
@@ -51,14 +53,19 @@ BACKENDS = ("triton", "scaled_mm", "torch")
 @triton.jit(do_not_specialize=["M"])  # sizes that vary by step: one compile
 def _fp8_linear_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    M, N, K,
+    scratch_ptr, b_ptr, slots_ptr, ranks_ptr,
+    M, N, K, R_MAX, END0, END1, END2,
     stride_a, stride_as, stride_w, stride_ws, stride_out,
+    stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
+    USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False, HAS_LORA: tl.constexpr = False,
+    LORA_K_SPLITS: tl.constexpr = 1, LORA_ROWS: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
 ):
-    """out[rows, cols] = a[rows] @ dequant(w)[cols].T (+ bias) for one (BLOCK_M, BLOCK_N) tile."""
-    pdl_launch.enter(USE_PDL)
+    """out[rows, cols] = a[rows] @ dequant(w)[cols].T (+ bias) (+ the LoRA expand of the first LORA_ROWS rows,
+    gemv.gemv_epilogue) for one (BLOCK_M, BLOCK_N) tile. HAS_LORA (weight-only, one row tile): the shrink just
+    launched runs under the K walk, which waits for it only before the epilogue."""
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -87,27 +94,32 @@ def _fp8_linear_kernel(
         acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < N)[None, :])
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    gemv_epilogue(acc, rows.to(tl.int64), offs_n, M, N, bias_ptr, out_ptr, stride_out,
+                  scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
+                  stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
+                  HAS_BIAS, HAS_LORA, LORA_K_SPLITS, LORA_ROWS, BLOCK_N, BLOCK_R)
 
 
 @triton.jit
 def _fp8_gemv_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    M, N, K,
+    scratch_ptr, b_ptr, slots_ptr, ranks_ptr,
+    M, N, K, R_MAX, END0, END1, END2,
     stride_a, stride_as, stride_w, stride_ws, stride_out,
+    stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB_K: tl.constexpr,
     EVEN_K: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, HAS_LORA: tl.constexpr = False,
+    LORA_K_SPLITS: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
 ):
     """Decode rows: out[:M, cols] = a[:M] @ dequant(w)[cols].T (+ bias) in fp32 on the CUDA cores, every row of
     the BLOCK_N columns' weights read once for all M rows (gemv.py's layout with FP8 rows: half the bytes). A K
     step is GROUPS sub-steps of SUB_K columns, each inside one scale group, so a step may span several groups
     (the bytes in flight of a wide bf16 step). Out-of-range rows and columns are clamped on load and never
-    stored. ACT_FP8: a is fp8 with per-(row, group) scales, dequantized in fp32 (the W8A8 numerics)."""
-    pdl_launch.enter(USE_PDL)
+    stored. ACT_FP8: a is fp8 with per-(row, group) scales, dequantized in fp32 (the W8A8 numerics). HAS_LORA
+    (weight-only): each adapter row's expand in the epilogue (gemv.gemv_epilogue), the K walk under the shrink."""
+    pdl_launch.enter_late(USE_PDL, HAS_LORA)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.minimum(n, N - 1).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
@@ -138,11 +150,11 @@ def _fp8_gemv_kernel(
         acc += a[:, None, :, :] * (w.to(tl.float32) * w_scale[:, :, None])[None, :, :, :]
         w_ptrs += GROUPS * SUB_K
         a_ptrs += GROUPS * SUB_K
-    out = tl.sum(tl.sum(acc, 3), 2)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + t.to(tl.int64)[:, None] * stride_out + n[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=(t < M)[:, None] & (n < N)[None, :])
+    pdl_launch.late(USE_PDL, HAS_LORA)
+    gemv_epilogue(tl.sum(tl.sum(acc, 3), 2), t.to(tl.int64), n, M, N, bias_ptr, out_ptr, stride_out,
+                  scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
+                  stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
+                  HAS_BIAS, HAS_LORA, LORA_K_SPLITS, BLOCK_T, BLOCK_N, BLOCK_R)
 
 
 # Rows the FP8 GEMV can take (gemv_serves says where it does); more go to the tensor-core kernel.
@@ -184,19 +196,29 @@ class GemvTile(NamedTuple):
     num_stages: int = 2
 
 
-def _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, tile: GemvTile | None = None):
+def _lora_launch(lora: GemvLoRA | None, m: int, n: int, out: torch.Tensor) -> tuple[tuple, tuple, dict]:
+    """(pointer args, size args, stride args) of the kernels' LoRA epilogue and its constexprs; placeholders
+    without LoRA."""
+    args = lora_epilogue_args(lora, m, n, out)
+    meta = dict(HAS_LORA=lora is not None, LORA_K_SPLITS=lora.scratch.shape[0] if lora is not None else 1,
+                BLOCK_R=RANK_BLOCK)
+    return args[:4], args[4:8], args[8:], meta
+
+
+def _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, tile: GemvTile | None = None, lora=None):
     m, k = x2.shape
     n = w_fp8.shape[0]
     tile = tile or GemvTile()
     a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl)
     block_k = min(tile.block_k, max(128, triton.next_power_of_2(k)))
     sub_k = min(block_k, block[1])
+    lora_ptrs, lora_sizes, lora_strides, lora_meta = _lora_launch(lora, m, n, out)
     _fp8_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
-        a, a_scale, w, s, bias if bias is not None else s, out, m, n, k,
-        a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0),
+        a, a_scale, w, s, bias if bias is not None else s, out, *lora_ptrs, m, n, k, *lora_sizes,
+        a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0), *lora_strides,
         BLOCK_T=triton.next_power_of_2(m), BLOCK_N=tile.block_n, GROUPS=block_k // sub_k, SUB_K=sub_k,
         EVEN_K=k % block_k == 0, SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_quant, HAS_BIAS=bias is not None,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **lora_meta)
     return out
 
 
@@ -226,24 +248,35 @@ def _check(x, w_fp8, scale_inv, bias, block):
         raise ValueError(f"fp8_linear: bias must be ({n},), got {tuple(bias.shape)}")
 
 
-def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_product, pdl):
+def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_product, pdl, lora=None):
     m, k = x2.shape
     n = w_fp8.shape[0]
     tile = tile or linear_tile(m)
     if block[1] % tile.block_k:
         raise ValueError(f"fp8_linear: block_k {tile.block_k} must divide the scale block {block[1]}")
+    if lora is not None and m > tile.block_m:
+        raise ValueError(f"fp8_linear: a LoRA epilogue needs the {m} rows in one tile of {tile.block_m}")
     if m == 0:
         return torch.empty(0, n, dtype=x2.dtype, device=x2.device)
     a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    lora_ptrs, lora_sizes, lora_strides, lora_meta = _lora_launch(lora, m, n, out)
     _fp8_linear_kernel[grid](
-        a, a_scale, w, s, bias if bias is not None else s, out, m, n, k,
-        a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0),
+        a, a_scale, w, s, bias if bias is not None else s, out, *lora_ptrs, m, n, k, *lora_sizes,
+        a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0), *lora_strides,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_quant, HAS_BIAS=bias is not None,
         SCALE_PRODUCT=scale_product, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        num_stages=tile.num_stages, LORA_ROWS=triton.next_power_of_2(m) if lora is not None else 1, **lora_meta)
     return out
+
+
+def fuses_lora(num_rows: int, act_quant: bool | None) -> bool:
+    """Whether fp8_linear adds a LoRA expand in its own epilogue (`lora`) for this call: weight-only decode rows
+    (1..GEMV_MAX_TOKENS, as the bf16 GEMV), whose K walk reads only the activations written before the shrink (a
+    W8A8 call quantizes them in the launch just before, where the shrink would have to be). Elsewhere the layer
+    adds the delta by the dense LoRA kernels after the product."""
+    return 1 <= num_rows <= GEMV_MAX_TOKENS and not resolve_act_quant(act_quant, num_rows)
 
 
 def scaled_mm_serves(k: int, block: tuple[int, int]) -> bool:
@@ -279,6 +312,7 @@ def fp8_linear(
     weight_scale: str = "tile",
     pdl: bool = False,
     gemv_tile: GemvTile | None = None,
+    lora: GemvLoRA | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), w_fp8 [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
     float32, bias [N] -> [..., N] in x.dtype. `act_quant`: W8A8 (x quantized per token-group of 128 at run time),
@@ -286,7 +320,9 @@ def fp8_linear(
     and a K scaled_mm takes, the triton backend hands the call to scaled_mm). `backend`: "triton", "scaled_mm" (W8A8
     only) or "torch"; default: triton on CUDA and under the interpreter, else torch. `tile` overrides the Triton
     tile (linear_tile); `weight_scale` (weight-only Triton): "tile" or "product", as fused_moe_fp8's; `gemv_tile`
-    runs the GEMV at 1-2 rows with that launch (where gemv_serves would not: tests, benchmarks)."""
+    runs the GEMV at 1-2 rows with that launch (where gemv_serves would not: tests, benchmarks). `lora`
+    (gemv.GemvLoRA: the shrink's partials, launched just before with the same `pdl`): each adapter row's expand
+    added in the epilogue before the one rounding, where fuses_lora says the call can (else ValueError)."""
     _check(x, w_fp8, scale_inv, bias, block)
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"fp8_linear: weight_scale {weight_scale!r}: choose 'tile' or 'product'")
@@ -298,6 +334,10 @@ def fp8_linear(
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if lora is not None and (backend != "triton" or not fuses_lora(x2.shape[0], act_quant) or tile is not None):
+        raise ValueError(f"fp8_linear: a LoRA epilogue runs on the triton backend, weight-only, at 1.."
+                         f"{GEMV_MAX_TOKENS} rows with the default tiles (got {x2.shape[0]} rows, act_quant "
+                         f"{act_quant}, backend {backend})")
     if act_quant is None:
         act_quant = resolve_act_quant(None, x2.shape[0])
         if act_quant and backend == "triton" and x2.is_cuda and tile is None and scaled_mm_serves(x2.shape[1], block):
@@ -310,9 +350,10 @@ def fp8_linear(
         out = _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl)
     elif (1 <= x2.shape[0] <= GEMV_MAX_ROWS and tile is None and block[1] & (block[1] - 1) == 0
           and (gemv_tile is not None or gemv_serves(x2.shape[0], *w_fp8.shape))):
-        out = _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, gemv_tile)
+        out = _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, gemv_tile, lora)
     else:
-        out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, weight_scale == "product", pdl)
+        out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, weight_scale == "product", pdl,
+                             lora)
     return out.reshape(*lead, w_fp8.shape[0])
 
 

@@ -74,12 +74,14 @@ def serves(T: int, N: int, K: int) -> bool:
 
 
 @triton.jit
-def _epilogue(acc, t, n, T, N, bias_ptr, out_ptr, stride_ot,
+def gemv_epilogue(acc, t, n, T, N, bias_ptr, out_ptr, stride_ot,
               scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
               stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
               HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, LORA_K_SPLITS: tl.constexpr,
               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """acc [BLOCK_T, BLOCK_N] fp32 -> + bias -> + each adapter row's expand -> one rounding -> out."""
+    """acc [rows, BLOCK_N] fp32 (rows t, the first BLOCK_T of them the decode rows) -> + bias -> + each adapter
+    row's expand -> one rounding -> out. Shared with fp8_linear's kernels, whose tiles hold more rows than the
+    BLOCK_T that may carry an adapter."""
     n_mask = n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -133,7 +135,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr,
             xt = tl.load(x_rows + k[None, :], mask=k_mask[None, :], other=0.0)
         acc3 += xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     pdl_launch.late(USE_PDL, HAS_LORA)
-    _epilogue(tl.sum(acc3, 2), t, n, T, N, bias_ptr, out_ptr, stride_ot,
+    gemv_epilogue(tl.sum(acc3, 2), t, n, T, N, bias_ptr, out_ptr, stride_ot,
               scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
               stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
               HAS_BIAS, HAS_LORA, LORA_K_SPLITS, BLOCK_T, BLOCK_N, BLOCK_R)
@@ -170,7 +172,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv: out must be [{T}, {N}] with unit column stride, got {tuple(out.shape)}")
     cfg = config if config is not None else default_config(N, K)
     _check_config(cfg)
-    lora_args, lora_k_splits = _lora_args(lora, T, N, out), 1
+    lora_args, lora_k_splits = lora_epilogue_args(lora, T, N, out), 1
     if lora is not None:
         lora_k_splits = lora.scratch.shape[0]
     _gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
@@ -185,7 +187,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
-def _lora_args(lora: GemvLoRA | None, T: int, N: int, dummy: torch.Tensor) -> tuple:
+def lora_epilogue_args(lora: GemvLoRA | None, T: int, N: int, dummy: torch.Tensor) -> tuple:
     """(scratch, B, slots, ranks, R_MAX, END0..2, 6 strides) for the epilogue; placeholders without LoRA."""
     if lora is None:
         return (dummy, dummy, dummy, dummy, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)

@@ -48,7 +48,8 @@ class LoRALinear(nn.Module):
     `weights`: how the base weight is stored (options.weight_format of the module's checkpoint names; plain by
     default). FP8 (layers/weight_formats.py): the base product is kernels/fp8_linear on the linear backend
     "triton", the dequantized weight elsewhere; the LoRA shrink reads x as it came (never an fp8 copy), and rows
-    without an adapter get the base product untouched."""
+    without an adapter get the base product untouched. At 1-2 weight-only rows the expand rides in the FP8
+    product's epilogue as in the bf16 GEMV's (weight_formats.fuses_lora); elsewhere the dense LoRA kernels add it."""
 
     def __init__(self, in_features: int, slice_sizes: tuple[int, ...], bias: bool,
                  options: ExecOptions = TORCH_CPU, gemv: bool = True, weights: WeightFormat = PLAIN_WEIGHTS):
@@ -73,6 +74,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
         with_lora = lora is not None and self.lora_a is not None
         if self.weights.quantized:
+            if with_lora and self.use_triton and self.weights.fuses_lora(x.shape[0], self.fp8_backend):
+                return self.weights.linear(self, x, self.fp8_backend, self.pdl, lora=self._epilogue_lora(x, lora))
             y = self.weights.linear(self, x, self.fp8_backend, self.pdl)
             if with_lora:
                 self.add_lora(x, lora, y)
@@ -92,12 +95,15 @@ class LoRALinear(nn.Module):
             y = self.gemv_kernels.gemv(x, self.weight, self.bias, pdl=self.pdl)
             self.add_lora(x, lora, y)
             return y
-        # shrink alone, then the expand inside the base projection's epilogue
+        return self.gemv_kernels.gemv(x, self.weight, self.bias, lora=self._epilogue_lora(x, lora), pdl=self.pdl)
+
+    def _epilogue_lora(self, x: torch.Tensor, lora: LoRABatch):
+        """Launches the shrink alone and returns the expand a decode-row kernel adds in its epilogue (the bf16
+        GEMV, or the FP8 product): the kernel launched next, so its K walk runs under the shrink."""
         scratch = self.lora_kernels.dense_lora_shrink(x, self.lora_a, lora.token_slots, lora.slot_ranks,
                                                       lora.dense_groups, pdl=self.pdl)
-        expand = self.gemv_kernels.GemvLoRA(scratch, self.lora_b, lora.token_slots, lora.slot_ranks,
-                                            self.slice_sizes)
-        return self.gemv_kernels.gemv(x, self.weight, self.bias, lora=expand, pdl=self.pdl)
+        gemv_kernels = self.gemv_kernels or kernels("linear", "triton")  # FP8 modules keep no GEMV of their own
+        return gemv_kernels.GemvLoRA(scratch, self.lora_b, lora.token_slots, lora.slot_ranks, self.slice_sizes)
 
     def add_lora(self, x: torch.Tensor, lora: LoRABatch, out: torch.Tensor) -> None:
         """out += each row's adapter delta (rows without an adapter untouched); needs the slot pool's buffers."""

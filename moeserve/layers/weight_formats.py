@@ -9,7 +9,8 @@ keeps the answer (one per module); its hooks:
                                        stacked along out (into module.<attr>[index] for one expert of a 3-D weight);
                                        the loader reads the parts, the tensor-parallel slices included
   dequantized(module, attr, dtype)     the weight in `dtype` (the plain-torch paths multiply that)
-  linear(module, x)                    a dense module's base product x @ W^T (+ bias), LoRA aside
+  linear(module, x, lora)              a dense module's base product x @ W^T (+ bias); quantized formats only,
+                                       with `lora` (where fuses_lora) the adapters' expand added in its epilogue
 
 The routed experts' product is the MoE block's (layers/moe.py: the fused kernel of the format, or the plain path on
 the dequantized weights), as the plain one is.
@@ -131,15 +132,25 @@ class Fp8BlockWeights:
             self._dequantized[attr] = (key, dequantize(weight, scale, block, getattr(module, attr + "_parts"), dtype))
         return self._dequantized[attr][1]
 
-    def linear(self, module: nn.Module, x: torch.Tensor, backend: str, pdl: bool = False) -> torch.Tensor:
-        """x @ W^T (+ bias) in x's dtype: kernels/fp8_linear on the "triton" backend; else the dequantized weight
-        (oneDNN-packed on the CPU) through the plain product, or the W8A8 twin where activations are quantized."""
+    def fuses_lora(self, num_rows: int, backend: str) -> bool:
+        """Whether `linear` can take the LoRA expand into its product's epilogue (kernels/fp8_linear.fuses_lora:
+        weight-only decode rows on the triton backend)."""
+        from moeserve.kernels import fp8_linear
+
+        return backend == "triton" and fp8_linear.fuses_lora(num_rows, self.format.act_quant)
+
+    def linear(self, module: nn.Module, x: torch.Tensor, backend: str, pdl: bool = False, lora=None) -> torch.Tensor:
+        """x @ W^T (+ bias) in x's dtype: kernels/fp8_linear on the "triton" backend (with `lora`, a GemvLoRA
+        where fuses_lora, each adapter row's expand in its epilogue); else the dequantized weight (oneDNN-packed on
+        the CPU) through the plain product, or the W8A8 twin where activations are quantized."""
         from moeserve.kernels import fp8_linear
 
         w, s, block = module.weight, module.weight_scale_inv, module.weight_block
         if backend == "triton":
             return fp8_linear.fp8_linear(x, w, s, module.bias, act_quant=self.format.act_quant, block=block,
-                                         backend="triton", pdl=pdl)
+                                         backend="triton", pdl=pdl, lora=lora)
+        if lora is not None:
+            raise ValueError(f"a LoRA expand inside the FP8 product needs the triton backend, not {backend!r}")
         if self.format.act_quant:
             return fp8_linear.fp8_linear_ref(x, w, s, module.bias, act_quant=True, block=block).to(x.dtype)
         plain = self.dequantized(module, "weight", x.dtype)
