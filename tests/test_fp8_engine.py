@@ -287,7 +287,7 @@ def test_demo_model_perplexity_in_fp8_within_one_percent_of_bf16(demo_engine, de
     assert w8a8 != fp8 and abs(w8a8 - base) / base <= 0.02, (w8a8, base)
 
 
-def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_path):
+def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_path, monkeypatch):
     """The FP8 engine on the Triton backends (kernels/fp8_linear, kernels/fused_moe_fp8 with its LoRA, run by
     Triton's interpreter in fp32), products weight-only (fp8_activations none), against the torch backends on the
     dequantized weights: same tokens, logprobs to fp32 rounding, in one batch with no adapter, a fused gate_up
@@ -316,3 +316,16 @@ def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_p
     alone = plain.generate(prompts, sp)[0]  # the same batch shape: the kernels' path depends on the token count
     assert got[0].token_ids == alone.token_ids
     assert [x.logprob for x in got[0].logprobs] == [x.logprob for x in alone.logprobs]
+    # decode at 1 and 2 rows: the dense LoRA's expand inside the FP8 product's epilogue (fp8_linear.fuses_lora)
+    from moeserve.kernels import fp8_linear as fp8_linear_module
+    fused, product = [], fp8_linear_module.fp8_linear
+
+    def recording(*a, lora=None, **k):
+        fused.append(lora is not None)
+        return product(*a, lora=lora, **k)
+    monkeypatch.setattr(fp8_linear_module, "fp8_linear", recording)
+    for batch, names in (([prompts[0]], ["A"]), (prompts[1:], ["B", None])):
+        for g, w in zip(tri.generate(batch, sp, lora=names), ref.generate(batch, sp, lora=names)):
+            assert g.token_ids == w.token_ids
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(g.logprobs, w.logprobs)) < 1e-4
+    assert any(fused)
