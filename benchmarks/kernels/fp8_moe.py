@@ -67,6 +67,9 @@ DENSE_SETS = 16  # dense weights are 10-20 MB: more copies to keep them out of L
 DENSE_SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages) of fp8_linear's Triton GEMM
     (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4), (64, 128, 128, 4, 3),
     (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+    # narrower column tiles: more programs at decode sizes (16 x 32 beat 16 x 64 at 1-2 rows, session 21)
+    (16, 16, 128, 4, 4), (16, 32, 128, 4, 6), (32, 32, 128, 4, 4), (64, 32, 128, 4, 4), (64, 64, 128, 4, 4),
+    (128, 64, 128, 4, 3),
 ]
 SWEEP_TILES = [  # (block_m, block_n, block_k, num_warps, num_stages[, group_m]); each also with weights by TMA
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 128, 4, 3),
