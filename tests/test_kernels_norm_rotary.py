@@ -40,6 +40,26 @@ def test_rms_norm_and_fused_add_match_the_layer_and_the_twin(T, H):
     assert torch.equal(x, x0) and torch.equal(residual, residual0)  # out of place: inputs untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H", [(2, 64), (3, 200), (5, 256)], ids=["group-wider-than-row", "partial-group", "two"])
+def test_norm_writes_the_fp8_copy_a_w8a8_consumer_reads(T, H, dtype):
+    """fused_add_rms_norm_fp8: the normed rows and the new residual exactly fused_add_rms_norm's, and the fp8 copy
+    and its per-128-column scales bitwise the plain-torch quantization twin run on those normed rows."""
+    from moeserve.kernels.fp8 import quantize_groups_fp8_ref
+
+    gen = _gen(T + H)
+    x, residual = (torch.randn(T, H, generator=gen) * 3).to(dtype), torch.randn(T, H, generator=gen).to(dtype)
+    weight = torch.randn(H, generator=gen).to(dtype)
+    normed, summed, (q, scale) = norm_rotary.fused_add_rms_norm_fp8(x, residual, weight, EPS, 128)
+    want_normed, want_summed = norm_rotary.fused_add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(normed, want_normed) and torch.equal(summed, want_summed)
+    want_q, want_scale = quantize_groups_fp8_ref(normed.float(), 128)
+    assert scale.shape == (T, -(-H // 128)) and torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    with pytest.raises(ValueError, match="power of two"):
+        norm_rotary.fused_add_rms_norm_fp8(x, residual, weight, EPS, 96)
+
+
 def test_fused_add_rms_norm_refuses_a_mismatched_residual():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="residual"):

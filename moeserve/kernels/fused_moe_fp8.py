@@ -417,14 +417,14 @@ def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_
 
 
 def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
-                    lora=None):
+                    lora=None, x_fp8=None):
     del scale_product  # the GEMV multiplies dequantized weights in fp32: nothing is rounded either way
     num_tokens, hidden = x.shape
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if act_quant:
-        a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
+        a, a_scale = x_fp8 if x_fp8 is not None else quantize_groups_fp8(x, block[1], pdl=pdl)
     else:
         a, a_scale = x, topk_weights  # a_scale: an unread placeholder
     gu = torch.empty(num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
@@ -448,7 +448,7 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
 
 
 def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
-                    lora=None, lora_plan: MoEPlan | None = None):
+                    lora=None, lora_plan: MoEPlan | None = None, x_fp8=None):
     """The sorted path. With `lora`, the shrinks of x and of h (never their fp8 copies; `lora_plan` gives their
     options), each launched just before its GEMM, whose epilogue adds the expands into its accumulator."""
     num_tokens, hidden = x.shape
@@ -469,7 +469,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
                                  up_a=lora.up_a if not from_gate_up else None)
 
     if act_quant:
-        a, a_scale = quantize_groups_fp8(x, block[1], pdl=pdl)
+        a, a_scale = x_fp8 if x_fp8 is not None else quantize_groups_fp8(x, block[1], pdl=pdl)
     else:
         a, a_scale = x, topk_weights  # a_scale: an unread placeholder
     # the shrink right before its GEMM, whose main loop reads only older data (pdl's late wait)
@@ -496,6 +496,16 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
+def input_quant_group(x: torch.Tensor, w13_fp8: torch.Tensor, w2_fp8: torch.Tensor, top_k: int,
+                      act_quant: bool | None, block: tuple[int, int] = WEIGHT_BLOCK) -> int:
+    """The group size in which fused_moe_fp8(x, ...) with these weights reads x as fp8 (W8A8: quantized per (token,
+    group of block[1] columns)), or 0 where it reads x unquantized: a producer that writes x can write that copy
+    too (`x_fp8`)."""
+    problem = MoEProblem(w13_fp8.shape[0], x.shape[-1], w2_fp8.shape[2], top_k, x.dtype, x.device)
+    plan = fp8_plan(x.shape[0], top_k, problem, act_quant, block)
+    return block[1] if resolve_act_quant(act_quant, plan.decode) else 0
+
+
 def fused_moe_fp8(
     x: torch.Tensor,
     w13_fp8: torch.Tensor,
@@ -513,6 +523,7 @@ def fused_moe_fp8(
     weight_scale: str = "tile",
     lora=None,
     lora_plan: MoEPlan | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32 scale_inv
     [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)], topk_weights
@@ -522,7 +533,8 @@ def fused_moe_fp8(
     `fp8_plan`); `pdl`: every launch with programmatic dependent launch (kernels/pdl.py). `weight_scale`
     (weight-only sorted path): "tile" dequantizes each fp8 weight tile before its dot, "product" scales each K
     step's product instead (fp8_scaled_dot's SCALE_PRODUCT). `lora_plan`: the sorted path's LoRA options
-    (default `lora_options`)."""
+    (default `lora_options`). `x_fp8`: x already quantized as a W8A8 call reads it (input_quant_group; the norm
+    that wrote x makes it), instead of a quantization launch here."""
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"weight_scale {weight_scale!r}: choose 'tile' or 'product'")
     _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
@@ -534,13 +546,19 @@ def fused_moe_fp8(
         plan = fp8_plan(num_tokens, topk_ids.shape[1], problem, act_quant, block, decode)
     _check_plan(plan, block)
     act_quant = resolve_act_quant(act_quant, plan.decode)
+    if x_fp8 is not None:
+        groups = triton.cdiv(hidden, block[1])
+        if not act_quant or x_fp8[0].shape != x.shape or x_fp8[1].shape != (num_tokens, groups) \
+                or x_fp8[0].dtype != FP8_DTYPE or x_fp8[1].stride(1) != 1:
+            raise ValueError(f"x_fp8: a W8A8 call's x quantized per {block[1]} columns, (fp8 {tuple(x.shape)}, "
+                             f"row-major scale ({num_tokens}, {groups})); this call: act_quant {act_quant}")
     x, topk_weights, topk_ids = x.contiguous(), topk_weights.contiguous(), topk_ids.contiguous()
     args = (x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights, topk_ids, act_quant)
     if plan.decode:
-        return _decode_forward(*args, plan, block, pdl, weight_scale == "product", lora)
+        return _decode_forward(*args, plan, block, pdl, weight_scale == "product", lora, x_fp8)
     if lora is not None and lora_plan is None:
         lora_plan = lora_options(num_tokens, topk_ids.shape[1])
-    return _sorted_forward(*args, plan, block, pdl, weight_scale == "product", lora, lora_plan)
+    return _sorted_forward(*args, plan, block, pdl, weight_scale == "product", lora, lora_plan, x_fp8)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import pdl as pdl_launch
-from moeserve.kernels.fp8 import rne_e4m3
+from moeserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_tile_fp8, rne_e4m3
 from moeserve.kernels.kv_fp8 import KV_FP8_DTYPE, KV_FP8_MAX, write_kv_slots
 
 NORM_MODES = {"none": 0, "head": 1, "full": 2}
@@ -33,8 +33,11 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr, x_stride, res_stride, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                     QUANT_GROUP: tl.constexpr = 0, FP8_LIMIT: tl.constexpr = 448.0):
+    """One row: out = w * rmsnorm(x (+ residual)); QUANT_GROUP: also out quantized per group of QUANT_GROUP columns
+    (q fp8 [T, n_cols], scale [T, groups]), from the rounded out itself: bitwise fp8.quantize_groups_fp8(out)."""
     pdl_launch.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -48,7 +51,16 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_
     var = tl.sum(x * x, axis=0) / n_cols
     h = _round(x * tl.rsqrt(var + eps), act)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (w * h).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
+    if QUANT_GROUP > 0:  # masked columns are 0: a partial last group's amax is its columns' own
+        groups = tl.reshape(y.to(tl.float32), (BLOCK // QUANT_GROUP, QUANT_GROUP))
+        q, scale = quantize_tile_fp8(groups, FP8_LIMIT)
+        g = tl.arange(0, BLOCK // QUANT_GROUP)
+        q_cols = g[:, None] * QUANT_GROUP + tl.arange(0, QUANT_GROUP)[None, :]
+        tl.store(q_ptr + row * n_cols + q_cols, q, mask=q_cols < n_cols)
+        num_groups = tl.cdiv(n_cols, QUANT_GROUP)
+        tl.store(scale_ptr + row * num_groups + g, scale, mask=g < num_groups)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -56,19 +68,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch_norm(x, residual, weight, eps, num_warps, pdl):
+def _launch_norm(x, residual, weight, eps, num_warps, pdl, quant_group=0):
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or not weight.is_contiguous():
         raise ValueError(f"norm weight {tuple(weight.shape)} is not a contiguous [{x.shape[-1]}] (x's last dim)")
     rows = _rows(x)
     T, N = rows.shape
+    block = triton.next_power_of_2(N)
+    if quant_group & (quant_group - 1):
+        raise ValueError(f"quant_group {quant_group} must be a power of two")
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     res = rows if residual is None else _rows(residual)
     res_out = out if residual is None else torch.empty_like(rows)  # without a residual: never written
+    quant = None
+    if quant_group:
+        quant = (torch.empty(T, N, dtype=FP8_DTYPE, device=x.device),
+                 torch.empty(T, triton.cdiv(N, quant_group), dtype=torch.float32, device=x.device))
     if T > 0:
-        _rms_norm_kernel[(T,)](rows, res, weight, out, res_out, rows.stride(0), res.stride(0), N, eps,
-                               HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(N),
-                               USE_PDL=pdl, num_warps=num_warps, launch_pdl=pdl)
-    return out.view(x.shape), res_out.view(x.shape)
+        q, scale = quant if quant is not None else (out, out)  # unread placeholders
+        _rms_norm_kernel[(T,)](rows, res, weight, out, res_out, q, scale, rows.stride(0), res.stride(0), N, eps,
+                               HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl,
+                               # a group wider than the row's block holds the whole row: one group, one tile
+                               QUANT_GROUP=min(quant_group, block), FP8_LIMIT=FP8_MAX, num_warps=num_warps,
+                               launch_pdl=pdl)
+    return out.view(x.shape), res_out.view(x.shape), quant
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int = 4,
@@ -78,13 +100,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int =
     return _launch_norm(x, None, weight, eps, num_warps, pdl)[0]
 
 
+def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
+                           num_warps: int = 4, pdl: bool = False):
+    """fused_add_rms_norm's (normed, sum), and the normed rows quantized per group of `group` columns as the W8A8
+    kernels read them: (q fp8 [T, N], scale [T, ceil(N / group)]), bitwise fp8.quantize_groups_fp8(normed, group),
+    without a launch of its own."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    return _launch_norm(x, residual, weight, eps, num_warps, pdl, quant_group=group)
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        num_warps: int = 4, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), the sum rounded to x.dtype as torch's add does."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
-    return _launch_norm(x, residual, weight, eps, num_warps, pdl)
+    return _launch_norm(x, residual, weight, eps, num_warps, pdl)[:2]
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -267,15 +267,25 @@ class MoEBlock(nn.Module):
         return self._routing.fused_gemm_topk(x, self.router.weight, k, renorm, out_dtype, delta,
                                              counters=self.router_counters, pdl=self.pdl)
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
-        topk_w, topk_ids = self.route(x, lora)
-        return self.experts(x, topk_w, topk_ids, lora)
+    def input_quant_group(self, x: torch.Tensor) -> int:
+        """The group size in which the FP8 experts read a batch like `x` quantized (W8A8 on the triton backend), so
+        the norm that makes x can write that copy too; 0 where they read x as it is."""
+        if not (self.weights.quantized and self._fused is not None):
+            return 0
+        from moeserve.kernels import fused_moe_fp8
 
-    def experts(self, x, topk_w, topk_ids, lora: LoRABatch | None) -> torch.Tensor:
+        return fused_moe_fp8.input_quant_group(x, self.w13, self.w2, self.spec.top_k, self.weights.format.act_quant)
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8=None) -> torch.Tensor:
+        """`x_fp8`: x quantized as input_quant_group says, by the norm that made x."""
+        topk_w, topk_ids = self.route(x, lora)
+        return self.experts(x, topk_w, topk_ids, lora, x_fp8)
+
+    def experts(self, x, topk_w, topk_ids, lora: LoRABatch | None, x_fp8=None) -> torch.Tensor:
         """The routed experts (and the shared expert) for routing already decided."""
         use_lora = lora is not None and self.lora_bufs is not None
         if self.weights.quantized:
-            out = self._fp8_experts(x, topk_w, topk_ids, lora if use_lora else None)
+            out = self._fp8_experts(x, topk_w, topk_ids, lora if use_lora else None, x_fp8)
         elif self._fused is not None:
             args = None
             if use_lora:
@@ -291,7 +301,7 @@ class MoEBlock(nn.Module):
             out = out + torch.sigmoid(self.shared_expert_gate(x, lora)) * shared
         return out
 
-    def _fp8_experts(self, x, topk_w, topk_ids, lora: LoRABatch | None) -> torch.Tensor:
+    def _fp8_experts(self, x, topk_w, topk_ids, lora: LoRABatch | None, x_fp8=None) -> torch.Tensor:
         """The routed experts on FP8 weights. Triton: kernels/fused_moe_fp8 (the LoRA, where the batch has one: its
         shrinks on the unquantized x and h, its expands in the FP8 GEMMs' epilogues, a row without an adapter as
         without it); torch: the dequantized weights through the plain path (its LoRA as the bf16 one's)."""
@@ -305,7 +315,8 @@ class MoEBlock(nn.Module):
                 args = self._fused.MoELoRAArgs(lora.token_slots, lora.slot_ranks, b.gate_up_a, b.gate_up_b, b.down_a,
                                                b.down_b, b.up_a, b.gate_up_separate)
             return fused_moe_fp8.fused_moe_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, topk_w,
-                                               topk_ids, act_quant=act_quant, lora=args, pdl=self.pdl)
+                                               topk_ids, act_quant=act_quant, lora=args, pdl=self.pdl,
+                                               x_fp8=x_fp8)
         if act_quant:
             from moeserve.kernels.fused_moe_fp8 import fused_moe_fp8_ref
 

@@ -30,6 +30,16 @@ class RMSNorm(nn.Module):
         x = x + residual
         return self._norm(x), x
 
+    @property
+    def quantizes(self) -> bool:
+        """Whether `add_norm_fp8` can make the FP8 copy in the norm's own launch (the triton norm backend)."""
+        return self.kernels is not None
+
+    def add_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor, group: int):
+        """forward(x, residual)'s (normed, sum) and the normed rows quantized per `group` columns for a W8A8
+        consumer, (q, scale), in one launch; bitwise the quantization kernel run on the normed rows."""
+        return self.kernels.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps, group, pdl=self.pdl)
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()

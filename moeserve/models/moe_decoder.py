@@ -63,8 +63,14 @@ class DecoderLayer(nn.Module):
         attn_out = self.self_attn(h, batch, k_cache, v_cache)
         if self.tp is not None:  # attention and MLP outputs are per-rank partial sums (row-parallel)
             attn_out = self.tp.all_reduce(attn_out)
-        h, residual = self.post_attention_layernorm(attn_out, residual)
-        out = self.mlp(h, batch.lora)
+        group = self.mlp.input_quant_group(attn_out) if self.is_sparse and self.post_attention_layernorm.quantizes \
+            else 0
+        if group:  # W8A8 experts: the norm also writes the fp8 copy they read, in place of a launch of their own
+            h, residual, h_fp8 = self.post_attention_layernorm.add_norm_fp8(attn_out, residual, group)
+            out = self.mlp(h, batch.lora, x_fp8=h_fp8)
+        else:
+            h, residual = self.post_attention_layernorm(attn_out, residual)
+            out = self.mlp(h, batch.lora)
         if self.tp is not None:
             out = self.tp.all_reduce(out)
         return out, residual
