@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
 # Builds the packages next_call.sh compares, each into benchmarks/session21/ab_NAME/moeserve (untracked; they travel
-# with the working tree): main as it is; "norm" = main with session 20's input norm q|k|v shrink at one row re-applied
-# (the revert c3600cf reverted: norm_shrink.patch, its conflicts with session 21's changes resolved); "down" = main with the decode MoE's down shrink in the gate_up GEMV's epilogue
-# re-applied (the revert 6a83e53 reverted). Both were reverted on A/Bs that compared a tree with itself or two
-# machines (BENCHMARKS.md, session 21). "fp8pre" = main without session 21's FP8 dense LoRA epilogue (a33518f
-# reverted): the "before" of that change. Only moeserve/ is taken; a conflict outside it (tests) is ignored.
+# with the working tree). Only moeserve/ is taken.
+#   bf16 B = 1 / 8 A/Bs, on 50241f1 (main before the FP8 norm quantization, which bf16 never runs):
+#     base   50241f1 as it is
+#     norm   + session 20's input-norm q|k|v shrink at one row (norm_shrink.patch: c3600cf reverted, resolved on it)
+#     down   + the decode MoE down shrink in the gate_up GEMV's epilogue (the revert 6a83e53 reverted)
+#   FP8 A/Bs, on HEAD:
+#     main       HEAD as it is
+#     fp8pre     without the FP8 dense LoRA expand in the product's epilogue (a33518f reverted): B = 1, 2 active
+#     fp8quant   without the post-attention norm's fp8 copy for W8A8 experts (b3bfdc0 reverted): B = 64, 256
+# Both bf16 changes were reverted on A/Bs that compared a tree with itself or two machines (BENCHMARKS.md, session 21).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=$PWD/benchmarks/session21
-rm -rf "$out"/ab_main "$out"/ab_norm "$out"/ab_down "$out"/ab_fp8pre
-mkdir -p "$out"/ab_main && git archive HEAD moeserve | tar -x -C "$out"/ab_main
-mkdir -p "$out"/ab_norm && cp -r "$out"/ab_main/moeserve "$out"/ab_norm/
-git apply --directory=benchmarks/session21/ab_norm "$out"/norm_shrink.patch  # c3600cf reverted, resolved against main in session 21
-for pair in down:6a83e53 fp8pre:a33518f; do
-  name=${pair%%:*}; rev=${pair#*:}
+rm -rf "$out"/ab_*
+mkdir -p "$out"/ab_base "$out"/ab_main
+git archive 50241f1 moeserve | tar -x -C "$out"/ab_base
+git archive HEAD moeserve | tar -x -C "$out"/ab_main
+mkdir -p "$out"/ab_norm && cp -r "$out"/ab_base/moeserve "$out"/ab_norm/
+git apply --directory=benchmarks/session21/ab_norm "$out"/norm_shrink.patch
+for spec in down:50241f1:6a83e53 fp8pre:HEAD:a33518f fp8quant:HEAD:b3bfdc0; do
+  IFS=: read -r name base rev <<< "$spec"
   wt=$(mktemp -d)
-  git worktree add -q --detach "$wt" HEAD
+  git worktree add -q --detach "$wt" "$base"
   (cd "$wt" && git revert --no-commit "$rev" >/dev/null 2>&1 || true
    if git diff --name-only --diff-filter=U | grep -q '^moeserve/'; then echo "conflict in moeserve/ for $name" >&2; exit 1; fi)
   mkdir -p "$out"/ab_$name && cp -r "$wt"/moeserve "$out"/ab_$name/
   git worktree remove --force "$wt"
 done
 find "$out"/ab_* -name __pycache__ -prune -exec rm -rf {} +
-echo "prepared: $(ls -d "$out"/ab_*)"
+for name in norm down; do echo "ab_$name: $(diff -rq "$out"/ab_base "$out"/ab_$name | wc -l) files differ from ab_base"; done
+for name in fp8pre fp8quant; do echo "ab_$name: $(diff -rq "$out"/ab_main "$out"/ab_$name | wc -l) files differ from ab_main"; done
