@@ -331,28 +331,34 @@ def test_fp8_triton_kernels_in_the_engine_match_the_dequantized_torch_path(tmp_p
     assert any(fused)
 
 
-def test_w8a8_experts_read_the_fp8_copy_their_norm_writes(tmp_path, monkeypatch):
-    """Where the routed experts multiply W8A8 (the default, on their sorted path), the post-attention norm writes the
-    fp8 copy of its output they read: a quantization launch fewer per MoE layer, and tokens and logprobs bit for bit
-    those of the engine whose experts quantize x themselves."""
-    from moeserve.kernels import fused_moe_fp8
+def test_w8a8_consumers_read_the_fp8_copy_their_norms_write(tmp_path, monkeypatch):
+    """Where the routed experts multiply W8A8 (the default, on their sorted path) and where q|k|v does (64 rows and
+    more), the norm before each writes the fp8 copy of its output they read: a quantization launch fewer each, and
+    tokens and logprobs bit for bit those of the engine whose consumers quantize x themselves."""
+    from moeserve.kernels import fp8_linear, fused_moe_fp8
+    from moeserve.layers.linear import LoRALinear
     from moeserve.layers.moe import MoEBlock
 
     base = save_base_checkpoint("qwen3_moe", tmp_path / "base", **INTERPRETED_LAYERS)
     fp8 = fp8_copy(base, tmp_path / "fp8")
     kw = dict(model=str(fp8), device="cpu", dtype="float32", block_size=16, moe_backend="triton",
               attention_backend="triton")
-    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 17)]
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 17)]
     sp = SamplingParams(max_tokens=2, logprobs=0, **GREEDY)
-    quantized, quantize = [], fused_moe_fp8.quantize_groups_fp8
-    monkeypatch.setattr(fused_moe_fp8, "quantize_groups_fp8",
-                        lambda *a, **k: quantized.append(a[0].shape[0]) or quantize(*a, **k))
+    quantized = {"experts": 0, "linear": 0}
+    for name, module in (("experts", fused_moe_fp8), ("linear", fp8_linear)):
+        def counting(*a, _name=name, _quantize=module.quantize_groups_fp8, **k):
+            quantized[_name] += 1
+            return _quantize(*a, **k)
+        monkeypatch.setattr(module, "quantize_groups_fp8", counting)
     from_norm = Engine(EngineConfig(**kw)).generate(prompts, sp)
-    by_experts_x = list(quantized)
-    quantized.clear()
+    by_norm = dict(quantized)
+    quantized.update(experts=0, linear=0)
     monkeypatch.setattr(MoEBlock, "input_quant_group", lambda self, x: 0)
+    monkeypatch.setattr(LoRALinear, "input_quant", lambda self, x: None)
     apart = Engine(EngineConfig(**kw)).generate(prompts, sp)
-    assert len(quantized) > len(by_experts_x)  # the experts quantized x themselves where the norm did not
+    # the consumers quantized x themselves where the norms did not (o_proj's input still is, by its own launch)
+    assert quantized["experts"] > by_norm["experts"] and quantized["linear"] > by_norm["linear"]
     for a, b in zip(from_norm, apart):
         assert a.token_ids == b.token_ids
         assert [x.logprob for x in a.logprobs] == [x.logprob for x in b.logprobs]

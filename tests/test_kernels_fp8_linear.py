@@ -13,7 +13,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from moeserve.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8  # noqa: E402
+from moeserve.kernels.fp8 import dequantize_block_fp8, quantize_block_fp8, quantize_groups_fp8  # noqa: E402
 from moeserve.kernels import fp8_linear as fp8_linear_module  # noqa: E402
 from moeserve.kernels.fp8_linear import (  # noqa: E402
     AUTO_W8A8_MIN_ROWS,
@@ -22,6 +22,7 @@ from moeserve.kernels.fp8_linear import (  # noqa: E402
     fp8_linear_ref,
     fuses_lora,
     gemv_serves,
+    input_quant,
 )
 from moeserve.kernels.moe_plan import GemmTile  # noqa: E402
 
@@ -133,6 +134,26 @@ def test_lora_expand_in_the_fp8_epilogue_against_references(m, sizes, k, pattern
         fp8_linear(x, q, s, b, act_quant=True, lora=GemvLoRA(scratch, b_pool, slots, ranks, sizes))
 
 
+def test_a_producers_fp8_copy_is_read_in_place_of_quantizing(monkeypatch):
+    """input_quant says where a call reads x quantized (W8A8; on the CPU the Triton kernel's row-major scales; the
+    weight-only rows read x itself); a copy in that layout is read instead of a quantization launch, bitwise the
+    call that quantizes; a copy in another layout, or for a weight-only call, is refused by name."""
+    x, q, s, b = _problem(AUTO_W8A8_MIN_ROWS, 64, 256, seed=9)
+    assert input_quant(x[:AUTO_W8A8_MIN_ROWS - 1], q, None) is None and input_quant(x[:2], q, True) == (128, False)
+    assert input_quant(x, q, None) == (128, False) and input_quant(x, q, False) is None
+    want, want_two = fp8_linear(x, q, s, b, act_quant=None), fp8_linear(x[:2], q, s, b, act_quant=True)
+    x_fp8, two_fp8 = quantize_groups_fp8(x, 128), quantize_groups_fp8(x[:2], 128)
+    launches = []
+    monkeypatch.setattr(fp8_linear_module, "quantize_groups_fp8", lambda *a, **k: launches.append(1))
+    assert torch.equal(fp8_linear(x, q, s, b, act_quant=None, x_fp8=x_fp8), want)
+    assert torch.equal(fp8_linear(x[:2], q, s, b, act_quant=True, x_fp8=two_fp8), want_two)
+    assert not launches
+    with pytest.raises(ValueError, match="x_fp8"):
+        fp8_linear(x, q, s, b, act_quant=False, x_fp8=x_fp8)
+    with pytest.raises(ValueError, match="x_fp8"):
+        fp8_linear(x, q, s, b, act_quant=None, x_fp8=(x_fp8[0], x_fp8[1].t().contiguous().t()))
+
+
 def test_auto_multiplication_by_row_count():
     """act_quant=None (what the engine runs): weight-only below AUTO_W8A8_MIN_ROWS rows (bitwise the weight-only
     call: the GEMV at 2 rows, the tensor-core kernel at 3), W8A8 from there (bitwise the W8A8 call; on CUDA that is
@@ -186,6 +207,14 @@ def test_gpu_projection_shapes_against_twins(m):
         # the engine's pick: weight-only GEMV / Triton below AUTO_W8A8_MIN_ROWS, scaled_mm from there
         want = scaled if m >= AUTO_W8A8_MIN_ROWS else fp8_linear(x, q, s, act_quant=False)
         assert torch.equal(fp8_linear(x, q, s, act_quant=None, backend="triton"), want)
+        # a producer's fp8 copy in the layout input_quant asks (scaled_mm's M-major scales): bitwise the same
+        quant = input_quant(x, q, None)
+        if m >= AUTO_W8A8_MIN_ROWS and m % 4 == 0:
+            assert quant == (128, True)
+            x_fp8 = quantize_groups_fp8(x, 128, scale_m_major=True)
+            assert torch.equal(fp8_linear(x, q, s, act_quant=None, x_fp8=x_fp8), want)
+        else:
+            assert quant is None or m % 4
 
 
 def test_fp16_activations():

@@ -41,23 +41,32 @@ def test_rms_norm_and_fused_add_match_the_layer_and_the_twin(T, H):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,H", [(2, 64), (3, 200), (5, 256)], ids=["group-wider-than-row", "partial-group", "two"])
-def test_norm_writes_the_fp8_copy_a_w8a8_consumer_reads(T, H, dtype):
-    """fused_add_rms_norm_fp8: the normed rows and the new residual exactly fused_add_rms_norm's, and the fp8 copy
-    and its per-128-column scales bitwise the plain-torch quantization twin run on those normed rows."""
+@pytest.mark.parametrize("T,H,residual,m_major", [(2, 64, True, False), (3, 200, True, True), (5, 256, False, True),
+                                                  (4, 384, False, False)],
+                         ids=["group-wider-than-row", "partial-group-m-major", "no-residual-m-major", "three"])
+def test_norm_writes_the_fp8_copy_a_w8a8_consumer_reads(T, H, residual, m_major, dtype):
+    """rms_norm_fp8: the normed rows (and the new residual) exactly rms_norm's / fused_add_rms_norm's, and the fp8
+    copy and its per-128-column scales (row-major, or M-major as cuBLAS takes them) bitwise the plain-torch
+    quantization twin run on those normed rows."""
     from moeserve.kernels.fp8 import quantize_groups_fp8_ref
 
     gen = _gen(T + H)
-    x, residual = (torch.randn(T, H, generator=gen) * 3).to(dtype), torch.randn(T, H, generator=gen).to(dtype)
+    x, res = (torch.randn(T, H, generator=gen) * 3).to(dtype), torch.randn(T, H, generator=gen).to(dtype)
     weight = torch.randn(H, generator=gen).to(dtype)
-    normed, summed, (q, scale) = norm_rotary.fused_add_rms_norm_fp8(x, residual, weight, EPS, 128)
-    want_normed, want_summed = norm_rotary.fused_add_rms_norm(x, residual, weight, EPS)
-    assert torch.equal(normed, want_normed) and torch.equal(summed, want_summed)
+    normed, summed, (q, scale) = norm_rotary.rms_norm_fp8(x, res if residual else None, weight, EPS, 128, m_major)
+    if residual:
+        want_normed, want_summed = norm_rotary.fused_add_rms_norm(x, res, weight, EPS)
+        assert torch.equal(summed, want_summed)
+    else:
+        want_normed = norm_rotary.rms_norm(x, weight, EPS)
+        assert summed is None
+    assert torch.equal(normed, want_normed)
     want_q, want_scale = quantize_groups_fp8_ref(normed.float(), 128)
     assert scale.shape == (T, -(-H // 128)) and torch.equal(scale, want_scale)
+    assert scale.stride() == ((1, T) if m_major else (scale.shape[1], 1))
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     with pytest.raises(ValueError, match="power of two"):
-        norm_rotary.fused_add_rms_norm_fp8(x, residual, weight, EPS, 96)
+        norm_rotary.rms_norm_fp8(x, res, weight, EPS, 96)
 
 
 def test_fused_add_rms_norm_refuses_a_mismatched_residual():

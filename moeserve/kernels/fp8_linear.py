@@ -180,10 +180,14 @@ GEMV_BLOCK_N = 4  # columns per program: a projection of a few thousand columns 
 GEMV_BLOCK_K = 1024  # columns per K step: fp32 running sums of 32-64 registers a thread at 1-2 rows
 
 
-def _operands(x2, w_fp8, scale_inv, act_quant, block, pdl):
-    """(a, a_scale, w, s, out) of either Triton kernel: x2 quantized per token-group under W8A8 (else a_scale is an
-    unread placeholder), the weight and its scales contiguous, the output in x2's dtype."""
-    a, a_scale = quantize_groups_fp8(x2, block[1], pdl=pdl) if act_quant else (x2, scale_inv)
+def _operands(x2, w_fp8, scale_inv, act_quant, block, pdl, x_fp8=None):
+    """(a, a_scale, w, s, out) of either Triton kernel: x2 quantized per token-group under W8A8 (`x_fp8` where the
+    producer made it; else a_scale is an unread placeholder), the weight and its scales contiguous, the output in
+    x2's dtype."""
+    if act_quant:
+        a, a_scale = x_fp8 if x_fp8 is not None else quantize_groups_fp8(x2, block[1], pdl=pdl)
+    else:
+        a, a_scale = x2, scale_inv
     out = torch.empty(x2.shape[0], w_fp8.shape[0], dtype=x2.dtype, device=x2.device)
     return a, a_scale, w_fp8.contiguous(), scale_inv.contiguous(), out
 
@@ -205,11 +209,12 @@ def _lora_launch(lora: GemvLoRA | None, m: int, n: int, out: torch.Tensor) -> tu
     return args[:4], args[4:8], args[8:], meta
 
 
-def _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, tile: GemvTile | None = None, lora=None):
+def _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, tile: GemvTile | None = None, lora=None,
+                 x_fp8=None):
     m, k = x2.shape
     n = w_fp8.shape[0]
     tile = tile or GemvTile()
-    a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl)
+    a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl, x_fp8)
     block_k = min(tile.block_k, max(128, triton.next_power_of_2(k)))
     sub_k = min(block_k, block[1])
     lora_ptrs, lora_sizes, lora_strides, lora_meta = _lora_launch(lora, m, n, out)
@@ -248,7 +253,7 @@ def _check(x, w_fp8, scale_inv, bias, block):
         raise ValueError(f"fp8_linear: bias must be ({n},), got {tuple(bias.shape)}")
 
 
-def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_product, pdl, lora=None):
+def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_product, pdl, lora=None, x_fp8=None):
     m, k = x2.shape
     n = w_fp8.shape[0]
     tile = tile or linear_tile(m)
@@ -258,7 +263,7 @@ def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_pro
         raise ValueError(f"fp8_linear: a LoRA epilogue needs the {m} rows in one tile of {tile.block_m}")
     if m == 0:
         return torch.empty(0, n, dtype=x2.dtype, device=x2.device)
-    a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl)
+    a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl, x_fp8)
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
     lora_ptrs, lora_sizes, lora_strides, lora_meta = _lora_launch(lora, m, n, out)
     _fp8_linear_kernel[grid](
@@ -269,6 +274,26 @@ def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_pro
         SCALE_PRODUCT=scale_product, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
         num_stages=tile.num_stages, LORA_ROWS=triton.next_power_of_2(m) if lora is not None else 1, **lora_meta)
     return out
+
+
+def _takes_scaled_mm(x2: torch.Tensor, block, act_quant: bool | None, backend: str, tile) -> bool:
+    """The engine's pick (act_quant None) hands a W8A8 call on CUDA to scaled_mm where its K suits it."""
+    return (act_quant is None and resolve_act_quant(None, x2.shape[0]) and backend == "triton" and x2.is_cuda
+            and tile is None and scaled_mm_serves(x2.shape[1], block))
+
+
+def input_quant(x: torch.Tensor, w_fp8: torch.Tensor, act_quant: bool | None,
+                block: tuple[int, int] = WEIGHT_BLOCK) -> tuple[int, bool] | None:
+    """(group, scale_m_major) in which fp8_linear(x, w_fp8, act_quant=...) on the triton backend reads x quantized
+    (W8A8), so the kernel that writes x can write that copy too (`x_fp8`: fp8.quantize_groups_fp8's layout,
+    M-major scales for scaled_mm); None where it reads x as it is, or pads its rows first (scaled_mm's multiple of
+    4)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not resolve_act_quant(act_quant, x2.shape[0]):
+        return None
+    if _takes_scaled_mm(x2, block, act_quant, "triton", None):
+        return (block[1], True) if x2.shape[0] % 4 == 0 else None
+    return block[1], False
 
 
 def fuses_lora(num_rows: int, act_quant: bool | None) -> bool:
@@ -286,13 +311,16 @@ def scaled_mm_serves(k: int, block: tuple[int, int]) -> bool:
     return block == (128, 128) and k % (4 * block[1]) == 0
 
 
-def _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl):
+def _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl, x_fp8=None):
     if not scaled_mm_serves(x2.shape[1], block):
         raise ValueError(f"fp8_linear: the scaled_mm backend takes 128 x 128 blocks and K a multiple of 512, got "
                          f"blocks {block}, K {x2.shape[1]}")
     m = x2.shape[0]
     pad_m = -m % 4
-    a, a_scale = quantize_groups_fp8(F.pad(x2, (0, 0, 0, pad_m)) if pad_m else x2, pdl=pdl, scale_m_major=True)
+    if x_fp8 is not None:  # the producer's copy: rows a multiple of 4, scales M-major (input_quant)
+        a, a_scale = x_fp8
+    else:
+        a, a_scale = quantize_groups_fp8(F.pad(x2, (0, 0, 0, pad_m)) if pad_m else x2, pdl=pdl, scale_m_major=True)
     w_scale = scale_inv.t()  # [K blocks, N blocks], column-major view of the [N, K] layout
     out = F.scaled_mm(a, w_fp8.t(), a_scale, F.ScalingType.BlockWise1x128, w_scale,
                       F.ScalingType.BlockWise128x128, output_dtype=x2.dtype)[:m]
@@ -313,6 +341,7 @@ def fp8_linear(
     pdl: bool = False,
     gemv_tile: GemvTile | None = None,
     lora: GemvLoRA | None = None,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), w_fp8 [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
     float32, bias [N] -> [..., N] in x.dtype. `act_quant`: W8A8 (x quantized per token-group of 128 at run time),
@@ -322,7 +351,9 @@ def fp8_linear(
     tile (linear_tile); `weight_scale` (weight-only Triton): "tile" or "product", as fused_moe_fp8's; `gemv_tile`
     runs the GEMV at 1-2 rows with that launch (where gemv_serves would not: tests, benchmarks). `lora`
     (gemv.GemvLoRA: the shrink's partials, launched just before with the same `pdl`): each adapter row's expand
-    added in the epilogue before the one rounding, where fuses_lora says the call can (else ValueError)."""
+    added in the epilogue before the one rounding, where fuses_lora says the call can (else ValueError). `x_fp8`:
+    x already quantized as input_quant says this call reads it (the producer wrote it), in place of a
+    quantization launch here."""
     _check(x, w_fp8, scale_inv, bias, block)
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"fp8_linear: weight_scale {weight_scale!r}: choose 'tile' or 'product'")
@@ -338,22 +369,30 @@ def fp8_linear(
         raise ValueError(f"fp8_linear: a LoRA epilogue runs on the triton backend, weight-only, at 1.."
                          f"{GEMV_MAX_TOKENS} rows with the default tiles (got {x2.shape[0]} rows, act_quant "
                          f"{act_quant}, backend {backend})")
+    if x_fp8 is not None:
+        want = input_quant(x2, w_fp8, act_quant, block) if backend == "triton" and tile is None else None
+        q, scale = x_fp8
+        layout_ok = want is not None and (scale.stride(0) == 1 if want[1] else scale.stride(1) == 1)
+        if (not layout_ok or q.shape != x2.shape or q.dtype != FP8_DTYPE
+                or scale.shape != (x2.shape[0], triton.cdiv(x2.shape[1], block[1]))):
+            raise ValueError(f"fp8_linear: x_fp8 must be x quantized as this call reads it ({want}: group, M-major "
+                             f"scale), got {tuple(q.shape)} {q.dtype} scale {tuple(scale.shape)} {scale.stride()}")
+    if _takes_scaled_mm(x2, block, act_quant, backend, tile):
+        backend = "scaled_mm"
     if act_quant is None:
         act_quant = resolve_act_quant(None, x2.shape[0])
-        if act_quant and backend == "triton" and x2.is_cuda and tile is None and scaled_mm_serves(x2.shape[1], block):
-            backend = "scaled_mm"
     if backend == "torch":
         out = fp8_linear_ref(x2, w_fp8, scale_inv, bias, act_quant=act_quant, block=block).to(x.dtype)
     elif backend == "scaled_mm":
         if not act_quant:
             raise ValueError("fp8_linear: the scaled_mm backend multiplies fp8 by fp8: it needs act_quant=True")
-        out = _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl)
+        out = _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl, x_fp8)
     elif (1 <= x2.shape[0] <= GEMV_MAX_ROWS and tile is None and block[1] & (block[1] - 1) == 0
           and (gemv_tile is not None or gemv_serves(x2.shape[0], *w_fp8.shape))):
-        out = _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, gemv_tile, lora)
+        out = _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, gemv_tile, lora, x_fp8)
     else:
         out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, weight_scale == "product", pdl,
-                             lora)
+                             lora, x_fp8)
     return out.reshape(*lead, w_fp8.shape[0])
 
 

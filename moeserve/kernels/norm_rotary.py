@@ -34,10 +34,12 @@ def _round(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr, x_stride, res_stride, n_cols, eps,
+                     stride_sr, stride_sg,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
                      QUANT_GROUP: tl.constexpr = 0, FP8_LIMIT: tl.constexpr = 448.0):
     """One row: out = w * rmsnorm(x (+ residual)); QUANT_GROUP: also out quantized per group of QUANT_GROUP columns
-    (q fp8 [T, n_cols], scale [T, groups]), from the rounded out itself: bitwise fp8.quantize_groups_fp8(out)."""
+    (q fp8 [T, n_cols], scale [T, groups] at strides (stride_sr, stride_sg)), from the rounded out itself: bitwise
+    fp8.quantize_groups_fp8(out)."""
     pdl_launch.enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -59,8 +61,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_p
         g = tl.arange(0, BLOCK // QUANT_GROUP)
         q_cols = g[:, None] * QUANT_GROUP + tl.arange(0, QUANT_GROUP)[None, :]
         tl.store(q_ptr + row * n_cols + q_cols, q, mask=q_cols < n_cols)
-        num_groups = tl.cdiv(n_cols, QUANT_GROUP)
-        tl.store(scale_ptr + row * num_groups + g, scale, mask=g < num_groups)
+        tl.store(scale_ptr + row * stride_sr + g * stride_sg, scale, mask=g < tl.cdiv(n_cols, QUANT_GROUP))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch_norm(x, residual, weight, eps, num_warps, pdl, quant_group=0):
+def _launch_norm(x, residual, weight, eps, num_warps, pdl, quant_group=0, scale_m_major=False):
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or not weight.is_contiguous():
         raise ValueError(f"norm weight {tuple(weight.shape)} is not a contiguous [{x.shape[-1]}] (x's last dim)")
     rows = _rows(x)
@@ -81,11 +82,14 @@ def _launch_norm(x, residual, weight, eps, num_warps, pdl, quant_group=0):
     res_out = out if residual is None else torch.empty_like(rows)  # without a residual: never written
     quant = None
     if quant_group:
-        quant = (torch.empty(T, N, dtype=FP8_DTYPE, device=x.device),
-                 torch.empty(T, triton.cdiv(N, quant_group), dtype=torch.float32, device=x.device))
+        groups = triton.cdiv(N, quant_group)
+        scale = (torch.empty(groups, T, dtype=torch.float32, device=x.device).t() if scale_m_major  # as cuBLAS takes
+                 else torch.empty(T, groups, dtype=torch.float32, device=x.device))
+        quant = (torch.empty(T, N, dtype=FP8_DTYPE, device=x.device), scale)
     if T > 0:
         q, scale = quant if quant is not None else (out, out)  # unread placeholders
         _rms_norm_kernel[(T,)](rows, res, weight, out, res_out, q, scale, rows.stride(0), res.stride(0), N, eps,
+                               scale.stride(0) if quant else 0, scale.stride(1) if quant else 0,
                                HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=pdl,
                                # a group wider than the row's block holds the whole row: one group, one tile
                                QUANT_GROUP=min(quant_group, block), FP8_LIMIT=FP8_MAX, num_warps=num_warps,
@@ -100,15 +104,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int =
     return _launch_norm(x, None, weight, eps, num_warps, pdl)[0]
 
 
-def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
-                           num_warps: int = 4, pdl: bool = False):
-    """fused_add_rms_norm's (normed, sum), and the normed rows quantized per group of `group` columns as the W8A8
-    kernels read them: (q fp8 [T, N], scale [T, ceil(N / group)]), bitwise fp8.quantize_groups_fp8(normed, group),
-    without a launch of its own."""
-    if residual.shape != x.shape or residual.dtype != x.dtype:
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group: int,
+                 scale_m_major: bool = False, num_warps: int = 4, pdl: bool = False):
+    """rms_norm's normed rows (with a residual: fused_add_rms_norm's (normed, sum)), and the normed rows quantized
+    per group of `group` columns as the W8A8 kernels read them, (q fp8 [T, N], scale [T, ceil(N / group)], its
+    rows adjacent where `scale_m_major`, as cuBLAS's blockwise scales want), bitwise
+    fp8.quantize_groups_fp8(normed, group, scale_m_major=...), without a launch of its own. Returns (normed,
+    sum or None, (q, scale))."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
                          f"{tuple(x.shape)} {x.dtype}")
-    return _launch_norm(x, residual, weight, eps, num_warps, pdl, quant_group=group)
+    normed, summed, quant = _launch_norm(x, residual, weight, eps, num_warps, pdl, group, scale_m_major)
+    return normed, summed if residual is not None else None, quant
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

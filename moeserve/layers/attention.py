@@ -131,8 +131,9 @@ class Attention(nn.Module):
             fused_prologue = options.norm_backend == "triton"
         self.prologue_kernels = kernels("norm", "triton" if fused_prologue else "torch")
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        qkv = self.qkv_proj(x, batch.lora)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, x_fp8=None):
+        """`x_fp8`: x quantized as qkv_proj.input_quant says, by the norm that made x."""
+        qkv = self.qkv_proj(x, batch.lora, x_fp8=x_fp8)
         q = self.qk_norm_rotary_write_kv(qkv, batch.positions, batch.attn, k_cache, v_cache)
         return self.o_proj(self.attend(q, batch.attn, k_cache, v_cache), batch.lora)
 

@@ -71,12 +71,18 @@ class LoRALinear(nn.Module):
             self.gemv_kernels = None  # the GEMV reads plain weights; FP8 runs fp8_linear at every size
             self.fp8_backend = "triton" if options.linear_backend == "triton" else "torch"
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+    def input_quant(self, x: torch.Tensor) -> tuple[int, bool] | None:
+        """(group, scale_m_major) in which the FP8 product reads a batch like x quantized, so the norm that makes x
+        can write that copy (`forward`'s `x_fp8`); None where it reads x as it is (and for plain weights)."""
+        return self.weights.input_quant(self, x, self.fp8_backend) if self.weights.quantized else None
+
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8=None) -> torch.Tensor:
+        """`x_fp8`: x quantized as input_quant says, by the kernel that wrote x (the LoRA still reads x itself)."""
         with_lora = lora is not None and self.lora_a is not None
         if self.weights.quantized:
             if with_lora and self.use_triton and self.weights.fuses_lora(x.shape[0], self.fp8_backend):
                 return self.weights.linear(self, x, self.fp8_backend, self.pdl, lora=self._epilogue_lora(x, lora))
-            y = self.weights.linear(self, x, self.fp8_backend, self.pdl)
+            y = self.weights.linear(self, x, self.fp8_backend, self.pdl, x_fp8=x_fp8)
             if with_lora:
                 self.add_lora(x, lora, y)
             return y

@@ -32,13 +32,14 @@ class RMSNorm(nn.Module):
 
     @property
     def quantizes(self) -> bool:
-        """Whether `add_norm_fp8` can make the FP8 copy in the norm's own launch (the triton norm backend)."""
+        """Whether `norm_fp8` can make the FP8 copy in the norm's own launch (the triton norm backend)."""
         return self.kernels is not None
 
-    def add_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor, group: int):
-        """forward(x, residual)'s (normed, sum) and the normed rows quantized per `group` columns for a W8A8
-        consumer, (q, scale), in one launch; bitwise the quantization kernel run on the normed rows."""
-        return self.kernels.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps, group, pdl=self.pdl)
+    def norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, group: int, scale_m_major: bool = False):
+        """forward(x, residual)'s normed rows (and sum: None without a residual) and the normed rows quantized per
+        `group` columns for a W8A8 consumer, (q, scale), in one launch; bitwise the quantization kernel run on the
+        normed rows (`scale_m_major`: the scale's layout for cuBLAS)."""
+        return self.kernels.rms_norm_fp8(x, residual, self.weight, self.eps, group, scale_m_major, pdl=self.pdl)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -9,8 +9,9 @@ keeps the answer (one per module); its hooks:
                                        stacked along out (into module.<attr>[index] for one expert of a 3-D weight);
                                        the loader reads the parts, the tensor-parallel slices included
   dequantized(module, attr, dtype)     the weight in `dtype` (the plain-torch paths multiply that)
-  linear(module, x, lora)              a dense module's base product x @ W^T (+ bias); quantized formats only,
-                                       with `lora` (where fuses_lora) the adapters' expand added in its epilogue
+  linear(module, x, lora, x_fp8)      a dense module's base product x @ W^T (+ bias); quantized formats only,
+                                       with `lora` (where fuses_lora) the adapters' expand added in its epilogue,
+                                       with `x_fp8` (where input_quant) x as its producer quantized it
 
 The routed experts' product is the MoE block's (layers/moe.py: the fused kernel of the format, or the plain path on
 the dequantized weights), as the plain one is.
@@ -139,7 +140,17 @@ class Fp8BlockWeights:
 
         return backend == "triton" and fp8_linear.fuses_lora(num_rows, self.format.act_quant)
 
-    def linear(self, module: nn.Module, x: torch.Tensor, backend: str, pdl: bool = False, lora=None) -> torch.Tensor:
+    def input_quant(self, module: nn.Module, x: torch.Tensor, backend: str) -> tuple[int, bool] | None:
+        """(group, scale_m_major) in which `linear` reads a batch like x quantized (kernels/fp8_linear.input_quant),
+        so the norm that makes x can write that copy (`x_fp8`); None where it reads x as it is."""
+        from moeserve.kernels import fp8_linear
+
+        if backend != "triton":
+            return None
+        return fp8_linear.input_quant(x, module.weight, self.format.act_quant, module.weight_block)
+
+    def linear(self, module: nn.Module, x: torch.Tensor, backend: str, pdl: bool = False, lora=None,
+               x_fp8=None) -> torch.Tensor:
         """x @ W^T (+ bias) in x's dtype: kernels/fp8_linear on the "triton" backend (with `lora`, a GemvLoRA
         where fuses_lora, each adapter row's expand in its epilogue); else the dequantized weight (oneDNN-packed on
         the CPU) through the plain product, or the W8A8 twin where activations are quantized."""
@@ -148,9 +159,10 @@ class Fp8BlockWeights:
         w, s, block = module.weight, module.weight_scale_inv, module.weight_block
         if backend == "triton":
             return fp8_linear.fp8_linear(x, w, s, module.bias, act_quant=self.format.act_quant, block=block,
-                                         backend="triton", pdl=pdl, lora=lora)
-        if lora is not None:
-            raise ValueError(f"a LoRA expand inside the FP8 product needs the triton backend, not {backend!r}")
+                                         backend="triton", pdl=pdl, lora=lora, x_fp8=x_fp8)
+        if lora is not None or x_fp8 is not None:
+            raise ValueError(f"a LoRA expand or a quantized x inside the FP8 product needs the triton backend, not "
+                             f"{backend!r}")
         if self.format.act_quant:
             return fp8_linear.fp8_linear_ref(x, w, s, module.bias, act_quant=True, block=block).to(x.dtype)
         plain = self.dequantized(module, "weight", x.dtype)
