@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # A first device call for the session after 21 (not yet run). Before it, here: `bash benchmarks/device_wheels.sh`
 # and `bash benchmarks/session21/prepare_ab.sh` (the packages in ab_*/, untracked, travel with the tree); carry .whl.
-# 1. The GPU tests of session 21's two FP8 changes never run on a GPU (a33518f: the dense LoRA expand in the FP8
-#    product's epilogue; b3bfdc0: the post-attention norm writing the W8A8 experts' fp8 x).
+# 1. The GPU tests of session 21's FP8 changes never run on a GPU (a33518f: the dense LoRA expand in the FP8
+#    product's epilogue; b3bfdc0 / f5ffe41: the norms writing the fp8 x the W8A8 experts / q|k|v read).
 # 2. A/Bs, each side run from inside its own package directory, printing which package it imported (from the
 #    repository root `python -m` imports the root's package ahead of PYTHONPATH: BENCHMARKS.md, session 21):
 #    base / norm / down (bf16 B = 1, 8: session 20's two B = 1 LoRA changes, reverted on runs that proved nothing);
-#    main / fp8pre (FP8 B = 1, 2, active: the epilogue); main / fp8quant (FP8 B = 64, 256: the norm's fp8 copy).
+#    main / fp8pre (FP8 B = 1, 2, active: the epilogue); main / fp8quant (FP8 B = 64, 256: the norms' fp8 copies).
 # ~540 s; the FP8 dense tile sweep at 8-512 rows (new narrow candidates) is next_call2.sh.
 source benchmarks/device_env.sh
 t0=$(date +%s)

@@ -8,7 +8,7 @@
 #   FP8 A/Bs, on HEAD:
 #     main       HEAD as it is
 #     fp8pre     without the FP8 dense LoRA expand in the product's epilogue (a33518f reverted): B = 1, 2 active
-#     fp8quant   without the post-attention norm's fp8 copy for W8A8 experts (b3bfdc0 reverted): B = 64, 256
+#     fp8quant   without the norms' fp8 copies for W8A8 consumers (f5ffe41 q|k|v, b3bfdc0 experts reverted): B = 64, 256
 # Both bf16 changes were reverted on A/Bs that compared a tree with itself or two machines (BENCHMARKS.md, session 21).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,11 +19,11 @@ git archive 50241f1 moeserve | tar -x -C "$out"/ab_base
 git archive HEAD moeserve | tar -x -C "$out"/ab_main
 mkdir -p "$out"/ab_norm && cp -r "$out"/ab_base/moeserve "$out"/ab_norm/
 git apply --directory=benchmarks/session21/ab_norm "$out"/norm_shrink.patch
-for spec in down:50241f1:6a83e53 fp8pre:HEAD:a33518f fp8quant:HEAD:b3bfdc0; do
-  IFS=: read -r name base rev <<< "$spec"
+for spec in down:50241f1:6a83e53 fp8pre:HEAD:a33518f fp8quant:HEAD:f5ffe41,b3bfdc0; do
+  IFS=: read -r name base revs <<< "$spec"
   wt=$(mktemp -d)
   git worktree add -q --detach "$wt" "$base"
-  (cd "$wt" && git revert --no-commit "$rev" >/dev/null 2>&1 || true
+  (cd "$wt" && for rev in ${revs//,/ }; do git revert --no-commit "$rev" >/dev/null 2>&1 || true; done
    if git diff --name-only --diff-filter=U | grep -q '^moeserve/'; then echo "conflict in moeserve/ for $name" >&2; exit 1; fi)
   mkdir -p "$out"/ab_$name && cp -r "$wt"/moeserve "$out"/ab_$name/
   git worktree remove --force "$wt"
