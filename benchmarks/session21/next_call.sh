@@ -6,7 +6,7 @@
 # 2. A/Bs, each side run from inside its own package directory, printing which package it imported (from the
 #    repository root `python -m` imports the root's package ahead of PYTHONPATH: BENCHMARKS.md, session 21):
 #    base / norm / down (bf16 B = 1, 8: session 20's two B = 1 LoRA changes, reverted on runs that proved nothing);
-#    main / fp8pre (FP8 B = 1, 2, active: the epilogue); main / fp8quant (FP8 B = 64, 256: the norms' fp8 copies).
+#    base / fp8pre (FP8 B = 1, 2, active: the epilogue); main / fp8quant (FP8 B = 64, 256: the norms' fp8 copies).
 # ~540 s; the FP8 dense tile sweep at 8-512 rows (new narrow candidates) is next_call2.sh.
 source benchmarks/device_env.sh
 t0=$(date +%s)
@@ -21,7 +21,7 @@ ab() {  # $1 variant, $2 label, then the decode arguments
   echo "$v $label rc=$? $(( $(date +%s)-t0 ))s: $(grep -E '^package|^ +[0-9]+ ' $OUT/ab_${v}_$label.log | tr -s ' ' | tr '\n' '|')"; }
 for round in 1 2; do
   for v in base norm down; do ab $v bf16_$round --batches 1,8 --modes base,active; done
-  for v in main fp8pre; do ab $v fp8lora_$round --batches 1,2 --modes base,active --quantization fp8; done
+  for v in base fp8pre; do ab $v fp8lora_$round --batches 1,2 --modes base,active --quantization fp8; done
   for v in main fp8quant; do ab $v fp8quant_$round --batches 64,256 --modes base --quantization fp8; done
 done
 echo "done $(( $(date +%s)-t0 ))s"

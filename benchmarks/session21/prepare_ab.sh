@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds the packages next_call.sh compares, each into benchmarks/session21/ab_NAME/moeserve (untracked; they travel
 # with the working tree). Only moeserve/ is taken.
-#   bf16 B = 1 / 8 A/Bs, on 50241f1 (main before the FP8 norm quantization, which bf16 never runs):
+#   on 50241f1 (main before the norms' FP8 copies, which neither bf16 nor FP8 at 1-2 rows runs):
 #     base   50241f1 as it is
 #     norm   + session 20's input-norm q|k|v shrink at one row (norm_shrink.patch: c3600cf reverted, resolved on it)
 #     down   + the decode MoE down shrink in the gate_up GEMV's epilogue (the revert 6a83e53 reverted)
-#   FP8 A/Bs, on HEAD:
+#     fp8pre - the FP8 dense LoRA expand in the product's epilogue (a33518f reverted): FP8 B = 1, 2 active
+#   on HEAD:
 #     main       HEAD as it is
-#     fp8pre     without the FP8 dense LoRA expand in the product's epilogue (a33518f reverted): B = 1, 2 active
 #     fp8quant   without the norms' fp8 copies for W8A8 consumers (f5ffe41 q|k|v, b3bfdc0 experts reverted): B = 64, 256
 # Both bf16 changes were reverted on A/Bs that compared a tree with itself or two machines (BENCHMARKS.md, session 21).
 set -euo pipefail
@@ -19,7 +19,7 @@ git archive 50241f1 moeserve | tar -x -C "$out"/ab_base
 git archive HEAD moeserve | tar -x -C "$out"/ab_main
 mkdir -p "$out"/ab_norm && cp -r "$out"/ab_base/moeserve "$out"/ab_norm/
 git apply --directory=benchmarks/session21/ab_norm "$out"/norm_shrink.patch
-for spec in down:50241f1:6a83e53 fp8pre:HEAD:a33518f fp8quant:HEAD:f5ffe41,b3bfdc0; do
+for spec in down:50241f1:6a83e53 fp8pre:50241f1:a33518f fp8quant:HEAD:f5ffe41,b3bfdc0; do
   IFS=: read -r name base revs <<< "$spec"
   wt=$(mktemp -d)
   git worktree add -q --detach "$wt" "$base"
@@ -30,4 +30,5 @@ for spec in down:50241f1:6a83e53 fp8pre:HEAD:a33518f fp8quant:HEAD:f5ffe41,b3bfd
 done
 find "$out"/ab_* -name __pycache__ -prune -exec rm -rf {} +
 for name in norm down; do echo "ab_$name: $(diff -rq "$out"/ab_base "$out"/ab_$name | wc -l) files differ from ab_base"; done
-for name in fp8pre fp8quant; do echo "ab_$name: $(diff -rq "$out"/ab_main "$out"/ab_$name | wc -l) files differ from ab_main"; done
+echo "ab_fp8pre: $(diff -rq "$out"/ab_base "$out"/ab_fp8pre | wc -l) files differ from ab_base"
+echo "ab_fp8quant: $(diff -rq "$out"/ab_main "$out"/ab_fp8quant | wc -l) files differ from ab_main"
