@@ -22,6 +22,7 @@ git apply --directory=benchmarks/session21/ab_norm "$out"/norm_shrink.patch
 for spec in down:50241f1:6a83e53 fp8pre:50241f1:a33518f fp8quant:HEAD:f5ffe41,b3bfdc0; do
   IFS=: read -r name base revs <<< "$spec"
   wt=$(mktemp -d)
+  trap 'git worktree remove --force "$wt" 2>/dev/null || true' EXIT  # also when a revert conflicts
   git worktree add -q --detach "$wt" "$base"
   (cd "$wt" && for rev in ${revs//,/ }; do git revert --no-commit "$rev" >/dev/null 2>&1 || true; done
    if git diff --name-only --diff-filter=U | grep -q '^moeserve/'; then echo "conflict in moeserve/ for $name" >&2; exit 1; fi)
