@@ -267,17 +267,19 @@ class MoEBlock(nn.Module):
         return self._routing.fused_gemm_topk(x, self.router.weight, k, renorm, out_dtype, delta,
                                              counters=self.router_counters, pdl=self.pdl)
 
-    def input_quant_group(self, x: torch.Tensor) -> int:
-        """The group size in which the FP8 experts read a batch like `x` quantized (W8A8 on the triton backend), so
-        the norm that makes x can write that copy too; 0 where they read x as it is."""
+    def input_quant(self, x: torch.Tensor) -> tuple[int, bool] | None:
+        """(group, scale_m_major) in which the FP8 experts read a batch like `x` quantized (W8A8 on the triton
+        backend; row-major scales), so the norm that makes x can write that copy too; None where they read x as it
+        is (LoRALinear.input_quant's answer for a dense projection)."""
         if not (self.weights.quantized and self._fused is not None):
-            return 0
+            return None
         from moeserve.kernels import fused_moe_fp8
 
-        return fused_moe_fp8.input_quant_group(x, self.w13, self.w2, self.spec.top_k, self.weights.format.act_quant)
+        group = fused_moe_fp8.input_quant_group(x, self.w13, self.w2, self.spec.top_k, self.weights.format.act_quant)
+        return (group, False) if group else None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None, x_fp8=None) -> torch.Tensor:
-        """`x_fp8`: x quantized as input_quant_group says, by the norm that made x."""
+        """`x_fp8`: x quantized as input_quant says, by the norm that made x."""
         topk_w, topk_ids = self.route(x, lora)
         return self.experts(x, topk_w, topk_ids, lora, x_fp8)
 

@@ -32,14 +32,20 @@ class RMSNorm(nn.Module):
 
     @property
     def quantizes(self) -> bool:
-        """Whether `norm_fp8` can make the FP8 copy in the norm's own launch (the triton norm backend)."""
+        """Whether `forward_fp8` can make the FP8 copy in the norm's own launch (the triton norm backend)."""
         return self.kernels is not None
 
-    def norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, group: int, scale_m_major: bool = False):
-        """forward(x, residual)'s normed rows (and sum: None without a residual) and the normed rows quantized per
-        `group` columns for a W8A8 consumer, (q, scale), in one launch; bitwise the quantization kernel run on the
-        normed rows (`scale_m_major`: the scale's layout for cuBLAS)."""
-        return self.kernels.rms_norm_fp8(x, residual, self.weight, self.eps, group, scale_m_major, pdl=self.pdl)
+    def forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, quant: tuple[int, bool] | None):
+        """(normed, the residual stream after it: x + residual, or x itself without one, fp8 copy or None). `quant`
+        = (group, scale_m_major) asks for the normed rows quantized per `group` columns for a W8A8 consumer, (q,
+        scale), made in the norm's own launch (`quantizes`), bitwise the quantization kernel run on the normed rows
+        (`scale_m_major`: the scale's layout for cuBLAS); None: the plain norm."""
+        if not quant:
+            if residual is None:
+                return self(x), x, None
+            return (*self(x, residual), None)
+        h, summed, h_fp8 = self.kernels.rms_norm_fp8(x, residual, self.weight, self.eps, *quant, pdl=self.pdl)
+        return h, x if residual is None else summed, h_fp8
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -56,27 +56,15 @@ class DecoderLayer(nn.Module):
         """Residual-stream form: x is the previous layer's MLP output (the embeddings for the first layer, whose
         residual is None); returns (this layer's MLP output, residual stream). Each residual add is fused into
         the norm that follows it; the model's final norm adds the last MLP output."""
+        # a W8A8 consumer (q|k|v from 64 rows, the experts) reads the fp8 copy its norm writes, not a launch of its own
         quant = self.self_attn.qkv_proj.input_quant(x) if self.input_layernorm.quantizes else None
-        if quant:  # a W8A8 q|k|v projection: the norm also writes the fp8 copy it reads
-            h, summed, h_fp8 = self.input_layernorm.norm_fp8(x, residual, *quant)
-            residual = x if residual is None else summed
-            attn_out = self.self_attn(h, batch, k_cache, v_cache, x_fp8=h_fp8)
-        else:
-            if residual is None:
-                h, residual = self.input_layernorm(x), x
-            else:
-                h, residual = self.input_layernorm(x, residual)
-            attn_out = self.self_attn(h, batch, k_cache, v_cache)
+        h, residual, h_fp8 = self.input_layernorm.forward_fp8(x, residual, quant)
+        attn_out = self.self_attn(h, batch, k_cache, v_cache, x_fp8=h_fp8)
         if self.tp is not None:  # attention and MLP outputs are per-rank partial sums (row-parallel)
             attn_out = self.tp.all_reduce(attn_out)
-        group = self.mlp.input_quant_group(attn_out) if self.is_sparse and self.post_attention_layernorm.quantizes \
-            else 0
-        if group:  # W8A8 experts: the norm also writes the fp8 copy they read, in place of a launch of their own
-            h, residual, h_fp8 = self.post_attention_layernorm.norm_fp8(attn_out, residual, group)
-            out = self.mlp(h, batch.lora, x_fp8=h_fp8)
-        else:
-            h, residual = self.post_attention_layernorm(attn_out, residual)
-            out = self.mlp(h, batch.lora)
+        quant = self.mlp.input_quant(attn_out) if self.is_sparse and self.post_attention_layernorm.quantizes else None
+        h, residual, h_fp8 = self.post_attention_layernorm.forward_fp8(attn_out, residual, quant)
+        out = self.mlp(h, batch.lora) if h_fp8 is None else self.mlp(h, batch.lora, x_fp8=h_fp8)
         if self.tp is not None:
             out = self.tp.all_reduce(out)
         return out, residual
