@@ -8,7 +8,8 @@
 #     fp8pre - the FP8 dense LoRA expand in the product's epilogue (a33518f reverted): FP8 B = 1, 2 active
 #   on HEAD:
 #     main       HEAD as it is
-#     fp8quant   without the norms' fp8 copies for W8A8 consumers (f5ffe41 q|k|v, b3bfdc0 experts reverted): B = 64, 256
+#     fp8quant   without the norms' fp8 copies for W8A8 consumers (33b8c1a the review's reshaping, f5ffe41 q|k|v,
+#                b3bfdc0 experts reverted): B = 64, 256
 # Both bf16 changes were reverted on A/Bs that compared a tree with itself or two machines (BENCHMARKS.md, session 21).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +20,7 @@ git archive 50241f1 moeserve | tar -x -C "$out"/ab_base
 git archive HEAD moeserve | tar -x -C "$out"/ab_main
 mkdir -p "$out"/ab_norm && cp -r "$out"/ab_base/moeserve "$out"/ab_norm/
 git apply --directory=benchmarks/session21/ab_norm "$out"/norm_shrink.patch
-for spec in down:50241f1:6a83e53 fp8pre:50241f1:a33518f fp8quant:HEAD:f5ffe41,b3bfdc0; do
+for spec in down:50241f1:6a83e53 fp8pre:50241f1:a33518f fp8quant:HEAD:33b8c1a,f5ffe41,b3bfdc0; do
   IFS=: read -r name base revs <<< "$spec"
   wt=$(mktemp -d)
   trap 'git worktree remove --force "$wt" 2>/dev/null || true' EXIT  # also when a revert conflicts
