@@ -23,6 +23,8 @@ from moeserve.kernels.fp8_linear import (  # noqa: E402
     fuses_lora,
     gemv_serves,
     input_quant,
+    linear_split,
+    split_counters,
 )
 from moeserve.kernels.moe_plan import GemmTile  # noqa: E402
 
@@ -89,7 +91,9 @@ def test_gemv_serves_one_row_where_k_exceeds_n(monkeypatch):
     launched = []
     monkeypatch.setattr(fp8_linear_module, "_gemv_linear", lambda *a, **k: launched.append("gemv") or
                         torch.zeros(a[0].shape[0], a[1].shape[0]))
-    for m, n, k, want in ((1, 64, 256, ["gemv"]), (2, 64, 256, []), (1, 256, 64, []), (1, 128, 128, [])):
+    # (1, 64, 2048): a K walk long enough to split (linear_split) runs the split tensor-core kernel instead
+    for m, n, k, want in ((1, 64, 256, ["gemv"]), (2, 64, 256, []), (1, 256, 64, []), (1, 128, 128, []),
+                          (1, 64, 2048, [])):
         launched.clear()
         x, q, s, _ = _problem(m, n, k, seed=2, bias=False)
         fp8_linear(x, q, s, act_quant=False)
@@ -102,7 +106,8 @@ def test_gemv_serves_one_row_where_k_exceeds_n(monkeypatch):
     (1, (40,), 320, (2,)),  # K > N: the GEMV's epilogue (o_proj's shape), one slice, a ragged K
     (2, (48, 16, 16), 64, (0, -1)),  # two rows: the tile, one row without an adapter
     (2, (40,), 320, (3, 1)),  # a rank-0 slot and a rank-16 one
-], ids=["tile-qkv", "gemv-o", "tile-2rows", "tile-rank0"])
+    (2, (40,), 2048, (1, 0)),  # a K walk split in two (linear_split): the expand in the last program's epilogue
+], ids=["tile-qkv", "gemv-o", "tile-2rows", "tile-rank0", "split-k"])
 def test_lora_expand_in_the_fp8_epilogue_against_references(m, sizes, k, pattern):
     """Weight-only decode rows (fuses_lora) add each adapter row's expand in the FP8 product's epilogue, from the
     dense shrink's split partials: against the fp32 references (the dequantized product plus dense_lora_ref), and
@@ -204,17 +209,81 @@ def test_gpu_projection_shapes_against_twins(m):
         scaled = fp8_linear(x, q, s, act_quant=True, backend="scaled_mm")
         assert _rel(scaled, qref) < 1e-2
         assert _rel(qref, ref) < 0.05
-        # the engine's pick: weight-only GEMV / Triton below AUTO_W8A8_MIN_ROWS, scaled_mm from there
-        want = scaled if m >= AUTO_W8A8_MIN_ROWS else fp8_linear(x, q, s, act_quant=False)
+        # the engine's pick: weight-only (split-K, GEMV or Triton) below AUTO_W8A8_MIN_ROWS, from there W8A8 on
+        # the split Triton kernel where linear_split takes the K walk (o_proj's), else scaled_mm
+        split = linear_split(m, k)
+        if m < AUTO_W8A8_MIN_ROWS:
+            want = fp8_linear(x, q, s, act_quant=False)
+        elif split is not None:
+            want = fp8_linear(x, q, s, act_quant=True, tile=split[0], split_k=split[1])
+            assert _rel(want, qref) < 1e-2
+        else:
+            want = scaled
         assert torch.equal(fp8_linear(x, q, s, act_quant=None, backend="triton"), want)
-        # a producer's fp8 copy in the layout input_quant asks (scaled_mm's M-major scales): bitwise the same
+        # a producer's fp8 copy in the layout input_quant asks (scaled_mm's M-major scales, the Triton kernel's
+        # row-major ones): bitwise the same
         quant = input_quant(x, q, None)
-        if m >= AUTO_W8A8_MIN_ROWS and m % 4 == 0:
-            assert quant == (128, True)
-            x_fp8 = quantize_groups_fp8(x, 128, scale_m_major=True)
+        if m >= AUTO_W8A8_MIN_ROWS and (m % 4 == 0 or split is not None):
+            assert quant == (128, split is None)
+            x_fp8 = quantize_groups_fp8(x, 128, scale_m_major=split is None)
             assert torch.equal(fp8_linear(x, q, s, act_quant=None, x_fp8=x_fp8), want)
         else:
             assert quant is None or m % 4
+
+
+@pytest.mark.parametrize("m,n,k,split,act_quant", [(5, 96, 384, 2, False), (20, 64, 512, 4, True),
+                                                     (3, 40, 320, 4, False), (33, 64, 256, 3, True)])
+def test_split_k_against_twins_and_counters_left_zero(m, n, k, split, act_quant):
+    # more splits than some tiles have K steps (320 / 128 -> 3 steps in 4 splits: one walks none), a partial K
+    # step, row and column tails; the counters the caller owns are zero again after each launch
+    x, q, s, b = _problem(m, n, k, seed=4)
+    tile = GemmTile(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=2)
+    counters = torch.zeros(split_counters(m, n, tile), dtype=torch.int32, device=DEV)
+    ref = fp8_linear_ref(x, q, s, b, act_quant=act_quant)
+    for _ in range(2):  # the second launch finds the counters the first left
+        out = fp8_linear(x, q, s, b, act_quant=act_quant, tile=tile, split_k=split, counters=counters)
+        assert _rel(out, ref) < 1e-5
+        assert not counters.any()
+    assert _rel(fp8_linear(x, q, s, b, act_quant=act_quant, tile=tile, split_k=split), ref) < 1e-5
+    with pytest.raises(ValueError, match="counters: need >= "):
+        fp8_linear(x, q, s, b, act_quant=act_quant, tile=tile, split_k=split, counters=counters[:1])
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        fp8_linear(x, q, s, b, act_quant=act_quant, split_k=0)
+
+
+def test_default_split_by_rows_and_k():
+    """linear_split: decode rows split a K walk of >= 2 x SPLIT_MIN_STEPS steps; a long K (o_proj's) up to
+    SPLIT_MAX_ROWS rows, on the Triton W8A8 kernel rather than scaled_mm there; the default launch takes it."""
+    from moeserve.kernels.fp8_linear import SPLIT_MAX_ROWS
+    assert linear_split(1, 2048)[1] == 2 and linear_split(16, 4096)[1] == 4 and linear_split(1, 8192 * 4)[1] == 8
+    assert linear_split(1, 1024) is None and linear_split(17, 2048) is None
+    assert linear_split(64, 4096)[1] == 4 and linear_split(SPLIT_MAX_ROWS + 1, 4096) is None
+    x, q, s, _ = _problem(2, 40, 2048, seed=6, bias=False)
+    out = fp8_linear(x, q, s, act_quant=False)
+    tile, split = linear_split(2, 2048)
+    assert torch.equal(out, fp8_linear(x, q, s, act_quant=False, tile=tile, split_k=split))
+    assert _rel(out, fp8_linear_ref(x, q, s, act_quant=False)) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [8, 64, 256])
+def test_gpu_split_k_is_deterministic_against_twins(m):
+    # programs of one tile finish in any order on a GPU: the last adds the partials in split order, so every
+    # launch gives the same bits, within the twins' bounds, and leaves the counters zero
+    for n, k in ((5120, 2048), (2048, 4096)):
+        x, q, s, b = _problem(m, n, k, seed=5, dtype=torch.bfloat16, device="cuda", bias=False)
+        for act_quant, want in ((False, fp8_linear_ref(x, q, s, act_quant=False)),
+                                (True, fp8_linear_ref(x, q, s, act_quant=True))):
+            for tile, split in ((GemmTile(16, 32, 128, 4, 4), 4), (GemmTile(64, 64, 128, 4, 4), 8)):
+                counters = torch.zeros(split_counters(m, n, tile), dtype=torch.int32, device="cuda")
+                first = fp8_linear(x, q, s, act_quant=act_quant, tile=tile, split_k=split, counters=counters)
+                assert _rel(first, want) < 1e-2
+                for _ in range(20):
+                    assert torch.equal(fp8_linear(x, q, s, act_quant=act_quant, tile=tile, split_k=split,
+                                                  counters=counters), first)
+                torch.cuda.synchronize()
+                assert not counters.any()
 
 
 def test_fp16_activations():

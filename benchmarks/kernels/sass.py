@@ -130,9 +130,10 @@ def _fp8_linear(args):
 
     bm, bn, bk, warps, stages = (int(v) for v in args.tile.split(","))
     types = dict(a_ptr="*bf16", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*fp32",
-                 out_ptr="*bf16", **_LORA_EPILOGUE_TYPES)
+                 out_ptr="*bf16", **_LORA_EPILOGUE_TYPES, partial_ptr="*fp32", counters_ptr="*i32")
     constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, SCALE_N=128, SCALE_K=128, ACT_FP8=False,
-                      HAS_BIAS=False, USE_PDL=True, HAS_LORA=args.lora, LORA_K_SPLITS=1, LORA_ROWS=1)
+                      HAS_BIAS=False, USE_PDL=True, HAS_LORA=args.lora, LORA_K_SPLITS=1, LORA_ROWS=1,
+                      SPLIT_K=args.split_k)
     return compile_sm90(_fp8_linear_kernel, types, constexprs, warps, stages, unspecialized=("R_MAX",))
 
 
@@ -154,6 +155,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.sass", description=__doc__.split("\n")[0])
     ap.add_argument("kernel", choices=sorted(PRESETS))
     ap.add_argument("--tile", default="64,128,128,4,3", help="fp8_moe, fp8_linear: block_m,block_n,block_k,warps,stages")
+    ap.add_argument("--split-k", type=int, default=1, help="fp8_linear: programs sharing a tile's K walk")
     ap.add_argument("--tma", action="store_true", help="fp8_moe: weight tiles through a TMA descriptor")
     ap.add_argument("--lora", action="store_true", help="fp8_moe, fp8_linear, fp8_gemv: with the LoRA epilogue")
     ap.add_argument("--sass", help="write the whole disassembly here")

@@ -6,8 +6,10 @@ Backends:
 - "triton" (default on CUDA and under the interpreter): one GEMM kernel with the block scales applied per K step,
   weight-only (fp8 tile dequantized to x's dtype in the K loop) or W8A8 (x quantized per token-group of 128,
   fp8 x fp8 dots scaled by x_scale[row, k-group] x scale_inv[n-block, k-group]), on 16 x 32 tiles at decode sizes
-  (a qkv or o projection in 160 or 64 programs); at one row of a projection with K > N (gemv_serves) a GEMV on the
-  CUDA cores instead, in fp32 on the dequantized weight.
+  (a qkv or o projection in 160 or 64 tiles), each tile's K walk split over 2-8 programs where it is long
+  (linear_split: the last program of a tile adds the fp32 partials in split order, so every launch gives the same
+  bits); at one row of a short-K projection with K > N (gemv_serves) a GEMV on the CUDA cores instead, in fp32 on
+  the dequantized weight.
 - "scaled_mm" (W8A8 on CUDA): torch._scaled_mm with (BlockWise1x128, BlockWise128x128) scales, which torch 2.13
   accepts on sm_90 (cuBLAS); its layout needs: the weight column-major (w_fp8.t() of the [N, K] weight), the
   activation scales M-major (the quantization kernel writes them so), rows padded to a multiple of 4, a count of K
@@ -19,7 +21,8 @@ Backends:
 o shapes (benchmarks/kernels/fp8_moe.py --parts dense --sweep; BENCHMARKS.md, sessions 13 and 21): below
 AUTO_W8A8_MIN_ROWS weight-only (a decode row reads weights; quantizing it adds a launch) on the GEMV where
 gemv_serves, else the Triton GEMM (8 rows, 16 x 64 tiles: 9.8 / 16.8 us weight-only, 11.0 / 16.1 W8A8), from there W8A8 through scaled_mm on CUDA where
-it takes the K (scaled_mm_serves; 64 rows: 16.4 / 21.7 us against 17.1 / 22.5 weight-only; 256: 17.4 / 23.1 against
+it takes the K (scaled_mm_serves) and linear_split does not split it (o_proj at 64 rows stays on the split Triton
+kernel; 64 rows: 16.4 / 21.7 us against 17.1 / 22.5 weight-only; 256: 17.4 / 23.1 against
 31.7 / 43.5; 2,048: 52.8 / 45.2 against 128.2 / 103.4), through the Triton W8A8 GEMM elsewhere. A row's numerics
 therefore depend on the batch size it runs in, as in any engine whose kernels are chosen by shape; a given batch
 size always runs the same kernels.
@@ -53,7 +56,7 @@ BACKENDS = ("triton", "scaled_mm", "torch")
 @triton.jit(do_not_specialize=["M"])  # sizes that vary by step: one compile
 def _fp8_linear_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    scratch_ptr, b_ptr, slots_ptr, ranks_ptr,
+    scratch_ptr, b_ptr, slots_ptr, ranks_ptr, partial_ptr, counters_ptr,
     M, N, K, R_MAX, END0, END1, END2,
     stride_a, stride_as, stride_w, stride_ws, stride_out,
     stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
@@ -61,25 +64,34 @@ def _fp8_linear_kernel(
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False, HAS_LORA: tl.constexpr = False,
     LORA_K_SPLITS: tl.constexpr = 1, LORA_ROWS: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """out[rows, cols] = a[rows] @ dequant(w)[cols].T (+ bias) (+ the LoRA expand of the first LORA_ROWS rows,
     gemv.gemv_epilogue) for one (BLOCK_M, BLOCK_N) tile. HAS_LORA (weight-only, one row tile): the shrink just
-    launched runs under the K walk, which waits for it only before the epilogue."""
+    launched runs under the K walk, which waits for it only before the epilogue. SPLIT_K > 1: SPLIT_K programs
+    share a tile's K steps, each stores its fp32 partial (partial_ptr [SPLIT_K, M, N]) and bumps the tile's arrival
+    counter; the last to arrive adds the partials in split order (the same sum whichever program arrives last),
+    resets the counter to 0 for the next launch and runs the epilogue."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
     num_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
+    tile = tl.program_id(0) // SPLIT_K  # a tile's splits are neighbours: they start, and finish, together
+    split = tl.program_id(0) % SPLIT_K
+    pid_m, pid_n = tile // num_n, tile % num_n
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
-    b_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + offs_k[:, None]
+    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # this program's K steps: [k_begin, k_end)
+    k_begin = split * k_steps * BLOCK_K
+    k_end = tl.minimum(K, k_begin + k_steps * BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + (k_begin + offs_k)[None, :]
+    b_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_w + (k_begin + offs_k)[:, None]
     b_scale_ptrs = w_scale_ptr + (cols // SCALE_N) * stride_ws
     a_scale_ptrs = a_scale_ptr + rows.to(tl.int64) * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs)
@@ -95,10 +107,27 @@ def _fp8_linear_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_launch.late(USE_PDL, HAS_LORA)
-    gemv_epilogue(acc, rows.to(tl.int64), offs_n, M, N, bias_ptr, out_ptr, stride_out,
-                  scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
-                  stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
-                  HAS_BIAS, HAS_LORA, LORA_K_SPLITS, LORA_ROWS, BLOCK_N, BLOCK_R)
+    if SPLIT_K == 1:
+        gemv_epilogue(acc, rows.to(tl.int64), offs_n, M, N, bias_ptr, out_ptr, stride_out,
+                      scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
+                      stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
+                      HAS_BIAS, HAS_LORA, LORA_K_SPLITS, LORA_ROWS, BLOCK_N, BLOCK_R)
+    else:
+        p_ptrs = partial_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
+        p_mask = row_ok[:, None] & (offs_n < N)[None, :]
+        tl.store(p_ptrs + split * M * N, acc, mask=p_mask)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # in split order, past the L1 (the other programs' stores)
+                acc += tl.load(p_ptrs + s * M * N, mask=p_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counters_ptr + tile, 0)
+            gemv_epilogue(acc, rows.to(tl.int64), offs_n, M, N, bias_ptr, out_ptr, stride_out,
+                          scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
+                          stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
+                          HAS_BIAS, HAS_LORA, LORA_K_SPLITS, LORA_ROWS, BLOCK_N, BLOCK_R)
 
 
 @triton.jit
@@ -166,8 +195,9 @@ def gemv_serves(num_rows: int, n: int, k: int) -> bool:
     kernel on 16 x 32 tiles. H200, weight-only, us (session 21 call 3, `benchmarks.kernels.fp8_moe --parts dense
     --sweep`): qkv 2048 -> 5120 at 1 / 2 rows GEMV 12.7 / 19.6 against 8.9 / 8.9 (bf16 cuBLAS 8.4 / 8.2); o 4096 ->
     2048 GEMV 8.3 / 13.3 against 11.5 / 11.3 (bf16 9.7 / 9.7). The GEMV keeps one row where K > N (its programs then
-    walk long rows: 512 programs of 4 columns for o), as the bf16 GEMV does (gemv.serves)."""
-    return num_rows == 1 and k > n
+    walk long rows: 512 programs of 4 columns for o), as the bf16 GEMV does (gemv.serves), unless the tensor-core
+    kernel splits K (linear_split: o 7.4 us against the GEMV's 8.3, session 22)."""
+    return num_rows == 1 and k > n and linear_split(num_rows, k) is None
 AUTO_W8A8_MIN_ROWS = 64  # act_quant=None: W8A8 from this many rows (module docstring)
 
 
@@ -227,6 +257,40 @@ def _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, tile: GemvTi
     return out
 
 
+SPLIT_MIN_STEPS = 8  # K steps of 128 a split-K program walks at least
+SPLIT_MAX = 8
+SPLIT_LONG_K_STEPS = 32  # K steps from which 17..SPLIT_MAX_ROWS rows split too (o_proj's 4096)
+SPLIT_MAX_ROWS = 64
+SPLIT_TILES = {16: GemmTile(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),
+               SPLIT_MAX_ROWS: GemmTile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)}
+
+
+def linear_split(num_rows: int, k: int) -> tuple[GemmTile, int] | None:
+    """(tile, split_k) where the default Triton GEMM splits each tile's K walk, else None. A decode projection
+    has a few dozen column tiles of one row tile: each program walking all of K leaves most SMs idle (H200,
+    session 22, `benchmarks.kernels.fp8_moe --parts dense --sweep`, us, weight-only): o 4096 -> 2048 at 1 / 2 / 8
+    rows 7.4 / 7.3 / 7.4 on 16 x 32 tiles in 4 splits against 8.3 (GEMV) / 11.2 / 11.2 unsplit (bf16 cuBLAS 9.7);
+    q|k|v 2048 -> 5120 8.3 / 8.3 / 8.5 in 2 splits against 8.9 / 8.9 / 8.7. A long K (o_proj) splits up to
+    SPLIT_MAX_ROWS rows on 64 x 64 tiles, W8A8 there rather than scaled_mm: 12.8 us at 64 rows against 17.1
+    (q|k|v: 11.6 against 12.0, left to scaled_mm); decode step at B = 64 11.53 -> 11.30 ms. At 128 rows the
+    kernel alone won (15.7 against 17.4 us) but the step did not (12.74 -> 12.78 ms): scaled_mm keeps it. Each
+    split walks at least SPLIT_MIN_STEPS K steps."""
+    steps = triton.cdiv(k, 128)
+    split = min(SPLIT_MAX, steps // SPLIT_MIN_STEPS)
+    if split < 2 or num_rows < 1:
+        return None
+    if num_rows <= 16:
+        return SPLIT_TILES[16], split
+    if num_rows <= SPLIT_MAX_ROWS and steps >= SPLIT_LONG_K_STEPS:
+        return SPLIT_TILES[SPLIT_MAX_ROWS], split
+    return None
+
+
+def split_counter_slots(n: int) -> int:
+    """Arrival counters the default split-K launches of a projection with `n` output columns need at most."""
+    return max(split_counters(rows, n, tile) for rows, tile in SPLIT_TILES.items())
+
+
 def linear_tile(num_rows: int) -> GemmTile:
     """A start, not tuned (benchmarks/kernels/fp8_moe.py --dense times it): short row tiles and narrow column
     tiles at decode sizes, so a projection of a few thousand columns still fills the GPU."""
@@ -253,10 +317,19 @@ def _check(x, w_fp8, scale_inv, bias, block):
         raise ValueError(f"fp8_linear: bias must be ({n},), got {tuple(bias.shape)}")
 
 
-def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_product, pdl, lora=None, x_fp8=None):
+def split_counters(num_rows: int, n: int, tile: GemmTile) -> int:
+    """Arrival counters a split-K launch of `num_rows` rows and `n` columns on `tile` needs (one per tile)."""
+    return triton.cdiv(num_rows, tile.block_m) * triton.cdiv(n, tile.block_n)
+
+
+def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_product, pdl, lora=None, x_fp8=None,
+                   split_k=None, counters=None):
     m, k = x2.shape
     n = w_fp8.shape[0]
+    if tile is None and split_k is None:
+        tile, split_k = linear_split(m, k) or (linear_tile(m), 1)
     tile = tile or linear_tile(m)
+    split_k = split_k or 1
     if block[1] % tile.block_k:
         raise ValueError(f"fp8_linear: block_k {tile.block_k} must divide the scale block {block[1]}")
     if lora is not None and m > tile.block_m:
@@ -264,22 +337,33 @@ def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_pro
     if m == 0:
         return torch.empty(0, n, dtype=x2.dtype, device=x2.device)
     a, a_scale, w, s, out = _operands(x2, w_fp8, scale_inv, act_quant, block, pdl, x_fp8)
-    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    tiles = split_counters(m, n, tile)
+    if split_k > 1:
+        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x2.device)
+        if counters is None:
+            counters = torch.zeros(tiles, dtype=torch.int32, device=x2.device)
+        if counters.dtype != torch.int32 or counters.numel() < tiles:
+            raise ValueError(f"fp8_linear: counters: need >= {tiles} int32 zeros, got {counters.numel()} "
+                             f"{counters.dtype}")
+    else:
+        partial = counters = out  # unread placeholders
+    grid = (tiles * split_k,)
     lora_ptrs, lora_sizes, lora_strides, lora_meta = _lora_launch(lora, m, n, out)
     _fp8_linear_kernel[grid](
-        a, a_scale, w, s, bias if bias is not None else s, out, *lora_ptrs, m, n, k, *lora_sizes,
+        a, a_scale, w, s, bias if bias is not None else s, out, *lora_ptrs, partial, counters, m, n, k, *lora_sizes,
         a.stride(0), a_scale.stride(0), w.stride(0), s.stride(0), out.stride(0), *lora_strides,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_quant, HAS_BIAS=bias is not None,
         SCALE_PRODUCT=scale_product, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, LORA_ROWS=triton.next_power_of_2(m) if lora is not None else 1, **lora_meta)
+        num_stages=tile.num_stages, LORA_ROWS=triton.next_power_of_2(m) if lora is not None else 1,
+        SPLIT_K=split_k, **lora_meta)
     return out
 
 
 def _takes_scaled_mm(x2: torch.Tensor, block, act_quant: bool | None, backend: str, tile) -> bool:
     """The engine's pick (act_quant None) hands a W8A8 call on CUDA to scaled_mm where its K suits it."""
     return (act_quant is None and resolve_act_quant(None, x2.shape[0]) and backend == "triton" and x2.is_cuda
-            and tile is None and scaled_mm_serves(x2.shape[1], block))
+            and tile is None and scaled_mm_serves(x2.shape[1], block) and linear_split(*x2.shape) is None)
 
 
 def input_quant(x: torch.Tensor, w_fp8: torch.Tensor, act_quant: bool | None,
@@ -342,6 +426,8 @@ def fp8_linear(
     gemv_tile: GemvTile | None = None,
     lora: GemvLoRA | None = None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    split_k: int | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), w_fp8 [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
     float32, bias [N] -> [..., N] in x.dtype. `act_quant`: W8A8 (x quantized per token-group of 128 at run time),
@@ -353,8 +439,13 @@ def fp8_linear(
     (gemv.GemvLoRA: the shrink's partials, launched just before with the same `pdl`): each adapter row's expand
     added in the epilogue before the one rounding, where fuses_lora says the call can (else ValueError). `x_fp8`:
     x already quantized as input_quant says this call reads it (the producer wrote it), in place of a
-    quantization launch here."""
+    quantization launch here. `split_k` (Triton GEMM): programs sharing each tile's K steps, the last to finish
+    adding their fp32 partials in a fixed order (default: linear_split's, with no `tile` given; else 1);
+    `counters`: int32 zeros, at least split_counters(...) of them (split_counter_slots(N) covers the defaults),
+    owned by the caller and left zero after every launch (allocated here when None, which costs a memset)."""
     _check(x, w_fp8, scale_inv, bias, block)
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"fp8_linear: split_k must be >= 1, got {split_k}")
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"fp8_linear: weight_scale {weight_scale!r}: choose 'tile' or 'product'")
     if backend is None:
@@ -392,7 +483,7 @@ def fp8_linear(
         out = _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, gemv_tile, lora, x_fp8)
     else:
         out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, weight_scale == "product", pdl,
-                             lora, x_fp8)
+                             lora, x_fp8, split_k, counters)
     return out.reshape(*lead, w_fp8.shape[0])
 
 

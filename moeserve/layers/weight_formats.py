@@ -99,6 +99,11 @@ class Fp8BlockWeights:
         setattr(module, attr + "_scale_inv", scale)
         setattr(module, attr + "_block", (bn, self.block[1]))
         setattr(module, attr + "_parts", tuple(parts))
+        if not experts and not lead:  # a dense product's split-K arrival counters, zero between launches
+            from moeserve.kernels.fp8_linear import split_counter_slots
+
+            module.register_buffer(attr + "_split_counters", torch.zeros(split_counter_slots(out), dtype=torch.int32),
+                                   persistent=False)
 
     def load(self, module: nn.Module, attr: str, parts, index: int | None = None) -> None:
         from moeserve.kernels.fp8 import quantize_block_fp8
@@ -159,7 +164,8 @@ class Fp8BlockWeights:
         w, s, block = module.weight, module.weight_scale_inv, module.weight_block
         if backend == "triton":
             return fp8_linear.fp8_linear(x, w, s, module.bias, act_quant=self.format.act_quant, block=block,
-                                         backend="triton", pdl=pdl, lora=lora, x_fp8=x_fp8)
+                                         backend="triton", pdl=pdl, lora=lora, x_fp8=x_fp8,
+                                         counters=getattr(module, "weight_split_counters", None))
         if lora is not None or x_fp8 is not None:
             raise ValueError(f"a LoRA expand or a quantized x inside the FP8 product needs the triton backend, not "
                              f"{backend!r}")
