@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: the repository root on the path, as `python -m` would have it
@@ -38,10 +39,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from moeserve.bench.common import bandwidths, graph_time_us  # noqa: E402
 from moeserve.kernels.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8  # noqa: E402
-from moeserve.kernels.fp8_linear import GEMV_MAX_ROWS, GemvTile, fp8_linear  # noqa: E402
+from moeserve.kernels.fp8_linear import GEMV_MAX_ROWS, GemvTile, fp8_linear, split_counters  # noqa: E402
 from moeserve.kernels.fused_moe import fused_moe  # noqa: E402
 from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     FP8_DECODE_MAX_PAIRS,
+    MAX_W8A8_TILE,
     dequantize_w13_fp8,
     fp8_plan,
     fused_moe_fp8,
@@ -83,6 +85,9 @@ GEMV_SWEEP_TILES = [  # (block_n, block_k, num_warps, num_stages), GEMV path at 
     (16, 256, 4, 2), (16, 512, 4, 2), (32, 256, 4, 2), (8, 512, 4, 1), (8, 1024, 4, 1), (32, 1024, 8, 1),
     (16, 2048, 8, 1), (64, 512, 8, 1),
 ]
+# split-K: (block_m, block_n, block_k, num_warps, num_stages, split_k); the K walk shared by split_k programs
+DENSE_SPLIT_TILES = [(bm, bn, 128, 4, 4, sk) for bm, bn in ((16, 32), (16, 64), (32, 64), (64, 64), (64, 32))
+                     for sk in (2, 4, 8)] + [(64, 128, 128, 4, 3, sk) for sk in (2, 4)]
 DENSE_GEMV_SWEEP = [  # fp8_linear's GEMV at 1-2 rows: (block_n, block_k, num_warps, num_stages); default 4 x 1024 w4 s2
     (4, 1024, 4, 2), (4, 1024, 4, 1), (4, 1024, 4, 3), (4, 2048, 4, 1), (4, 2048, 8, 1), (8, 1024, 4, 1),
     (8, 1024, 4, 2), (8, 1024, 8, 2), (8, 2048, 8, 1), (16, 512, 4, 2), (16, 1024, 8, 1), (2, 2048, 4, 1),
@@ -193,6 +198,71 @@ def sweep_plans(batch: int, act_quant: bool) -> dict[str, MoEPlan]:
             tile = GemmTile(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
             plans[f"gemv_{bn}x{bk}w{warps}s{stages}"] = MoEPlan(True, tile, tile)
     return plans
+
+
+# (block_n, block_k, num_warps, num_stages, group_m) the per-part tuning walks for each block_m, gate_up and down
+# alike (down is K = 768: six 128-column steps, so shallow pipelines and more programs a wave are in the list)
+TUNE_TILES = [(128, 128, 4, 3, 1), (64, 128, 4, 3, 1), (64, 128, 4, 4, 1), (128, 128, 4, 4, 1), (128, 128, 4, 2, 1),
+              (128, 128, 8, 3, 1), (256, 128, 8, 3, 1), (256, 128, 4, 3, 1), (128, 64, 4, 4, 1), (128, 64, 4, 6, 1),
+              (64, 64, 4, 6, 1), (256, 64, 8, 4, 1), (128, 128, 4, 3, 8), (64, 128, 2, 3, 1), (32, 128, 4, 4, 1)]
+
+
+def _w8a8_tile(block_m: int, cand: tuple, limit: int) -> GemmTile:
+    bn, bk, warps, stages, group_m = cand
+    bn = min(bn, max(64, MAX_W8A8_TILE // block_m))  # as fp8_plan fits W8A8 tiles
+    return fit_tile(GemmTile(block_m, bn, bk, warps, stages, group_m), 1, 1, limit)
+
+
+def tune_w8a8(batch: int, gen, weights, pdl: bool) -> dict:
+    """The W8A8 sorted path's gate_up and down tiles tuned apart (the --sweep ties them): for each block_m, the
+    down tiles with the engine's gate_up tile, then the gate_up tiles with the best down; each block_m's best, the
+    engine's plan and the best with weights by TMA switched, timed again interleaved (3 rounds, medians)."""
+    limit = smem_limit(torch.device(DEVICE))
+    inputs = [make_inputs(batch, gen) for _ in weights]
+    problem = MoEProblem(NUM_EXPERTS, HIDDEN, INTER, TOP_K, torch.bfloat16, torch.device(DEVICE))
+    engine = fp8_plan(batch, TOP_K, problem, True, decode=False)
+
+    def fns(plan):
+        return [lambda w=w, i=i: fused_moe_fp8(i[0], *w[2:], i[1], i[2], act_quant=True, plan=plan, pdl=pdl)
+                for w, i in zip(weights, inputs)]
+
+    def time_plan(plan):
+        return time_interleaved({"p": fns(plan)}, rounds=1)["p"]
+
+    pairs = batch * TOP_K
+    block_ms = [16, 32] if pairs <= 512 else [16, 32, 64] if pairs <= 4096 else [64, 128]
+    tma = engine.weights_tma
+    tried, best_by_m, best_us = [], {}, {}
+    for bm in block_ms:
+        gu = _w8a8_tile(bm, (engine.gate_up.block_n, engine.gate_up.block_k, engine.gate_up.num_warps,
+                             engine.gate_up.num_stages, engine.gate_up.group_m), limit)
+        best, best_t = None, None
+        for part in ("down", "gate_up"):
+            for cand in TUNE_TILES:
+                tile = _w8a8_tile(bm, cand, limit)
+                plan = (MoEPlan(False, gu, tile, weights_tma=tma) if part == "down"
+                        else MoEPlan(False, tile, best.down, weights_tma=tma))
+                t = time_plan(plan)
+                tried.append({"gate_up": plan.gate_up.as_list(), "down": plan.down.as_list(),
+                              "us": t if isinstance(t, float) else None})
+                if isinstance(t, float) and (best_t is None or t < best_t):
+                    best, best_t = plan, t
+            if best is None:
+                break
+        if best is not None:
+            best_by_m[bm], best_us[bm] = best, best_t
+    finalists = {"engine": engine, **{f"m{m}": p for m, p in best_by_m.items()}}
+    if best_by_m:
+        top = best_by_m[min(best_us, key=best_us.get)]
+        finalists["tma_switched"] = replace(top, weights_tma=not top.weights_tma)
+    medians = time_interleaved({name: fns(plan) for name, plan in finalists.items()}, rounds=3)
+    ok = {n: v for n, v in medians.items() if isinstance(v, float)}
+    best_name = min(ok, key=ok.get)
+    plan = finalists[best_name]
+    return {"tokens": batch, "best": best_name, "us": ok[best_name], "engine_us": ok.get("engine"),
+            "finalists_us": medians, "gate_up": plan.gate_up.as_list(), "down": plan.down.as_list(),
+            "weights_tma": plan.weights_tma, "engine_gate_up": engine.gate_up.as_list(),
+            "engine_down": engine.down.as_list(), "candidates": tried}
 
 
 def bench_moe_batch(batch: int, gen, weights, pdl: bool, sweep: tuple[str, ...]) -> dict:
@@ -314,6 +384,25 @@ def bench_dense(tokens: list[int], gen, pdl: bool, sweep: bool = False) -> list[
                             lambda x=x, w=w, t=tile, aq=act_quant: fp8_linear(x, w[1], w[2], act_quant=aq, tile=t,
                                                                               pdl=pdl)
                             for x, w in zip(xs, sets)]
+                for bm, bn, bk, warps, stages, sk in DENSE_SPLIT_TILES:
+                    if bm > max(16, batch):  # row tiles past the batch: padding
+                        continue
+                    tile = GemmTile(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                    counters = torch.zeros(split_counters(batch, n, tile), dtype=torch.int32, device=DEVICE)
+                    for name, act_quant in (("fp8_w", False), ("fp8_w8a8", True)):
+                        label = f"{name}_{bm}x{bn}x{bk}w{warps}s{stages}k{sk}"
+                        err = _rel(fp8_linear(xs[0], sets[0][1], sets[0][2], act_quant=act_quant, tile=tile,
+                                              split_k=sk, counters=counters, pdl=pdl), ref)
+                        if err > 0.05 or counters.any():  # a wrong sum or a counter left set: not timed
+                            print(f"      split {label}: rel err {err:.2e}, counters {counters.tolist()[:8]}",
+                                  flush=True)
+                            row.setdefault("split_errors", {})[label] = err
+                            counters.zero_()
+                            continue
+                        sets_by_tile[label] = [
+                            lambda x=x, w=w, t=tile, aq=act_quant, sk=sk, c=counters: fp8_linear(
+                                x, w[1], w[2], act_quant=aq, tile=t, split_k=sk, counters=c, pdl=pdl)
+                            for x, w in zip(xs, sets)]
                 if batch <= GEMV_MAX_ROWS:
                     for bn, bk, warps, stages in DENSE_GEMV_SWEEP:
                         g = GemvTile(bn, bk, warps, stages)
@@ -328,8 +417,9 @@ def bench_dense(tokens: list[int], gen, pdl: bool, sweep: bool = False) -> list[
                 for name in ("fp8_w", "fp8_w8a8"):
                     ok = {k: v for k, v in row["sweep"].items() if k.startswith(name + "_") and isinstance(v, float)}
                     if ok:
-                        best = min(ok, key=ok.get)
-                        print(f"      sweep {name}: best {best} {ok[best]:.1f} us", flush=True)
+                        top = sorted(ok, key=ok.get)[:4]
+                        print(f"      sweep {name}: " + "  ".join(f"{k.removeprefix(name + '_')} {ok[k]:.1f}"
+                                                                 for k in top) + " us", flush=True)
             rows.append(row)
             print(f"dense {shape_name:>4} T={batch:>5}: " + "  ".join(
                 f"{name} {v:.1f} us" if isinstance(v, float) else f"{name} error" for name, v in row["us"].items())
@@ -344,6 +434,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default=TOKENS, help="comma list of token counts T")
     ap.add_argument("--parts", default="moe,dense", help="comma list: moe, dense")
     ap.add_argument("--sweep", action="store_true", help="also time FP8 tile candidates (moe and dense)")
+    ap.add_argument("--tune", action="store_true",
+                    help="tune the W8A8 sorted path's gate_up and down tiles apart at each T (moe part only); "
+                         "writes DIR/moe_tiles_fp8_tuned.json")
     ap.add_argument("--sweep-mult", default="fp8_w8a8,fp8_w",
                     help="comma list of the MoE multiplications --sweep tunes: fp8_w8a8, fp8_w")
     ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
@@ -376,6 +469,25 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     gen = torch.Generator(DEVICE).manual_seed(0)
+    if args.tune:
+        weights = [make_weights(gen) for _ in range(NUM_SETS)]
+        report["tune"] = []
+        for batch in tokens:
+            r = tune_w8a8(batch, gen, weights, pdl)
+            report["tune"].append(r)
+            save()
+            print(f"tune T={batch:5d}: engine {r['engine_gate_up']} / {r['engine_down']} {r['engine_us']:.1f} us -> "
+                  f"{r['best']} {r['gate_up']} / {r['down']} tma {r['weights_tma']} {r['us']:.1f} us "
+                  f"{r['finalists_us']}  [{time.time() - t0:.0f} s]", flush=True)
+        tiles = [{"max_tokens": r["tokens"], "gate_up": r["gate_up"], "down": r["down"], "y_fp32": False,
+                  "fused_act": False, "weights_tma": r["weights_tma"], "us": round(r["us"], 1)}
+                 for r in report["tune"]]
+        (out_dir / "moe_tiles_fp8_tuned.json").write_text(json.dumps({"version": 1, "entries": [
+            {"device": device, "dtype": "fp8_w8a8", "experts": NUM_EXPERTS, "hidden": HIDDEN, "inter": INTER,
+             "top_k": TOP_K, "tiles": tiles}]}, indent=1))
+        del weights
+        torch.cuda.empty_cache()
+        return 0
     if "moe" in parts:
         weights = [make_weights(gen) for _ in range(NUM_SETS)]
         for batch in tokens:
