@@ -24,6 +24,7 @@ from moeserve.kernels.fp8_linear import (  # noqa: E402
     gemv_serves,
     input_quant,
     linear_split,
+    split_counter_slots,
     split_counters,
 )
 from moeserve.kernels.moe_plan import GemmTile  # noqa: E402
@@ -211,7 +212,7 @@ def test_gpu_projection_shapes_against_twins(m):
         assert _rel(qref, ref) < 0.05
         # the engine's pick: weight-only (split-K, GEMV or Triton) below AUTO_W8A8_MIN_ROWS, from there W8A8 on
         # the split Triton kernel where linear_split takes the K walk (o_proj's), else scaled_mm
-        split = linear_split(m, k)
+        split = linear_split(m, n, k)
         if m < AUTO_W8A8_MIN_ROWS:
             want = fp8_linear(x, q, s, act_quant=False)
         elif split is not None:
@@ -249,18 +250,23 @@ def test_split_k_against_twins_and_counters_left_zero(m, n, k, split, act_quant)
         fp8_linear(x, q, s, b, act_quant=act_quant, tile=tile, split_k=split, counters=counters[:1])
     with pytest.raises(ValueError, match="split_k must be >= 1"):
         fp8_linear(x, q, s, b, act_quant=act_quant, split_k=0)
+    with pytest.raises(ValueError, match="split_k 2 splits the Triton GEMM; this call runs torch"):
+        fp8_linear(x, q, s, b, act_quant=act_quant, split_k=2, backend="torch")
 
 
 def test_default_split_by_rows_and_k():
     """linear_split: decode rows split a K walk of >= 2 x SPLIT_MIN_STEPS steps; a long K (o_proj's) up to
     SPLIT_MAX_ROWS rows, on the Triton W8A8 kernel rather than scaled_mm there; the default launch takes it."""
     from moeserve.kernels.fp8_linear import SPLIT_MAX_ROWS
-    assert linear_split(1, 2048)[1] == 2 and linear_split(16, 4096)[1] == 4 and linear_split(1, 8192 * 4)[1] == 8
-    assert linear_split(1, 1024) is None and linear_split(17, 2048) is None
-    assert linear_split(64, 4096)[1] == 4 and linear_split(SPLIT_MAX_ROWS + 1, 4096) is None
+    assert linear_split(1, 5120, 2048)[1] == 2 and linear_split(16, 2048, 4096)[1] == 4
+    assert linear_split(1, 2048, 8192 * 4)[1] == 8
+    assert linear_split(1, 5120, 1024) is None and linear_split(17, 5120, 2048) is None
+    assert linear_split(64, 2048, 4096)[1] == 4 and linear_split(SPLIT_MAX_ROWS + 1, 2048, 4096) is None
+    # a wide projection's tiles fill the GPU unsplit (SPLIT_MAX_PROGRAMS), or in fewer splits
+    assert linear_split(1, 2 * 11008, 2048) is None and linear_split(1, 8192, 4096)[1] == 2
     x, q, s, _ = _problem(2, 40, 2048, seed=6, bias=False)
     out = fp8_linear(x, q, s, act_quant=False)
-    tile, split = linear_split(2, 2048)
+    tile, split = linear_split(2, 40, 2048)
     assert torch.equal(out, fp8_linear(x, q, s, act_quant=False, tile=tile, split_k=split))
     assert _rel(out, fp8_linear_ref(x, q, s, act_quant=False)) < 1e-5
 
@@ -284,6 +290,75 @@ def test_gpu_split_k_is_deterministic_against_twins(m):
                                                   counters=counters), first)
                 torch.cuda.synchronize()
                 assert not counters.any()
+
+
+def test_an_fp8_module_passes_its_own_split_counters(monkeypatch):
+    """A dense FP8 module (layers/linear.py through the weight format) hands its own arrival counters to a split
+    launch (no memset a call), sized for every default split of its shard, and they are zero after it."""
+    from moeserve.exec_options import ExecOptions, WeightFormat
+    from moeserve.layers.linear import LoRALinear
+
+    module = LoRALinear(2048, (40, 24), False, ExecOptions(linear_backend="triton"),
+                        weights=WeightFormat(method="fp8"))
+    assert module.weight_split_counters.numel() == split_counter_slots(64) and not module.weight_split_counters.any()
+    gen = torch.Generator().manual_seed(12)
+    module.weights.load(module, "weight", [(torch.randn(40, 2048, generator=gen) * 0.02, None),
+                                           (torch.randn(24, 2048, generator=gen) * 0.02, None)])
+    passed = []
+    real = fp8_linear_module.fp8_linear
+    monkeypatch.setattr(fp8_linear_module, "fp8_linear", lambda *a, **k: passed.append(k.get("counters"))
+                        or real(*a, **k))
+    x = torch.randn(2, 2048, generator=gen)
+    out = module(x, None)
+    assert passed and passed[-1] is module.weight_split_counters and linear_split(2, 64, 2048) is not None
+    assert not module.weight_split_counters.any()
+    ref = fp8_linear_ref(x, module.weight, module.weight_scale_inv, act_quant=False, block=module.weight_block)
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 2])
+def test_gpu_split_k_under_pdl_lora_and_graph_replays(m):
+    """The engine's way at decode rows: PDL launches, the LoRA expand in the epilogue of a tile's last program (its
+    K walk under the shrink, late wait), the module's counters, a CUDA graph replayed: the replays give the eager
+    call's bits, against the fp32 references, and leave the counters zero."""
+    from moeserve.kernels.gemv import GemvLoRA
+    from moeserve.kernels.lora_dense import dense_lora_ref, dense_lora_shrink
+    from moeserve.kernels.pdl import supported
+
+    n, k = 2048, 4096  # o_proj: split in 4 (linear_split)
+    assert linear_split(m, n, k)[1] == 4
+    x, q, s, _ = _problem(m, n, k, seed=9, dtype=torch.bfloat16, device="cuda", bias=False)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    a_pool = (torch.randn(2, 1, 16, k, generator=gen, device="cuda") * 0.05).bfloat16()
+    b_pool = (torch.randn(2, n, 16, generator=gen, device="cuda") * 0.05).bfloat16()
+    ranks = torch.tensor([16, 8], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([1, -1][:m], dtype=torch.int32, device="cuda")
+    counters = torch.zeros(split_counter_slots(n), dtype=torch.int32, device="cuda")
+    pdl = supported(torch.device("cuda"))
+
+    def step():
+        scratch = dense_lora_shrink(x, a_pool, slots, ranks, k_splits=2, pdl=pdl)
+        return fp8_linear(x, q, s, act_quant=None, pdl=pdl, counters=counters,
+                          lora=GemvLoRA(scratch, b_pool, slots, ranks, (n,)))
+    eager = step()
+    want = fp8_linear_ref(x, q, s, act_quant=False)
+    dense_lora_ref(x, a_pool, b_pool, slots, ranks, (n,), want)
+    assert _rel(eager, want) < 1e-2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert not counters.any()
 
 
 def test_fp16_activations():

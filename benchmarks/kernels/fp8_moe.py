@@ -39,7 +39,13 @@ import torch.nn.functional as F  # noqa: E402
 
 from moeserve.bench.common import bandwidths, graph_time_us  # noqa: E402
 from moeserve.kernels.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8  # noqa: E402
-from moeserve.kernels.fp8_linear import GEMV_MAX_ROWS, GemvTile, fp8_linear, split_counters  # noqa: E402
+from moeserve.kernels.fp8_linear import (  # noqa: E402
+    GEMV_MAX_ROWS,
+    GemvTile,
+    fp8_linear,
+    split_counter_slots,
+    split_counters,
+)
 from moeserve.kernels.fused_moe import fused_moe  # noqa: E402
 from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     FP8_DECODE_MAX_PAIRS,
@@ -355,13 +361,15 @@ def bench_dense(tokens: list[int], gen, pdl: bool, sweep: bool = False) -> list[
         for _ in range(DENSE_SETS):
             q, s = quantize_block_fp8(torch.randn(n, k, generator=gen, device=DEVICE) * k**-0.5)
             sets.append((dequantize_block_fp8(q, s, dtype=torch.bfloat16), q, s))
+        counters = torch.zeros(split_counter_slots(n), dtype=torch.int32, device=DEVICE)  # as the engine's module
         for batch in tokens:
             xs = [torch.randn(batch, k, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in sets]
             variants = {
                 "bf16": lambda x, w: F.linear(x, w[0]),
-                "fp8_w": lambda x, w: fp8_linear(x, w[1], w[2], act_quant=False, pdl=pdl),
-                "fp8_wp": lambda x, w: fp8_linear(x, w[1], w[2], act_quant=False, weight_scale="product", pdl=pdl),
-                "fp8_w8a8": lambda x, w: fp8_linear(x, w[1], w[2], act_quant=True, pdl=pdl),
+                "fp8_w": lambda x, w, c=counters: fp8_linear(x, w[1], w[2], act_quant=False, pdl=pdl, counters=c),
+                "fp8_wp": lambda x, w, c=counters: fp8_linear(x, w[1], w[2], act_quant=False, weight_scale="product",
+                                                             pdl=pdl, counters=c),
+                "fp8_w8a8": lambda x, w, c=counters: fp8_linear(x, w[1], w[2], act_quant=True, pdl=pdl, counters=c),
                 "fp8_scaled_mm": lambda x, w: fp8_linear(x, w[1], w[2], act_quant=True, backend="scaled_mm"),
             }
             row = {"shape": shape_name, "out": n, "in": k, "tokens": batch, "check_rel_err": {}}
@@ -388,19 +396,19 @@ def bench_dense(tokens: list[int], gen, pdl: bool, sweep: bool = False) -> list[
                     if bm > max(16, batch):  # row tiles past the batch: padding
                         continue
                     tile = GemmTile(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-                    counters = torch.zeros(split_counters(batch, n, tile), dtype=torch.int32, device=DEVICE)
+                    tile_counters = torch.zeros(split_counters(batch, n, tile), dtype=torch.int32, device=DEVICE)
                     for name, act_quant in (("fp8_w", False), ("fp8_w8a8", True)):
                         label = f"{name}_{bm}x{bn}x{bk}w{warps}s{stages}k{sk}"
                         err = _rel(fp8_linear(xs[0], sets[0][1], sets[0][2], act_quant=act_quant, tile=tile,
-                                              split_k=sk, counters=counters, pdl=pdl), ref)
-                        if err > 0.05 or counters.any():  # a wrong sum or a counter left set: not timed
-                            print(f"      split {label}: rel err {err:.2e}, counters {counters.tolist()[:8]}",
+                                              split_k=sk, counters=tile_counters, pdl=pdl), ref)
+                        if err > 0.05 or tile_counters.any():  # a wrong sum or a counter left set: not timed
+                            print(f"      split {label}: rel err {err:.2e}, counters {tile_counters.tolist()[:8]}",
                                   flush=True)
                             row.setdefault("split_errors", {})[label] = err
-                            counters.zero_()
+                            tile_counters.zero_()
                             continue
                         sets_by_tile[label] = [
-                            lambda x=x, w=w, t=tile, aq=act_quant, sk=sk, c=counters: fp8_linear(
+                            lambda x=x, w=w, t=tile, aq=act_quant, sk=sk, c=tile_counters: fp8_linear(
                                 x, w[1], w[2], act_quant=aq, tile=t, split_k=sk, counters=c, pdl=pdl)
                             for x, w in zip(xs, sets)]
                 if batch <= GEMV_MAX_ROWS:

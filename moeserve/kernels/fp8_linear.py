@@ -115,14 +115,15 @@ def _fp8_linear_kernel(
     else:
         p_ptrs = partial_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :]
         p_mask = row_ok[:, None] & (offs_n < N)[None, :]
-        tl.store(p_ptrs + split * M * N, acc, mask=p_mask)
+        plane = M.to(tl.int64) * N  # one split's partials
+        tl.store(p_ptrs + split * plane, acc, mask=p_mask)
         tl.debug_barrier()  # every thread's partial stores precede the release below
         arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             tl.debug_barrier()
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):  # in split order, past the L1 (the other programs' stores)
-                acc += tl.load(p_ptrs + s * M * N, mask=p_mask, other=0.0, cache_modifier=".cg")
+                acc += tl.load(p_ptrs + s * plane, mask=p_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(counters_ptr + tile, 0)
             gemv_epilogue(acc, rows.to(tl.int64), offs_n, M, N, bias_ptr, out_ptr, stride_out,
                           scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
@@ -197,7 +198,7 @@ def gemv_serves(num_rows: int, n: int, k: int) -> bool:
     2048 GEMV 8.3 / 13.3 against 11.5 / 11.3 (bf16 9.7 / 9.7). The GEMV keeps one row where K > N (its programs then
     walk long rows: 512 programs of 4 columns for o), as the bf16 GEMV does (gemv.serves), unless the tensor-core
     kernel splits K (linear_split: o 7.4 us against the GEMV's 8.3, session 22)."""
-    return num_rows == 1 and k > n and linear_split(num_rows, k) is None
+    return num_rows == 1 and k > n and linear_split(num_rows, n, k) is None
 AUTO_W8A8_MIN_ROWS = 64  # act_quant=None: W8A8 from this many rows (module docstring)
 
 
@@ -261,11 +262,12 @@ SPLIT_MIN_STEPS = 8  # K steps of 128 a split-K program walks at least
 SPLIT_MAX = 8
 SPLIT_LONG_K_STEPS = 32  # K steps from which 17..SPLIT_MAX_ROWS rows split too (o_proj's 4096)
 SPLIT_MAX_ROWS = 64
+SPLIT_MAX_PROGRAMS = 512  # a projection with this many tiles already fills the GPU: no split (wide MLPs)
 SPLIT_TILES = {16: GemmTile(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),
                SPLIT_MAX_ROWS: GemmTile(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)}
 
 
-def linear_split(num_rows: int, k: int) -> tuple[GemmTile, int] | None:
+def linear_split(num_rows: int, n: int, k: int) -> tuple[GemmTile, int] | None:
     """(tile, split_k) where the default Triton GEMM splits each tile's K walk, else None. A decode projection
     has a few dozen column tiles of one row tile: each program walking all of K leaves most SMs idle (H200,
     session 22, `benchmarks.kernels.fp8_moe --parts dense --sweep`, us, weight-only): o 4096 -> 2048 at 1 / 2 / 8
@@ -273,17 +275,20 @@ def linear_split(num_rows: int, k: int) -> tuple[GemmTile, int] | None:
     q|k|v 2048 -> 5120 8.3 / 8.3 / 8.5 in 2 splits against 8.9 / 8.9 / 8.7. A long K (o_proj) splits up to
     SPLIT_MAX_ROWS rows on 64 x 64 tiles, W8A8 there rather than scaled_mm: 12.8 us at 64 rows against 17.1
     (q|k|v: 11.6 against 12.0, left to scaled_mm); decode step at B = 64 11.53 -> 11.30 ms. At 128 rows the
-    kernel alone won (15.7 against 17.4 us) but the step did not (12.74 -> 12.78 ms): scaled_mm keeps it. Each
-    split walks at least SPLIT_MIN_STEPS K steps."""
+    kernel alone won (15.7 against 17.4 us) but the step did not (12.74 -> 12.78 ms): scaled_mm keeps it. A split
+    walks about SPLIT_MIN_STEPS K steps or more (the last may walk fewer); the splits of a projection stop at
+    SPLIT_MAX_PROGRAMS programs (a wide MLP's tiles fill the GPU unsplit; such shapes were not measured)."""
     steps = triton.cdiv(k, 128)
-    split = min(SPLIT_MAX, steps // SPLIT_MIN_STEPS)
-    if split < 2 or num_rows < 1:
+    if num_rows < 1:
         return None
     if num_rows <= 16:
-        return SPLIT_TILES[16], split
-    if num_rows <= SPLIT_MAX_ROWS and steps >= SPLIT_LONG_K_STEPS:
-        return SPLIT_TILES[SPLIT_MAX_ROWS], split
-    return None
+        tile = SPLIT_TILES[16]
+    elif num_rows <= SPLIT_MAX_ROWS and steps >= SPLIT_LONG_K_STEPS:
+        tile = SPLIT_TILES[SPLIT_MAX_ROWS]
+    else:
+        return None
+    split = min(SPLIT_MAX, steps // SPLIT_MIN_STEPS, SPLIT_MAX_PROGRAMS // split_counters(num_rows, n, tile))
+    return (tile, split) if split >= 2 else None
 
 
 def split_counter_slots(n: int) -> int:
@@ -327,7 +332,7 @@ def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_pro
     m, k = x2.shape
     n = w_fp8.shape[0]
     if tile is None and split_k is None:
-        tile, split_k = linear_split(m, k) or (linear_tile(m), 1)
+        tile, split_k = linear_split(m, n, k) or (linear_tile(m), 1)
     tile = tile or linear_tile(m)
     split_k = split_k or 1
     if block[1] % tile.block_k:
@@ -360,10 +365,11 @@ def _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, scale_pro
     return out
 
 
-def _takes_scaled_mm(x2: torch.Tensor, block, act_quant: bool | None, backend: str, tile) -> bool:
+def _takes_scaled_mm(x2: torch.Tensor, n: int, block, act_quant: bool | None, backend: str, tile) -> bool:
     """The engine's pick (act_quant None) hands a W8A8 call on CUDA to scaled_mm where its K suits it."""
     return (act_quant is None and resolve_act_quant(None, x2.shape[0]) and backend == "triton" and x2.is_cuda
-            and tile is None and scaled_mm_serves(x2.shape[1], block) and linear_split(*x2.shape) is None)
+            and tile is None and scaled_mm_serves(x2.shape[1], block)
+            and linear_split(x2.shape[0], n, x2.shape[1]) is None)
 
 
 def input_quant(x: torch.Tensor, w_fp8: torch.Tensor, act_quant: bool | None,
@@ -375,7 +381,7 @@ def input_quant(x: torch.Tensor, w_fp8: torch.Tensor, act_quant: bool | None,
     x2 = x.reshape(-1, x.shape[-1])
     if not resolve_act_quant(act_quant, x2.shape[0]):
         return None
-    if _takes_scaled_mm(x2, block, act_quant, "triton", None):
+    if _takes_scaled_mm(x2, w_fp8.shape[0], block, act_quant, "triton", None):
         return (block[1], True) if x2.shape[0] % 4 == 0 else None
     return block[1], False
 
@@ -468,18 +474,22 @@ def fp8_linear(
                 or scale.shape != (x2.shape[0], triton.cdiv(x2.shape[1], block[1]))):
             raise ValueError(f"fp8_linear: x_fp8 must be x quantized as this call reads it ({want}: group, M-major "
                              f"scale), got {tuple(q.shape)} {q.dtype} scale {tuple(scale.shape)} {scale.stride()}")
-    if _takes_scaled_mm(x2, block, act_quant, backend, tile):
+    if _takes_scaled_mm(x2, w_fp8.shape[0], block, act_quant, backend, tile):
         backend = "scaled_mm"
     if act_quant is None:
         act_quant = resolve_act_quant(None, x2.shape[0])
+    gemv = (backend == "triton" and 1 <= x2.shape[0] <= GEMV_MAX_ROWS and tile is None
+            and block[1] & (block[1] - 1) == 0 and (gemv_tile is not None or gemv_serves(x2.shape[0], *w_fp8.shape)))
+    if split_k not in (None, 1) and (backend != "triton" or gemv):
+        raise ValueError(f"fp8_linear: split_k {split_k} splits the Triton GEMM; this call runs "
+                         f"{'the GEMV' if gemv else backend}")
     if backend == "torch":
         out = fp8_linear_ref(x2, w_fp8, scale_inv, bias, act_quant=act_quant, block=block).to(x.dtype)
     elif backend == "scaled_mm":
         if not act_quant:
             raise ValueError("fp8_linear: the scaled_mm backend multiplies fp8 by fp8: it needs act_quant=True")
         out = _scaled_mm_linear(x2, w_fp8, scale_inv, bias, block, pdl, x_fp8)
-    elif (1 <= x2.shape[0] <= GEMV_MAX_ROWS and tile is None and block[1] & (block[1] - 1) == 0
-          and (gemv_tile is not None or gemv_serves(x2.shape[0], *w_fp8.shape))):
+    elif gemv:
         out = _gemv_linear(x2, w_fp8, scale_inv, bias, act_quant, block, pdl, gemv_tile, lora, x_fp8)
     else:
         out = _triton_linear(x2, w_fp8, scale_inv, bias, act_quant, block, tile, weight_scale == "product", pdl,
