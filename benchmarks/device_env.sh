@@ -1,7 +1,9 @@
 # Sourced by the device-call scripts (run with `carry: [".whl"]`; benchmarks/device_wheels.sh fills .whl/ with the
 # wheels the device lacks, at .venv's versions): those wheels installed beside
-# the tree, the tree on the path, and `lane FILE...` (GPU-marked tests of tests/FILE.py one after another, each
-# under LANE_TIMEOUT seconds, its log in $OUT/FILE.log and one summary line printed).
+# the tree, the tree on the path, `lane FILE...` (GPU-marked tests of tests/FILE.py one after another, each
+# under LANE_TIMEOUT seconds, its log in $OUT/FILE.log and one summary line printed), and `ab_decode NAME LABEL
+# ARGS...` (bench decode from inside benchmarks/ab/NAME, the package benchmarks/ab_packages.sh built: carry
+# "benchmarks/ab" too; its log in /tmp/ab_NAME_LABEL.log, one line printed with the package it imported).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -13,3 +15,10 @@ lane() { for f in "$@"; do
   timeout $LANE_TIMEOUT python3 -m pytest -q -m "${LANE_MARK:-gpu}" tests/$f.py -rf --tb=short -p no:cacheprovider \
     > $OUT/$f.log 2>&1
   echo "$f rc=$? $(( $(date +%s)-s ))s: $(tail -1 $OUT/$f.log)"; done; }
+ab_decode() {
+  local name=$1 label=$2; shift 2
+  local dir=$PWD/benchmarks/ab/$name log=/tmp/ab_${name}_$label.log s=$(date +%s)
+  (cd "$dir" && PYTHONPATH=/tmp/site timeout 30 python3 -c "import moeserve; print('package', moeserve.__file__)" \
+    && PYTHONPATH=/tmp/site timeout ${AB_TIMEOUT:-90} python3 -m moeserve.bench.decode --layers 48 --steps 32 \
+    --repeats 1 --out /tmp/ab_out_$name$label "$@") > $log 2>&1
+  echo "$name $label rc=$? $(( $(date +%s)-s ))s: $(grep -E '^package|^ +[0-9]+ ' $log | tr -s ' ' | tr '\n' '|')"; }
