@@ -24,8 +24,7 @@ class TorchAttentionBackend:
     writes_fp8_out = False  # the o_proj input's fp8 copy: its consumer quantizes for itself
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-               v_scale: float = 1.0, fp8_out=None):
-        assert fp8_out is None, "the torch backend writes no fp8 copy (writes_fp8_out)"
+               v_scale: float = 1.0):
         nh = q.shape[1]
         nkv = k_cache.shape[2]
         k = k_cache[meta.block_tables].flatten(1, 2)  # [B, max_blocks*bs, nkv, d]
@@ -182,14 +181,16 @@ class Attention(nn.Module):
         """Attention over the cache: ([T, nh * d], the o_proj input; its fp8 copy or None). `quant` (o_proj's
         input_quant: group, M-major scales): a decode step on the Triton kernels writes the copy o_proj reads in
         place of its own quantization launch, where a head is one scale group."""
-        fp8_out = None
         if meta.is_decode:
+            fp8_out = None
             if quant is not None and quant[0] == self.d and self.backend.writes_fp8_out:
                 from moeserve.kernels.fp8 import empty_groups_fp8
 
                 fp8_out = empty_groups_fp8(q.shape[0], self.nh * self.d, quant[0], quant[1], q.device)
-            o = self.backend.decode(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
-                                    fp8_out=fp8_out)
+                o = self.backend.decode(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
+                                        fp8_out=fp8_out)
+            else:
+                o = self.backend.decode(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
         else:
-            o = self.backend.prefill(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+            o, fp8_out = self.backend.prefill(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale), None
         return o.reshape(q.shape[0], self.nh * self.d), fp8_out
