@@ -147,31 +147,8 @@ def _fp8_gemv(args):
     return compile_sm90(_fp8_gemv_kernel, types, constexprs, 4, 2, unspecialized=("R_MAX",))
 
 
-_DECODE_TYPES = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", block_tables_ptr="*i32", context_lens_ptr="*i32",
-                     out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q8_ptr="*fp8e4nv",
-                     s8_ptr="*fp32", qk_scale="fp32", v_scale="fp32")
-
-
-def _decode_split(args):
-    """Decode attention at Qwen3-30B-A3B's heads (group 8, head_dim 128), bf16 cache, one split (writes the
-    output); --fp8-out: also its per-head fp8 copy."""
-    from moeserve.kernels.paged_attention import _decode_split_kernel
-
-    constexprs = dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_N=64,
-                      NUM_SPLITS=1, COMPUTE=tl.bfloat16, DOT_PRECISION="tf32", USE_PDL=True, OUT_FP8=args.fp8_out)
-    return compile_sm90(_decode_split_kernel, _DECODE_TYPES, constexprs, 4, 2)
-
-
-def _decode_merge(args):
-    from moeserve.kernels.paged_attention import _decode_merge_kernel
-
-    constexprs = dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128, USE_PDL=True, OUT_FP8=args.fp8_out)
-    return compile_sm90(_decode_merge_kernel, _DECODE_TYPES, constexprs, 2, 1)
-
-
 PRESETS = {"fp8_moe": _fp8_moe, "dense_shrink": _dense_shrink, "dense_expand": _dense_expand,
-           "moe_lora_shrink": _moe_lora_shrink, "fp8_linear": _fp8_linear, "fp8_gemv": _fp8_gemv,
-           "decode_split": _decode_split, "decode_merge": _decode_merge}
+           "moe_lora_shrink": _moe_lora_shrink, "fp8_linear": _fp8_linear, "fp8_gemv": _fp8_gemv}
 
 
 def main(argv=None) -> int:
@@ -179,7 +156,6 @@ def main(argv=None) -> int:
     ap.add_argument("kernel", choices=sorted(PRESETS))
     ap.add_argument("--tile", default="64,128,128,4,3", help="fp8_moe, fp8_linear: block_m,block_n,block_k,warps,stages")
     ap.add_argument("--split-k", type=int, default=1, help="fp8_linear: programs sharing a tile's K walk")
-    ap.add_argument("--fp8-out", action="store_true", help="decode_split, decode_merge: with the fp8 copy")
     ap.add_argument("--tma", action="store_true", help="fp8_moe: weight tiles through a TMA descriptor")
     ap.add_argument("--lora", action="store_true", help="fp8_moe, fp8_linear, fp8_gemv: with the LoRA epilogue")
     ap.add_argument("--sass", help="write the whole disassembly here")

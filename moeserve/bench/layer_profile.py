@@ -78,7 +78,7 @@ def layer_regions(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor, 
         lambda: attn.qk_norm_rotary_write_kv(state["qkv"], batch.positions, batch.attn, k_cache, v_cache),
         T * (2 * q_size + 2 * kv_size) * b + 2 * T * kv_size * _elem(k_cache) + 2 * T * d * _elem(attn.rotary.cos),
         "q")
-    add("attention", lambda: attn.attend(state["q"], batch.attn, k_cache, v_cache)[0],
+    add("attention", lambda: attn.attend(state["q"], batch.attn, k_cache, v_cache),
         T * ctx_len * 2 * kv_size * _elem(k_cache) + 2 * T * q_size * b, "o")
     o_w = attn.o_proj.weight
     add("o_proj", lambda: attn.o_proj(state["o"], batch.lora), o_w.numel() * _elem(o_w) + T * (q_size + H) * b,

@@ -179,16 +179,6 @@ def _quantize_groups_kernel(
     tl.store(scale_ptr + rows.to(tl.int64) * stride_s + tl.program_id(1) * stride_sg, scale, mask=row_ok)
 
 
-def empty_groups_fp8(rows: int, cols: int, group: int, scale_m_major: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q fp8 [rows, cols], scale fp32 [rows, ceil(cols / group)]) to be filled: what quantize_groups_fp8 returns,
-    for a kernel that writes the quantized copy of its own output. `scale_m_major`: the scale's rows adjacent
-    (strides (1, rows)), the layout cuBLAS's blockwise scales take."""
-    groups = triton.cdiv(cols, group)
-    scale = (torch.empty(groups, rows, dtype=torch.float32, device=device).t() if scale_m_major
-             else torch.empty(rows, groups, dtype=torch.float32, device=device))
-    return torch.empty(rows, cols, dtype=FP8_DTYPE, device=device), scale
-
-
 def _quantize_groups(x: torch.Tensor, k: int, group: int, silu_mul: bool, pdl: bool, h: torch.Tensor | None = None,
                      scale_m_major: bool = False):
     if x.dim() != 2 or x.stride(1) != 1:
@@ -196,7 +186,12 @@ def _quantize_groups(x: torch.Tensor, k: int, group: int, silu_mul: bool, pdl: b
     if group & (group - 1):
         raise ValueError(f"group {group} is not a power of two")
     m = x.shape[0]
-    q, scale = empty_groups_fp8(m, k, group, scale_m_major, x.device)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    groups = triton.cdiv(k, group)
+    if scale_m_major:  # [m, groups] with the rows adjacent: the layout cuBLAS's blockwise scales take
+        scale = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
     rows = max(1, min(16, 2048 // group))

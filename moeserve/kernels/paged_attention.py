@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import pdl as pdl_launch
-from moeserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_tile_fp8
 
 # The interpreter computes bf16 arithmetic wrongly: there, every tile is upcast to fp32 on load.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -151,24 +150,20 @@ def _online_softmax_step(q, m, l, acc, table, pos, valid, q_pos, k_ptr, v_ptr, k
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, q8_ptr, s8_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * k_scale * log2(e): the kernel works in base 2
     v_scale,  # the fp8 cache's V scale (1.0 otherwise): the output is sum p v_fp8 / l times it
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt,
-    stride_ob, stride_oh, stride_s8b, stride_s8h,
+    stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    OUT_FP8: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0,
 ):
-    """One (sequence, KV head, split): the GROUP query heads of the KV head over the split's share of the
-    context. NUM_SPLITS 1: the output itself (OUT_FP8: also quantized per head, see _store_fp8); else the split's
-    normalised partial and its log-sum-exp for the merge."""
     pdl_launch.enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -207,9 +202,6 @@ def _decode_split_kernel(
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-        if OUT_FP8:
-            _store_fp8(o.to(out_ptr.dtype.element_ty).to(tl.float32), seq, head, d, g_mask, q8_ptr, s8_ptr,
-                       num_heads, stride_s8b, stride_s8h, HEAD_DIM, FP8_LIMIT)
     else:
         row = (seq * num_heads + head) * NUM_SPLITS + split  # [GROUP_PAD]
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], o, mask=g_mask[:, None])
@@ -219,11 +211,10 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, q8_ptr, s8_ptr,
-    stride_ob, stride_oh, stride_s8b, stride_s8h,
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-    OUT_FP8: tl.constexpr = False, FP8_LIMIT: tl.constexpr = 448.0,
 ):
     pdl_launch.enter(USE_PDL)
     seq = tl.program_id(0)
@@ -243,22 +234,6 @@ def _decode_merge_kernel(
     res = num / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, res.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
-    if OUT_FP8:
-        one = tl.zeros([1], dtype=tl.int32)  # this program's head as a one-row tile
-        _store_fp8(res.to(out_ptr.dtype.element_ty).to(tl.float32)[None, :], seq, head + one, d, one == 0, q8_ptr,
-                   s8_ptr, tl.num_programs(1), stride_s8b, stride_s8h, HEAD_DIM, FP8_LIMIT)
-
-
-@triton.jit
-def _store_fp8(o, seq, head, d, head_mask, q8_ptr, s8_ptr, num_heads, stride_s8b, stride_s8h,
-               HEAD_DIM: tl.constexpr, FP8_LIMIT: tl.constexpr):
-    """o [heads, HEAD_DIM] fp32, each row a head's output as rounded to the output dtype -> its fp8 copy for a
-    W8A8 o_proj, one head a scale group (HEAD_DIM the group): q8 [B, n_heads * HEAD_DIM] and s8 [B, n_heads] at
-    (stride_s8b, stride_s8h), bitwise fp8.quantize_groups_fp8 of the output rows."""
-    q8, s8 = quantize_tile_fp8(o, FP8_LIMIT)
-    row = seq.to(tl.int64) * num_heads + head
-    tl.store(q8_ptr + row[:, None] * HEAD_DIM + d[None, :], q8, mask=head_mask[:, None])
-    tl.store(s8_ptr + seq.to(tl.int64) * stride_s8b + head * stride_s8h, s8, mask=head_mask)
 
 
 def _check_cache(q, k_cache, v_cache):
@@ -273,12 +248,9 @@ def _check_cache(q, k_cache, v_cache):
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float,
                            num_splits: int | None = None, out=None, pdl: bool = False, k_scale: float = 1.0,
-                           v_scale: float = 1.0, fp8_out=None) -> torch.Tensor:
+                           v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence. q [B, n_heads, head_dim] -> [B, n_heads, head_dim] (q dtype).
     k_scale / v_scale: what the cache's values are multiplied by to be K and V (an fp8 cache's scales; 1.0 else).
-    `fp8_out` (q8 fp8 [B, n_heads * head_dim] contiguous, scale fp32 [B, n_heads], any strides; head_dim a power
-    of two): also the output quantized per head as a W8A8 o_proj reads it (fp8.quantize_groups_fp8 with
-    head_dim-column groups, bitwise), written by the kernel that writes the output.
 
     context_lens counts the sequence's tokens in the cache including the current one; rows with
     context 0 (padding) output zeros and read no cache. Launch shapes depend only on tensor
@@ -292,24 +264,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     assert out.shape == (batch, n_heads, head_dim) and out.stride(-1) == 1
     if batch == 0:
         return out
-    if fp8_out is not None:
-        q8, s8 = fp8_out
-        if (head_dim & (head_dim - 1) or q8.dtype != FP8_DTYPE or q8.shape != (batch, n_heads * head_dim)
-                or not q8.is_contiguous() or s8.dtype != torch.float32 or s8.shape != (batch, n_heads)):
-            raise ValueError(f"fp8_out: (fp8 [{batch}, {n_heads * head_dim}] contiguous, fp32 [{batch}, {n_heads}]) "
-                             f"for a power-of-two head_dim, got {q8.dtype} {tuple(q8.shape)}, {s8.dtype} "
-                             f"{tuple(s8.shape)}, head_dim {head_dim}")
     block_n, stages = decode_tile(k_cache.dtype.itemsize)
     if num_splits is None:
         num_splits = default_num_splits(batch, n_kv, block_tables.shape[1], block_size, q.device, block_n)
     _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
-                   block_n=block_n, num_warps=4, num_stages=stages, pdl=pdl, k_scale=k_scale, v_scale=v_scale,
-                   fp8_out=fp8_out)
+                   block_n=block_n, num_warps=4, num_stages=stages, pdl=pdl, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
-                   block_n, num_warps, num_stages, pdl=False, k_scale=1.0, v_scale=1.0, fp8_out=None):
+                   block_n, num_warps, num_stages, pdl=False, k_scale=1.0, v_scale=1.0):
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
     batch = q.shape[0]
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -319,32 +283,29 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         part_lse = torch.empty((batch, n_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    q8, s8 = fp8_out if fp8_out is not None else (out, out)  # unread placeholders without a copy
-    s8_strides = s8.stride()[:2] if fp8_out is not None else (0, 0)
-    fp8_meta = dict(OUT_FP8=fp8_out is not None, FP8_LIMIT=FP8_MAX)
     _decode_split_kernel[(batch, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
-        out, part_out, part_lse, q8, s8,
+        out, part_out, part_lse,
         scale * k_scale * _LOG2E, float(v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1), *s8_strides,
+        out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         COMPUTE=_compute_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages, **fp8_meta,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, n_heads)](
-            part_out, part_lse, out, q8, s8,
-            out.stride(0), out.stride(1), *s8_strides,
+            part_out, part_lse, out,
+            out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            USE_PDL=pdl, launch_pdl=pdl, num_warps=1 if head_dim_pad <= 64 else 2, **fp8_meta,
+            USE_PDL=pdl, launch_pdl=pdl, num_warps=1 if head_dim_pad <= 64 else 2,
         )
     return out
 

@@ -21,8 +21,6 @@ class TorchAttentionBackend:
     (converted exactly), k_scale folded into the softmax scale and v_scale multiplying the output, as the kernels
     do (kernels/paged_attention.py)."""
 
-    writes_fp8_out = False  # the o_proj input's fp8 copy: its consumer quantizes for itself
-
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                v_scale: float = 1.0):
         nh = q.shape[1]
@@ -74,16 +72,14 @@ def _times(o: torch.Tensor, v_scale: float) -> torch.Tensor:
 
 
 class TritonAttentionBackend:
-    writes_fp8_out = True  # decode writes the o_proj input's fp8 copy where asked (one head a scale group)
-
     def __init__(self, paged_attention, pdl: bool = False):
         self.k = paged_attention  # the registry's kernels module (layers/backends.py)
         self.pdl = pdl  # launches with programmatic dependent launch (kernels/pdl.py)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-               v_scale: float = 1.0, fp8_out=None):
+               v_scale: float = 1.0):
         return self.k.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                             pdl=self.pdl, k_scale=k_scale, v_scale=v_scale, fp8_out=fp8_out)
+                                             pdl=self.pdl, k_scale=k_scale, v_scale=v_scale)
 
     def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                 v_scale: float = 1.0):
@@ -139,8 +135,7 @@ class Attention(nn.Module):
         """`x_fp8`: x quantized as qkv_proj.input_quant says, by the norm that made x."""
         qkv = self.qkv_proj(x, batch.lora, x_fp8=x_fp8)
         q = self.qk_norm_rotary_write_kv(qkv, batch.positions, batch.attn, k_cache, v_cache)
-        o, o_fp8 = self.attend(q, batch.attn, k_cache, v_cache, self.o_proj.input_quant(q.flatten(1)))
-        return self.o_proj(o, batch.lora, x_fp8=o_fp8)
+        return self.o_proj(self.attend(q, batch.attn, k_cache, v_cache), batch.lora)
 
     def qk_norm_rotary_write_kv(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -176,21 +171,10 @@ class Attention(nn.Module):
         write_kv_slots(k_cache, meta.slot_mapping, k, self.k_scale)
         write_kv_slots(v_cache, meta.slot_mapping, v, self.v_scale)
 
-    def attend(self, q, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               quant: tuple[int, bool] | None = None) -> tuple[torch.Tensor, tuple | None]:
-        """Attention over the cache: ([T, nh * d], the o_proj input; its fp8 copy or None). `quant` (o_proj's
-        input_quant: group, M-major scales): a decode step on the Triton kernels writes the copy o_proj reads in
-        place of its own quantization launch, where a head is one scale group."""
+    def attend(self, q, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Attention over the cache: [T, nh * d], the o_proj input."""
         if meta.is_decode:
-            fp8_out = None
-            if quant is not None and quant[0] == self.d and self.backend.writes_fp8_out:
-                from moeserve.kernels.fp8 import empty_groups_fp8
-
-                fp8_out = empty_groups_fp8(q.shape[0], self.nh * self.d, quant[0], quant[1], q.device)
-                o = self.backend.decode(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale,
-                                        fp8_out=fp8_out)
-            else:
-                o = self.backend.decode(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+            o = self.backend.decode(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
         else:
-            o, fp8_out = self.backend.prefill(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale), None
-        return o.reshape(q.shape[0], self.nh * self.d), fp8_out
+            o = self.backend.prefill(q, k_cache, v_cache, meta, self.scale, self.k_scale, self.v_scale)
+        return o.reshape(q.shape[0], self.nh * self.d)
