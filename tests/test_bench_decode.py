@@ -69,3 +69,18 @@ def test_prefill_profile_files_each_lora_kernel_under_its_region():
     assert {region_of(k.__name__) for k in (lora_dense._dense_lora_shrink_kernel,
                                             lora_dense._dense_lora_expand_kernel)} == {"dense LoRA"}
     assert region_of(moe_lora._lora_block_shrink_kernel.__name__) == "expert LoRA"
+
+
+def test_held_bytes_counts_each_storage_once_at_its_own_width():
+    """The weights line of `bench decode`: parameters and buffers by their storages' bytes (an fp8 weight one byte
+    an element, its fp32 scales four), a tied weight and a view of a buffer counted once."""
+    from moeserve.bench.decode import held_bytes
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 8, dtype=torch.bfloat16)
+    model.head = torch.nn.Linear(8, 10, bias=False, dtype=torch.bfloat16)
+    model.head.weight = model.embed.weight  # tied
+    model.register_buffer("w_fp8", torch.zeros(16, 32, dtype=torch.float8_e4m3fn))
+    model.register_buffer("scale", torch.ones(1, 1))
+    model.register_buffer("rows", model.w_fp8[:4])  # a view: no storage of its own
+    assert held_bytes(model) == 10 * 8 * 2 + 16 * 32 + 4

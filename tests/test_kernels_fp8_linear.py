@@ -334,6 +334,8 @@ def test_gpu_split_k_under_pdl_lora_and_graph_replays(m):
     a_pool = (torch.randn(2, 1, 16, k, generator=gen, device="cuda") * 0.05).bfloat16()
     b_pool = (torch.randn(2, n, 16, generator=gen, device="cuda") * 0.05).bfloat16()
     ranks = torch.tensor([16, 8], dtype=torch.int32, device="cuda")
+    a_pool[1, :, 8:] = 0  # the pool's contract: zeros past each slot's rank (the expand reads whole rank blocks)
+    b_pool[1, :, 8:] = 0
     slots = torch.tensor([1, -1][:m], dtype=torch.int32, device="cuda")
     counters = torch.zeros(split_counter_slots(n), dtype=torch.int32, device="cuda")
     pdl = supported(torch.device("cuda"))

@@ -103,6 +103,13 @@ def timed_steps(runner, sb: ScheduledBatch, steps: int, warmup: int = WARMUP_STE
     return time.perf_counter() - t0
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the storages behind a model's parameters and buffers (weights, scales), each storage once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers())}
+    return sum(storages.values())
+
+
 class DecodeBench:
     def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
                  backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None,
@@ -118,6 +125,7 @@ class DecodeBench:
                                 quantization=quantization, fp8_activations=fp8_activations,
                                 kv_cache_dtype=kv_cache_dtype).resolve()
         self.model = loader.random_model(spec, self.cfg.exec_options())
+        self.weight_bytes = held_bytes(self.model)
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
         self.block_size = block_size
         blocks = max_bs * -(-self.max_len // block_size) + 2
@@ -263,7 +271,8 @@ def main(argv=None) -> int:
                         quantization=args.quantization, fp8_activations=args.fp8_activations,
                         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
-    print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s, "
+          f"weights {bench.weight_bytes / 2**30:.2f} GiB", flush=True)
     results: dict[str, dict[int, float]] = {m: {} for m in modes}
     capture: dict[str, dict] = {}
     plan = {  # mode -> (needs LoRA pool, graph variants or None for eager)
@@ -341,7 +350,7 @@ def main(argv=None) -> int:
                "preset": args.preset, "layers": spec.num_layers, "steps": args.steps, "context": PROMPT,
                "read_bandwidth": bw, "gpu": torch.cuda.get_device_name(), "rows": rows, "capture": capture,
                "layer_budget": budgets, "pdl": bench.cfg.pdl, "linear_backend": bench.cfg.linear_backend,
-               "timed_step": timed_step,
+               "timed_step": timed_step, "weight_bytes": bench.weight_bytes,
                "date": time.strftime("%Y-%m-%d")}
     (out / f"decode_{args.preset}.json").write_text(json.dumps(payload, indent=1))
     try:
