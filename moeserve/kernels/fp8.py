@@ -76,6 +76,16 @@ def dequantize_block_fp8(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tu
     return (w_fp8.float() * _expand_blocks(scale_inv.float(), block, n, k)).to(dtype)
 
 
+def empty_groups_fp8(rows: int, cols: int, group: int, scale_m_major: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q fp8 [rows, cols], scale fp32 [rows, ceil(cols / group)]) to be filled: what quantize_groups_fp8 returns,
+    for a kernel that writes the quantized copy of its own output. `scale_m_major`: the scale's rows adjacent
+    (strides (1, rows)), the layout cuBLAS's blockwise scales take."""
+    groups = triton.cdiv(cols, group)
+    scale = (torch.empty(groups, rows, dtype=torch.float32, device=device).t() if scale_m_major
+             else torch.empty(rows, groups, dtype=torch.float32, device=device))
+    return torch.empty(rows, cols, dtype=FP8_DTYPE, device=device), scale
+
+
 def quantize_groups_fp8_ref(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-group activation quantization in plain torch: x [M, K] -> (q [M, K] fp8, scale [M, ceil(K/group)]
     fp32), scale = amax / 448 per (row, group). The twin of `quantize_groups_fp8`."""
@@ -186,12 +196,7 @@ def _quantize_groups(x: torch.Tensor, k: int, group: int, silu_mul: bool, pdl: b
     if group & (group - 1):
         raise ValueError(f"group {group} is not a power of two")
     m = x.shape[0]
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    groups = triton.cdiv(k, group)
-    if scale_m_major:  # [m, groups] with the rows adjacent: the layout cuBLAS's blockwise scales take
-        scale = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    q, scale = empty_groups_fp8(m, k, group, scale_m_major, x.device)
     if m == 0:
         return q, scale
     rows = max(1, min(16, 2048 // group))

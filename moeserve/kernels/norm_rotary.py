@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels import pdl as pdl_launch
-from moeserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, quantize_tile_fp8, rne_e4m3
+from moeserve.kernels.fp8 import FP8_MAX, empty_groups_fp8, quantize_tile_fp8, rne_e4m3
 from moeserve.kernels.kv_fp8 import KV_FP8_DTYPE, KV_FP8_MAX, write_kv_slots
 
 NORM_MODES = {"none": 0, "head": 1, "full": 2}
@@ -80,12 +80,7 @@ def _launch_norm(x, residual, weight, eps, num_warps, pdl, quant_group=0, scale_
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     res = rows if residual is None else _rows(residual)
     res_out = out if residual is None else torch.empty_like(rows)  # without a residual: never written
-    quant = None
-    if quant_group:
-        groups = triton.cdiv(N, quant_group)
-        scale = (torch.empty(groups, T, dtype=torch.float32, device=x.device).t() if scale_m_major  # as cuBLAS takes
-                 else torch.empty(T, groups, dtype=torch.float32, device=x.device))
-        quant = (torch.empty(T, N, dtype=FP8_DTYPE, device=x.device), scale)
+    quant = empty_groups_fp8(T, N, quant_group, scale_m_major, x.device) if quant_group else None
     if T > 0:
         q, scale = quant if quant is not None else (out, out)  # unread placeholders
         _rms_norm_kernel[(T,)](rows, res, weight, out, res_out, q, scale, rows.stride(0), res.stride(0), N, eps,
