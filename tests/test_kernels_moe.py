@@ -120,11 +120,12 @@ def _check_alignment_invariants(aligned, topk_ids, groups, num_groups, block_m):
     (1, 2, 4, 16, 4096),   # single token
     (5, 3, 6, 4, 16),      # E not a power of two
 ])
-def test_align_by_expert_matches_reference(num_tokens, top_k, num_experts, block_m, chunk):
+@pytest.mark.parametrize("self_count", [False, True])  # the count kernel first, or every program counting itself
+def test_align_by_expert_matches_reference(num_tokens, top_k, num_experts, block_m, chunk, self_count):
     gen = torch.Generator(DEV).manual_seed(num_tokens)
     _, ids = _route(num_tokens, num_experts, top_k, gen, empty_expert=1)
     ids[0, 0] = -1  # not routed here (e.g. another expert-parallel rank): belongs to no block
-    ours = moe_align(ids, num_experts, block_m, chunk=chunk)
+    ours = moe_align(ids, num_experts, block_m, chunk=chunk, self_count=self_count)
     ref = moe_align_ref(ids, num_experts, block_m)
     _assert_same_alignment(ours, ref, ids.numel())
     _check_alignment_invariants(ours, ids, [e if 0 <= e < num_experts else None
@@ -513,10 +514,11 @@ def _bits16(t):
 def test_gpu_align_matches_reference_at_scale(num_tokens):
     gen = torch.Generator("cuda").manual_seed(num_tokens)
     _, ids = _route(num_tokens, 128, 8, gen, device="cuda")
-    for chunk in (4096, 1024, 256):
+    for chunk in (4096, 1024, 256, 64):
         for block_m in (16, 64):
-            ours = moe_align(ids, 128, block_m, chunk=chunk)
-            _assert_same_alignment(ours, moe_align_ref(ids, 128, block_m), ids.numel())
+            for self_count in (False, True):
+                ours = moe_align(ids, 128, block_m, chunk=chunk, self_count=self_count)
+                _assert_same_alignment(ours, moe_align_ref(ids, 128, block_m), ids.numel())
 
 
 @pytest.mark.gpu

@@ -68,11 +68,13 @@ def _align_place_kernel(
     ids_ptr, hist_ptr, sorted_ids_ptr, block_groups_ptr, num_padded_ptr, cursor_ptr,
     num_pairs, num_groups, num_chunks, max_blocks,
     BLOCK_M: tl.constexpr, NUM_BINS: tl.constexpr, LOG2_BINS: tl.constexpr, CHUNK: tl.constexpr,
-    CHUNKS_P2: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr,
+    CHUNKS_P2: tl.constexpr, BLOCK_B: tl.constexpr, USE_PDL: tl.constexpr, ALL_P2: tl.constexpr = 0,
 ):
     """Programs [0, num_chunks) place their chunk's pairs; the rest fill padding rows and block groups
     of BLOCK_B blocks each. Both write disjoint rows of sorted_ids, so no ordering between them is needed.
     CHUNKS_P2 == 1: one chunk, whose histogram every program counts itself (no count kernel before).
+    ALL_P2 > 0 (a power of two >= num_pairs): every program counts all pairs, and those before its chunk, itself
+    (no count kernel before; a few KB of ids each, from L2).
     Scratch (`cursor_ptr`): a row of 3 * NUM_BINS int32 per program, its own."""
     pdl_launch.enter(USE_PDL)
     pid = tl.program_id(0)
@@ -81,6 +83,12 @@ def _align_place_kernel(
     if CHUNKS_P2 == 1:
         counts = _chunk_histogram(ids_ptr, 0, num_pairs, num_groups, CHUNK, NUM_BINS)
         before = tl.zeros([NUM_BINS], dtype=tl.int32)
+    elif ALL_P2 > 0:
+        every = tl.arange(0, ALL_P2)
+        all_groups = _pair_groups(ids_ptr, every, num_pairs, num_groups)
+        counts = tl.histogram(all_groups, NUM_BINS)
+        # pairs of later chunks counted in the junk bin (num_groups), which is no group
+        before = tl.histogram(tl.where(every < pid * CHUNK, all_groups, num_groups), NUM_BINS)
     else:
         chunks = tl.arange(0, CHUNKS_P2)
         hist = tl.load(hist_ptr + chunks[:, None] * NUM_BINS + bins[None, :],
@@ -133,19 +141,40 @@ def _align_place_kernel(
                  mask=pad & (blocks < max_blocks)[:, None])
 
 
+# Pairs per placing program past one chunk, and the pair counts at which every program counts the histogram itself
+# (one launch) rather than a count kernel first (H200, 128 experts, top-8, µs per call, benchmarks/session24/
+# align_sweep.py): T = 64 (512 pairs) 3.3 against 4.4 in one program; T = 128 3.7 against 8.3 in one program of
+# 1,024 pairs, 4.3 with the count kernel; T = 256 / 512: 128-pair chunks with the count kernel 4.6-5.3 against 10.0
+# for 1,024-pair chunks (the self-count's histogram of 2,048+ pairs per program costs more than the launch).
+ALIGN_CHUNK = 128
+ONE_CHUNK_MAX_PAIRS = 128  # T = 16: one program 2.6, self-counting 64-pair chunks 2.8
+SELF_COUNT_MAX_PAIRS = 1024
+
+
 def align_chunk(num_pairs: int, chunk: int | None = None) -> int:
-    """Pairs per placing program: `chunk` (a power of two), or by size: one program up to 1,024 pairs, else
-    at most 64 programs of at least 1,024 pairs (their histograms are summed in registers)."""
+    """Pairs per placing program: `chunk` (a power of two), or by size: one program up to ONE_CHUNK_MAX_PAIRS,
+    else ALIGN_CHUNK, or more where that would make over 64 programs (their histograms are summed in registers)."""
     if chunk is not None:
         return chunk
-    return max(1024, triton.next_power_of_2(triton.cdiv(num_pairs, 64)))
+    if num_pairs <= ONE_CHUNK_MAX_PAIRS:
+        return max(16, triton.next_power_of_2(num_pairs))
+    return max(ALIGN_CHUNK, triton.next_power_of_2(triton.cdiv(num_pairs, 64)))
 
 
-def align_constants(num_pairs: int, chunk: int | None = None) -> tuple[int, int]:
-    """(pairs per program, chunk count rounded up to a power of two): the compile-time constants the pair count
-    decides (the start-up warm-up must reach each combination real steps take)."""
+def align_self_counts(num_pairs: int, self_count: bool | None = None) -> bool:
+    """Whether the placing programs count the histogram themselves (`self_count`, or by size)."""
+    return num_pairs <= SELF_COUNT_MAX_PAIRS if self_count is None else self_count
+
+
+def align_constants(num_pairs: int, chunk: int | None = None,
+                    self_count: bool | None = None) -> tuple[int, int, int]:
+    """(pairs per program, chunk count rounded up to a power of two, pairs rounded up to one where every program
+    counts them, else 0): the compile-time constants the pair count decides (the start-up warm-up must reach each
+    combination real steps take)."""
     chunk = min(align_chunk(num_pairs, chunk), max(16, triton.next_power_of_2(num_pairs)))
-    return chunk, triton.next_power_of_2(triton.cdiv(num_pairs, chunk))
+    chunks_p2 = triton.next_power_of_2(triton.cdiv(num_pairs, chunk))
+    all_p2 = triton.next_power_of_2(num_pairs) if chunks_p2 > 1 and align_self_counts(num_pairs, self_count) else 0
+    return chunk, chunks_p2, all_p2
 
 
 def moe_align(
@@ -154,14 +183,16 @@ def moe_align(
     block_m: int,
     chunk: int | None = None,
     pdl: bool = False,
+    self_count: bool | None = None,
 ) -> AlignedBlocks:
     """Align pairs of `topk_ids [T, K]` into expert groups, no host sync: one Triton launch when the pairs fit
-    one chunk, else two (per-chunk histograms, then placement); `chunk` overrides the pairs per program;
-    `pdl`: launched with programmatic dependent launch (kernels/pdl.py)."""
+    one chunk or every placing program counts them itself (`self_count`; default by size, align_self_counts),
+    else two (per-chunk histograms, then placement); `chunk` overrides the pairs per program; `pdl`: launched
+    with programmatic dependent launch (kernels/pdl.py)."""
     num_pairs = topk_ids.numel()
     max_blocks = align_max_blocks(num_pairs, num_experts, block_m)
     num_bins = max(32, triton.next_power_of_2(num_experts + 1))
-    chunk, chunks_p2 = align_constants(num_pairs, chunk)
+    chunk, chunks_p2, all_p2 = align_constants(num_pairs, chunk, self_count)
     num_chunks = triton.cdiv(num_pairs, chunk)
     block_b = max(1, min(64, 4096 // block_m))  # blocks per padding program: a [4096] tile of rows
     dev = topk_ids.device
@@ -171,8 +202,8 @@ def moe_align(
     grid = num_chunks + triton.cdiv(max_blocks, block_b)
     scratch = torch.empty(grid * 3 * num_bins, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous()
-    hist = scratch  # one chunk: no histograms to pass
-    if num_chunks > 1:
+    hist = scratch  # one chunk, or every program counting itself: no histograms to pass
+    if num_chunks > 1 and not all_p2:
         hist = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=dev)
         _align_count_kernel[(num_chunks,)](ids, hist, num_pairs, num_experts, CHUNK=chunk, NUM_BINS=num_bins,
                                            USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
@@ -180,7 +211,7 @@ def moe_align(
         ids, hist, sorted_ids, block_groups, num_padded, scratch,
         num_pairs, num_experts, num_chunks, max_blocks,
         BLOCK_M=block_m, NUM_BINS=num_bins, LOG2_BINS=num_bins.bit_length() - 1, CHUNK=chunk,
-        CHUNKS_P2=chunks_p2, BLOCK_B=block_b,
+        CHUNKS_P2=chunks_p2, BLOCK_B=block_b, ALL_P2=all_p2,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return AlignedBlocks(sorted_ids, block_groups, num_padded)
