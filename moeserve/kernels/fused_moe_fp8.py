@@ -282,14 +282,24 @@ def _table_label(act_quant: bool) -> str:
     return "fp8_w8a8" if act_quant else "fp8_w"
 
 
+# pairs (lora_options); bounds on powers of two, as the warm-up's token counts reach every next_power_of_2(pairs)
+FP8_LORA_TWO_LANES = (1025, 4096)
+
+
 @functools.lru_cache(maxsize=4096)
 def lora_options(num_tokens: int, top_k: int) -> MoEPlan:
     """The LoRA options of an FP8 sorted-path call: the heuristic's shrinks (moe_plan.LORA_SHRINKS_UNSPLIT). Its
     tiles are not read (fp8_plan gives those). (H200, W8A8, 4 rank-16 adapters, (MoE + LoRA) / MoE with the expands
     in the GEMM epilogues / apart after plain GEMMs: 1.16 / 1.45 at T = 16, 1.36 / 1.51 at 256, 1.54 / 1.75 at 512,
     1.65 / 1.81 at 4,096; the engine's prefill with every prompt on an adapter 0.720 / 0.627 of base; session 16
-    calls 2-4. The apart expands were removed after f6bc547.)"""
-    return heuristic_plan(num_tokens, top_k, decode=False, lora=True)
+    calls 2-4. The apart expands were removed after f6bc547.) From 1,025 to 4,096 pairs (64-row blocks) the block's
+    slots are dealt to 2 programs, not 4 (W8A8, 4 rank-16 adapters, (MoE + LoRA) / MoE: T = 256 1.302 against 1.328,
+    512 1.428 against 1.442; 8 lanes, 2 or 8 warps, K steps of 256, stages 2 / 4 and splits lost or tied; session 24,
+    benchmarks/session24/fp8_lora_sweep.py)."""
+    plan = heuristic_plan(num_tokens, top_k, decode=False, lora=True)
+    if FP8_LORA_TWO_LANES[0] <= num_tokens * top_k <= FP8_LORA_TWO_LANES[1]:
+        plan = replace(plan, lora_shrink_lanes=2)
+    return plan
 
 
 @functools.lru_cache(maxsize=4096)  # called per MoE layer per eager step, as default_plan
