@@ -278,6 +278,62 @@ def test_auto_multiplication_is_w8a8_sorted_and_weight_only_on_the_gemv_path():
         assert not torch.equal(auto, fused_moe_fp8(*problem, act_quant=not same, decode=decode)), decode
 
 
+def _act_in_gate_up_pair(block_m=16, block_k=64, num_warps=4, y_fp32=True):
+    """A W8A8 plan with SiLU*up and h's quantization by their own launch, and the same tiles with them in the
+    gate_up GEMM's epilogue (128-column gate and up tiles: one activation scale group)."""
+    tile = GemmTile(block_m=block_m, block_n=128, block_k=block_k, num_warps=num_warps, num_stages=2)
+    plan = MoEPlan(False, tile, tile, fused_act=False, y_fp32=y_fp32)
+    return plan, replace(plan, act_in_gate_up=True)
+
+
+# I = 128: one gate tile and one up tile; I = 192: the second tile half past I (its columns count as zeros in
+# the group's amax), its scales one per column (the up half does not start on a tile boundary)
+@pytest.mark.parametrize("hidden,inter,dtype", [(256, 128, torch.float32), (192, 192, torch.float32),
+                                                (256, 128, torch.float16)])
+def test_w8a8_activation_in_the_gate_up_epilogue_is_bitwise_the_separate_launch(hidden, inter, dtype):
+    """MoEPlan.act_in_gate_up: the gate_up GEMM stores h = silu(g) * u quantized per group (and h itself under
+    LoRA, for the down shrink) instead of gu for an activation kernel: the same bits out, without LoRA, with LoRA
+    (one A per slot, and a slot with its own up A), and with weight tiles through TMA."""
+    problem = _problem(11, 4, hidden, inter, 2, seed=21, dtype=dtype)
+    apart, fused = _act_in_gate_up_pair(y_fp32=dtype == torch.float32)
+    ref = fused_moe_fp8(*problem, act_quant=True, plan=apart)
+    assert torch.equal(fused_moe_fp8(*problem, act_quant=True, plan=fused), ref)
+    assert torch.equal(fused_moe_fp8(*problem, act_quant=True, plan=replace(fused, weights_tma=True)), ref)
+    assert _rel(ref, fused_moe_fp8_ref(*problem, act_quant=True)) < (1e-5 if dtype == torch.float32 else 1e-2)
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    lora = _lora_args(11, 4, hidden, inter, gen, dtype=dtype)
+    up_a = (torch.randn(lora.gate_up_a.shape, generator=gen, device=DEV) * 0.1).to(dtype)
+    up_a[0, :, 8:] = up_a[2, :, 4:] = 0
+    separate = replace(lora, up_a=up_a, gate_up_separate=torch.tensor([1, 0, 0], dtype=torch.int32, device=DEV))
+    for pool in (lora, separate):
+        ref = fused_moe_fp8(*problem, act_quant=True, plan=apart, lora=pool)
+        assert torch.equal(fused_moe_fp8(*problem, act_quant=True, plan=fused, lora=pool), ref)
+
+
+def test_activation_in_the_gate_up_epilogue_needs_group_wide_tiles_and_w8a8(monkeypatch):
+    """An explicit plan whose gate_up tile is not one scale group wide is refused by name; the plan of a table row
+    keeps the option under W8A8 only, and drops it where the gate and up tiles would not fit side by side."""
+    problem = _problem(9, 4, 256, 128, 2, seed=3)
+    _, fused = _act_in_gate_up_pair()
+    narrow = replace(fused, gate_up=replace(fused.gate_up, block_n=64))
+    with pytest.raises(ValueError, match="act_in_gate_up.*block_n 64"):
+        fused_moe_fp8(*problem, act_quant=True, plan=narrow)
+    row = (GemmTile(64, 128, 128, 8, 3), GemmTile(64, 128, 128, 4, 3), {"act_in_gate_up": True})
+    monkeypatch.setattr(fused_moe_fp8_module, "gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(fused_moe_fp8_module, "tuned_tiles", lambda *args, **kw: row)
+    shape = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cpu"))
+    fp8_plan.cache_clear()
+    try:
+        assert fp8_plan(256, 8, shape, True).act_in_gate_up
+        assert fp8_plan(256, 8, shape, True).gate_up.block_n == 128
+        assert not fp8_plan(256, 8, shape, False).act_in_gate_up
+        row = (GemmTile(128, 128, 128, 8, 3), GemmTile(128, 128, 128, 8, 3), {"act_in_gate_up": True})
+        fp8_plan.cache_clear()
+        assert not fp8_plan(256, 8, shape, True).act_in_gate_up  # 128 x 256 accumulators: over the W8A8 cap
+    finally:
+        fp8_plan.cache_clear()
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: bf16 at Qwen3-30B-A3B expert shapes
 
@@ -495,3 +551,30 @@ def test_gpu_fused_moe_fp8_with_lora_bf16_qwen3_shapes(num_tokens):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, out)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [64, 256, 4096])
+def test_gpu_activation_in_the_gate_up_epilogue_is_bitwise_the_separate_launch(num_tokens):
+    """bf16 at Qwen3-30B-A3B expert shapes, the shipped W8A8 tiles (64-row blocks from T = 256) and the tiles a table
+    row with act_in_gate_up would take (gate and up accumulators side by side: 8 warps), each with the activation
+    by its own launch and in the gate_up epilogue: the same bits, without LoRA and with it, under PDL, and from a
+    CUDA graph."""
+    problem = _problem(num_tokens, 128, 2048, 768, 8, seed=31, dtype=torch.bfloat16, device="cuda")
+    shape = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cuda"))
+    shipped = fp8_plan(num_tokens, 8, shape, True)
+    lora = _lora_args(num_tokens, 128, 2048, 768, torch.Generator(device="cuda").manual_seed(32), "cuda",
+                      torch.bfloat16)
+    for warps in (4, 8):
+        apart = replace(shipped, gate_up=replace(shipped.gate_up, block_n=128, num_warps=warps), act_in_gate_up=False)
+        fused = replace(apart, act_in_gate_up=True)
+        for pool in (None, lora):
+            ref = fused_moe_fp8(*problem, act_quant=True, plan=apart, lora=pool, pdl=True)
+            assert torch.equal(fused_moe_fp8(*problem, act_quant=True, plan=fused, lora=pool, pdl=True), ref), warps
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused_moe_fp8(*problem, act_quant=True, plan=fused, lora=lora, pdl=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, ref)

@@ -60,6 +60,10 @@ class MoEPlan:
     fused_act: bool = True
     # sorted path: the GEMMs read their weight tiles through TMA descriptors (Hopper and later) instead of pointers
     weights_tma: bool = False
+    # sorted path, W8A8 FP8 weights only: the gate_up GEMM computes a gate tile and its up tile per program and
+    # stores h = silu(g) * u quantized (its block_n one activation scale group), in place of gu and a separate
+    # activation-quantization launch (fused_moe_fp8's ACT_OUT); ignored elsewhere
+    act_in_gate_up: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,8 @@ def gpu_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
-PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma")  # MoEPlan fields a table row may set besides the tiles
+# MoEPlan fields a table row may set besides the tiles
+PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma", "act_in_gate_up")
 # and the LoRA shrinks' options (integers), read by calls with adapters: the expands ride on the tiles themselves
 LORA_OPTIONS = ("lora_shrink_block_k", "lora_gate_up_splits", "lora_down_splits", "lora_shrink_lanes",
                 "lora_shrink_warps", "lora_shrink_stages")

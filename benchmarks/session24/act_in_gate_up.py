@@ -1,0 +1,101 @@
+"""Session 24 (prepared for the next device call): the W8A8 expert GEMMs with SiLU*up and h's quantization in the
+gate_up GEMM's epilogue (MoEPlan.act_in_gate_up) against the shipped pair of launches (gate_up -> gu, then
+silu_mul_quant_fp8), at T = 16 ... 8,192, with and without 4 rank-16 adapters on every token; the gate_up tile
+of each candidate as the shipped one (128 columns a program: one scale group) with its warps and stages varied
+(64-row blocks need 8 warps for the two accumulators: 4 spill, benchmarks/kernels/sass.py --act-out).
+Also writes DIR/moe_tiles_act.json: the shipped FP8 W8A8 rows with the fastest fused candidate per T where it won
+(others as shipped), for `MOESERVE_MOE_TILES=DIR/moe_tiles_act.json` A/Bs of bench decode and bench prefill.
+
+    PYTHONPATH=. python benchmarks/session24/act_in_gate_up.py --out DIR
+"""
+import argparse
+import json
+import os
+import statistics
+from dataclasses import replace
+
+import torch
+
+from benchmarks.kernels.kernels import NUM_SETS, lora_args, make_inputs, make_lora_pool, make_weights
+from moeserve.bench.common import graph_time_us
+from moeserve.kernels.fp8 import quantize_block_fp8
+from moeserve.kernels.fused_moe_fp8 import fp8_plan, fused_moe_fp8, quantize_w13_fp8
+from moeserve.kernels.moe_plan import TABLE_PATH, MoEProblem
+
+
+def candidates(shipped):
+    gu = shipped.gate_up
+    v = {"shipped": shipped}
+    for warps in (4, 8):
+        for stages in (2, 3, 4):
+            tile = replace(gu, block_n=128, num_warps=warps, num_stages=stages)
+            v[f"act_w{warps}s{stages}"] = replace(shipped, gate_up=tile, act_in_gate_up=True)
+    return v
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="16,64,128,256,512,2048,8192")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="act_out")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    gen = torch.Generator("cuda").manual_seed(0)
+    weights = []
+    for _ in range(NUM_SETS):
+        w13, w2 = make_weights(gen)
+        weights.append((*quantize_w13_fp8(w13), *quantize_block_fp8(w2)))
+        del w13, w2
+    pools = {16: [make_lora_pool(gen, 16) for _ in range(NUM_SETS)]}
+    problem = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cuda"))
+    report, best = [], {}
+    for t in [int(v) for v in args.tokens.split(",")]:
+        inputs = [make_inputs(t, gen) for _ in range(NUM_SETS)]
+        loras = [lora_args(pools, i, t, "lora4_r16") for i in range(NUM_SETS)]
+        shipped = fp8_plan(t, 8, problem, True)
+        cands = candidates(shipped)
+
+        def timed(plan, with_lora):
+            fns = [lambda w=w, inp=inp, lo=lo: fused_moe_fp8(inp[0], *w, inp[1], inp[2], act_quant=True, plan=plan,
+                                                             pdl=True, lora=lo if with_lora else None)
+                   for w, inp, lo in zip(weights, inputs, loras)]
+            return graph_time_us(fns)
+
+        times = {(name, lo): [] for name in cands for lo in (False, True)}
+        for _ in range(args.rounds):
+            for (name, lo), ts in times.items():
+                try:
+                    ts.append(timed(cands[name], lo))
+                except Exception as exc:  # a candidate that does not compile or launch: reported, not fatal
+                    print(f"  T {t} {name} lora={lo}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        base = statistics.median(times["shipped", False])
+        base_lora = statistics.median(times["shipped", True])
+        for name in cands:
+            if times[name, False] and times[name, True]:
+                us, us_lora = statistics.median(times[name, False]), statistics.median(times[name, True])
+                report.append(dict(tokens=t, variant=name, us=us, lora_us=us_lora, vs_shipped=us / base,
+                                   lora_vs_shipped=us_lora / base_lora))
+                print(f"T {t:>5} {name:>10} {us:8.1f} us ({us / base:.3f}x)  with LoRA {us_lora:8.1f} us "
+                      f"({us_lora / base_lora:.3f}x)", flush=True)
+        fused = [r for r in report if r["tokens"] == t and r["variant"] != "shipped"]
+        if fused:
+            win = min(fused, key=lambda r: r["us"])
+            if win["vs_shipped"] < 0.99:
+                best[t] = cands[win["variant"]].gate_up
+        json.dump(report, open(os.path.join(args.out, "act_in_gate_up.json"), "w"), indent=1)
+    # the shipped W8A8 rows, with the winners' gate_up tiles and the option where a fused candidate won at that T
+    table = json.loads(TABLE_PATH.read_text())
+    for entry in table["entries"]:
+        if entry["dtype"] != "fp8_w8a8":
+            continue
+        for row in entry["tiles"]:
+            tile = best.get(row["max_tokens"])
+            if tile is not None:
+                row["gate_up"] = tile.as_list()
+                row["act_in_gate_up"] = True
+    json.dump(table, open(os.path.join(args.out, "moe_tiles_act.json"), "w"), indent=1)
+    print("fused rows:", sorted(best))
+
+
+if __name__ == "__main__":
+    main()
