@@ -37,6 +37,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="16,64,128,256,512,2048,8192")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--candidates", default="", help="comma list of candidate names (default: all)")
     ap.add_argument("--out", default="act_out")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -53,7 +54,8 @@ def main():
         inputs = [make_inputs(t, gen) for _ in range(NUM_SETS)]
         loras = [lora_args(pools, i, t, "lora4_r16") for i in range(NUM_SETS)]
         shipped = fp8_plan(t, 8, problem, True)
-        cands = candidates(shipped)
+        cands = {name: plan for name, plan in candidates(shipped).items()
+                 if not args.candidates or name == "shipped" or name in args.candidates.split(",")}
 
         def timed(plan, with_lora):
             fns = [lambda w=w, inp=inp, lo=lo: fused_moe_fp8(inp[0], *w, inp[1], inp[2], act_quant=True, plan=plan,
