@@ -309,6 +309,33 @@ def test_w8a8_activation_in_the_gate_up_epilogue_is_bitwise_the_separate_launch(
         assert torch.equal(fused_moe_fp8(*problem, act_quant=True, plan=fused, lora=pool), ref)
 
 
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_down_gemm_on_parts_of_the_aligned_blocks(act_quant):
+    """A down tile of fewer rows than the alignment's blocks (64-row blocks, 16-row down programs; the programs of a
+    block's padding-only parts return at once): the output as on whole blocks (fp32 sums in another order at most),
+    against the twin; with the activation in the gate_up epilogue too; a down block_m that does not divide the
+    alignment's is refused by name."""
+    problem = _problem(40, 4, 256, 128, 2, seed=23)
+    whole = GemmTile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=2)
+    plan = MoEPlan(False, whole, whole, fused_act=not act_quant)
+    parts = replace(plan, down=replace(whole, block_m=16))
+    out = fused_moe_fp8(*problem, act_quant=act_quant, plan=parts)
+    assert _rel(out, fused_moe_fp8(*problem, act_quant=act_quant, plan=plan)) < 1e-6
+    assert _rel(out, fused_moe_fp8_ref(*problem, act_quant=act_quant)) < 1e-5
+    if act_quant:
+        assert torch.equal(fused_moe_fp8(*problem, act_quant=True, plan=replace(parts, act_in_gate_up=True)), out)
+    with pytest.raises(ValueError, match="block_m 48 must divide"):
+        fused_moe_fp8(*problem, act_quant=act_quant, plan=replace(plan, down=replace(whole, block_m=48)))
+
+
+def test_lora_on_fp8_down_gemm_on_parts_of_the_aligned_blocks():
+    """The down GEMM's LoRA epilogue on 16-row parts of 32-row blocks (its shrink ran on the whole blocks): against
+    the dequantized reference, rows without an adapter bitwise the LoRA-free call on the same plan."""
+    tile = GemmTile(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=2)
+    plan = MoEPlan(False, tile, replace(tile, block_m=16), fused_act=True, y_fp32=True)
+    _check_lora_on_fp8(9, 4, 256, 128, 2, torch.float32, DEV, plan)
+
+
 def test_activation_in_the_gate_up_epilogue_needs_group_wide_tiles_and_w8a8(monkeypatch):
     """An explicit plan whose gate_up tile is not one scale group wide is refused by name; the plan of a table row
     keeps the option under W8A8 only, and drops it where the gate and up tiles would not fit side by side."""
@@ -571,9 +598,37 @@ def test_gpu_activation_in_the_gate_up_epilogue_is_bitwise_the_separate_launch(n
         for pool in (None, lora):
             ref = fused_moe_fp8(*problem, act_quant=True, plan=apart, lora=pool, pdl=True)
             assert torch.equal(fused_moe_fp8(*problem, act_quant=True, plan=fused, lora=pool, pdl=True), ref), warps
+    assert torch.equal(_replayed(lambda: fused_moe_fp8(*problem, act_quant=True, plan=fused, lora=lora, pdl=True)), ref)
+
+
+def _replayed(call):
+    """call()'s output, captured in a CUDA graph (its kernels compiled before) and replayed once."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = fused_moe_fp8(*problem, act_quant=True, plan=fused, lora=lora, pdl=True)
+        out = call()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(replayed, ref)
+    return out
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [256, 2048])
+def test_gpu_down_gemm_on_parts_of_the_aligned_blocks(num_tokens):
+    """bf16 at Qwen3-30B-A3B expert shapes, the shipped W8A8 plan (64-row blocks) with the down GEMM on 16-row parts:
+    within bf16 rounding of the whole-block output; with LoRA, the rows without an adapter bitwise the LoRA-free call
+    on the same plan; under PDL and from a CUDA graph the same bits."""
+    problem = _problem(num_tokens, 128, 2048, 768, 8, seed=33, dtype=torch.bfloat16, device="cuda")
+    shape = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cuda"))
+    shipped = fp8_plan(num_tokens, 8, shape, True)
+    assert shipped.gate_up.block_m == 64
+    parts = replace(shipped, down=replace(shipped.down, block_m=16))
+    out = fused_moe_fp8(*problem, act_quant=True, plan=parts, pdl=True)
+    assert _rel(out, fused_moe_fp8(*problem, act_quant=True, plan=shipped, pdl=True)) < 1e-2
+    lora = _lora_args(num_tokens, 128, 2048, 768, torch.Generator(device="cuda").manual_seed(34), "cuda",
+                      torch.bfloat16)
+    with_lora = fused_moe_fp8(*problem, act_quant=True, plan=parts, lora=lora, pdl=True)
+    no_adapter = lora.token_slots < 0
+    assert torch.equal(with_lora[no_adapter], out[no_adapter])
+    assert torch.equal(_replayed(lambda: fused_moe_fp8(*problem, act_quant=True, plan=parts, lora=lora, pdl=True)),
+                       with_lora)

@@ -1,9 +1,12 @@
-"""Session 24 (prepared for the next device call): the W8A8 expert GEMMs with SiLU*up and h's quantization in the
-gate_up GEMM's epilogue (MoEPlan.act_in_gate_up) against the shipped pair of launches (gate_up -> gu, then
-silu_mul_quant_fp8), at T = 16 ... 8,192, with and without 4 rank-16 adapters on every token; the gate_up tile
-of each candidate as the shipped one (128 columns a program: one scale group) with its warps and stages varied
-(64-row blocks need 8 warps for the two accumulators: 4 spill, benchmarks/kernels/sass.py --act-out).
-Also writes DIR/moe_tiles_act.json: the shipped FP8 W8A8 rows with the fastest fused candidate per T where it won
+"""Session 24 (prepared for the next device call): two W8A8 expert-GEMM options against the shipped plan at
+T = 16 ... 8,192, with and without 4 rank-16 adapters on every token:
+- SiLU*up and h's quantization in the gate_up GEMM's epilogue (MoEPlan.act_in_gate_up) instead of gu and a
+  separate silu_mul_quant_fp8 launch; the gate_up tile as shipped (128 columns a program: one scale group) with
+  its warps and stages varied (64-row blocks need 8 warps for the two accumulators: 4 spill,
+  benchmarks/kernels/sass.py --act-out);
+- the down GEMM on 16-row parts of the alignment's 64-row blocks (the W8A8 down GEMM ran 3.76 TB/s at T = 64 on
+  16-row blocks, 3.34 at 256 on 64-row ones; its LoRA epilogue walks fewer slots a program).
+Also writes DIR/moe_tiles_act.json: the shipped FP8 W8A8 rows with the fastest candidate per T where it won by 1 %
 (others as shipped), for `MOESERVE_MOE_TILES=DIR/moe_tiles_act.json` A/Bs of bench decode and bench prefill.
 
     PYTHONPATH=. python benchmarks/session24/act_in_gate_up.py --out DIR
@@ -24,13 +27,34 @@ from moeserve.kernels.moe_plan import TABLE_PATH, MoEProblem
 
 
 def candidates(shipped):
-    gu = shipped.gate_up
+    """The shipped plan; the activation in the gate_up epilogue on the shipped tile with 4 / 8 warps and 2-4
+    stages; where the alignment's blocks are taller than 16 rows, the down GEMM on their 16-row parts (its other
+    tile sizes as shipped), alone and with the 8-warp, 3-stage activation candidate."""
+    gu, dn = shipped.gate_up, shipped.down
     v = {"shipped": shipped}
     for warps in (4, 8):
         for stages in (2, 3, 4):
             tile = replace(gu, block_n=128, num_warps=warps, num_stages=stages)
             v[f"act_w{warps}s{stages}"] = replace(shipped, gate_up=tile, act_in_gate_up=True)
+    if dn.block_m > 16:
+        v["down16"] = replace(shipped, down=replace(dn, block_m=16))
+        v["act_w8s3+down16"] = replace(v["act_w8s3"], down=replace(dn, block_m=16))
     return v
+
+
+def write_table(best: dict, path: str) -> None:
+    """The shipped table with the W8A8 rows of the token counts in `best` replaced by those plans' tiles and option
+    (every row written after each T, so a sweep cut short leaves a table of what it measured)."""
+    table = json.loads(TABLE_PATH.read_text())
+    for entry in table["entries"]:
+        if entry["dtype"] != "fp8_w8a8":
+            continue
+        for row in entry["tiles"]:
+            plan = best.get(row["max_tokens"])
+            if plan is not None:
+                row["gate_up"], row["down"] = plan.gate_up.as_list(), plan.down.as_list()
+                row["act_in_gate_up"] = plan.act_in_gate_up
+    json.dump(table, open(path, "w"), indent=1)
 
 
 def main():
@@ -83,20 +107,10 @@ def main():
         if fused:
             win = min(fused, key=lambda r: r["us"])
             if win["vs_shipped"] < 0.99:
-                best[t] = cands[win["variant"]].gate_up
+                best[t] = cands[win["variant"]]
         json.dump(report, open(os.path.join(args.out, "act_in_gate_up.json"), "w"), indent=1)
-    # the shipped W8A8 rows, with the winners' gate_up tiles and the option where a fused candidate won at that T
-    table = json.loads(TABLE_PATH.read_text())
-    for entry in table["entries"]:
-        if entry["dtype"] != "fp8_w8a8":
-            continue
-        for row in entry["tiles"]:
-            tile = best.get(row["max_tokens"])
-            if tile is not None:
-                row["gate_up"] = tile.as_list()
-                row["act_in_gate_up"] = True
-    json.dump(table, open(os.path.join(args.out, "moe_tiles_act.json"), "w"), indent=1)
-    print("fused rows:", sorted(best))
+        write_table(best, os.path.join(args.out, "moe_tiles_act.json"))
+    print("table rows:", sorted(best))
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ def _moe_fp8_gemm_kernel(
     HAS_LORA: tl.constexpr = False, K_SPLITS: tl.constexpr = 1, RANK_STEP: tl.constexpr = 16,
     UP_HALF: tl.constexpr = False, B_SCALAR: tl.constexpr = False, W_TMA: tl.constexpr = False,
     ACT_OUT: tl.constexpr = False, WRITE_H: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+    SUB_BLOCKS: tl.constexpr = 1,
 ):
     """out[pair] = (w[pair] *) (dequant(W_e) @ a[pair // pairs_per_row] (+ B (A v) of the pair's adapter)) for the
     BLOCK_M pairs of one aligned block, one N tile. gate_up: a = x (rows are tokens, pairs_per_row = top_k); down:
@@ -165,11 +166,15 @@ def _moe_fp8_gemm_kernel(
     group of columns): fp8 into out_ptr [pairs, up_col0], scales into out_scale_ptr [pairs, groups]; g and u
     rounded to h_ptr's dtype first, and h after the product, as gu and silu_mul_quant_fp8 round them, so h and its
     scales are bitwise those of the unfused pair of launches. WRITE_H: h itself stored to h_ptr too (the down
-    shrink's input under LoRA)."""
+    shrink's input under LoRA).
+    SUB_BLOCKS > 1: the aligned blocks are SUB_BLOCKS x BLOCK_M rows and a program takes one BLOCK_M-row part of
+    one (a group's padding rows come after its pairs: a part that starts on one is all padding, and returns)."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
     # ACT_OUT: programs walk the gate columns only, each taking the matching up columns too
     pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(up_col0 if ACT_OUT else N, BLOCK_N), GROUP_M)
-    expert = tl.load(block_groups_ptr + pid_m)
+    expert = tl.load(block_groups_ptr + pid_m // SUB_BLOCKS)
+    if SUB_BLOCKS > 1:
+        expert = tl.where(tl.load(sorted_ids_ptr + pid_m * BLOCK_M) < num_pairs, expert, -1)
     if expert < 0:
         pdl_launch.late(USE_PDL, HAS_LORA)
         return
@@ -376,7 +381,7 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool |
     tuned = tuned_tiles(num_tokens, problem, gpu_name(problem.device), dtype_label=_table_label(act_quant))
     # weight tiles by TMA only where an FP8 row of the table asks for it (the bf16 rows' answer is not FP8's)
     plan = replace(plan, weights_tma=False)
-    if tuned is not None and tuned[0].block_m == tuned[1].block_m:
+    if tuned is not None and tuned[0].block_m % tuned[1].block_m == 0:  # the down tile may take parts of blocks
         plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
     limit = smem_limit(problem.device)
     a_bytes = 1 if act_quant else problem.dtype.itemsize
@@ -401,8 +406,9 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool |
 
 
 def _check_plan(plan: MoEPlan, block: tuple[int, int]) -> None:
-    if not plan.decode and plan.gate_up.block_m != plan.down.block_m:
-        raise ValueError("gate_up and down share one alignment: block_m must match")
+    if not plan.decode and plan.gate_up.block_m % plan.down.block_m:
+        raise ValueError(f"gate_up and down share one alignment of {plan.gate_up.block_m}-row blocks: the down "
+                         f"tile's block_m {plan.down.block_m} must divide it")
     if plan.act_in_gate_up and not plan.decode and plan.gate_up.block_n != block[1]:
         raise ValueError(f"act_in_gate_up: the gate_up tile's block_n {plan.gate_up.block_n} must be the activation "
                          f"scale group {block[1]} (a program quantizes whole groups of h)")
@@ -436,13 +442,15 @@ def _check_weights(x, w13, s13, w2, s2, block):
 
 def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs_per_row, n, k, up_col0,
             up_scale_row0, tile, block, act_fp8, fused_act, route_weight, scale_product, pdl, w_desc, w_tma,
-            lora=None, act_out=None):
+            lora=None, act_out=None, align_m=None):
     """`w_desc`, `w_tma`: the weights' TMA descriptor and whether to read through it (weight_descs). `lora`:
     (MoELoRAArgs, its B for this GEMM, the block shrink of this GEMM's unquantized input (lora_block_shrink:
     [(2,) splits, rows, R], the up halves where the pool has them), top_k): the in-place LoRA epilogue.
     `act_out` (gate_up, W8A8): (h's scales, h in x's dtype to write or None, a tensor of that dtype): `out` is h's
-    fp8 copy [pairs, I], written with its scales by the GEMM itself (the kernel's ACT_OUT)."""
-    num_blocks = aligned.block_groups.numel()
+    fp8 copy [pairs, I], written with its scales by the GEMM itself (the kernel's ACT_OUT). `align_m`: the aligned
+    blocks' rows where the tile takes a part of each (tile.block_m divides it; default tile.block_m)."""
+    sub_blocks = (align_m or tile.block_m) // tile.block_m
+    num_blocks = aligned.block_groups.numel() * sub_blocks
     num_n = triton.cdiv(up_col0 if act_out is not None else n, tile.block_n)
     # every N tile inside one scale block: BLOCK_N divides it, and the up half (w13) starts on a tile boundary
     scalar_b_scale = block[0] % tile.block_n == 0 and (up_col0 >= n or up_col0 % tile.block_n == 0)
@@ -470,7 +478,8 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
         SCALE_PRODUCT=scale_product, GROUP_M=tile.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, B_SCALAR=scalar_b_scale, W_TMA=w_tma, **lora_opts, **act_opts)
+        num_stages=tile.num_stages, B_SCALAR=scalar_b_scale, W_TMA=w_tma, SUB_BLOCKS=sub_blocks, **lora_opts,
+        **act_opts)
 
 
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
@@ -582,7 +591,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
             hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl, w2_desc, w_tma,
-            (lora, lora.down_b, shrunk_h, top_k) if has_lora else None)
+            (lora, lora.down_b, shrunk_h, top_k) if has_lora else None, align_m=plan.gate_up.block_m)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 

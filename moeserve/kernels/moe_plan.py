@@ -29,7 +29,7 @@ TABLE_ENV = "MOESERVE_MOE_TILES"
 
 @dataclass(frozen=True)
 class GemmTile:
-    block_m: int = 16  # sorted path only
+    block_m: int = 16  # sorted path only (the FP8 down GEMM's may divide the gate_up's: parts of its blocks)
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
