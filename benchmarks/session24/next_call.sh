@@ -8,8 +8,9 @@
 source benchmarks/device_env.sh
 t0=$(date +%s)
 if [ "${1:-1}" = 1 ]; then
-  timeout 200 python3 -m pytest -q -m gpu tests/test_kernels_moe_fp8.py -p no:cacheprovider \
-    -k "gate_up_epilogue or parts_of_the_aligned" > $OUT/act_tests.log 2>&1
+  # the whole FP8 kernel and engine files: the kernel gained both options' branches after session 24's last GPU run
+  timeout 240 python3 -m pytest -q -m gpu tests/test_kernels_moe_fp8.py tests/test_gpu_fp8_engine.py \
+    -p no:cacheprovider > $OUT/act_tests.log 2>&1
   echo "tests rc=$? $(( $(date +%s)-t0 ))s: $(tail -1 $OUT/act_tests.log)"
   timeout $(( 560 - ($(date +%s)-t0) )) python3 benchmarks/session24/act_in_gate_up.py --out $OUT \
     --tokens 256,512,64,2048,8192 > $OUT/act_sweep.log 2>&1
