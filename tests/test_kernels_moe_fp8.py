@@ -286,10 +286,9 @@ def _act_in_gate_up_pair(block_m=16, block_k=64, num_warps=4, y_fp32=True):
     return plan, replace(plan, act_in_gate_up=True)
 
 
-# I = 128: one gate tile and one up tile; I = 192: the second tile half past I (its columns count as zeros in
-# the group's amax), its scales one per column (the up half does not start on a tile boundary)
-@pytest.mark.parametrize("hidden,inter,dtype", [(256, 128, torch.float32), (192, 192, torch.float32),
-                                                (256, 128, torch.float16)])
+# I = 128 (fp16: gu and h rounded): one gate tile and one up tile; I = 192: the second tile half past I (its columns
+# count as zeros in the group's amax), its scales one per column (the up half does not start on a tile boundary)
+@pytest.mark.parametrize("hidden,inter,dtype", [(192, 192, torch.float32), (256, 128, torch.float16)])
 def test_w8a8_activation_in_the_gate_up_epilogue_is_bitwise_the_separate_launch(hidden, inter, dtype):
     """MoEPlan.act_in_gate_up: the gate_up GEMM stores h = silu(g) * u quantized per group (and h itself under
     LoRA, for the down shrink) instead of gu for an activation kernel: the same bits out, without LoRA and with LoRA
