@@ -14,15 +14,13 @@ Also writes DIR/moe_tiles_act.json: the shipped FP8 W8A8 rows with the fastest c
 import argparse
 import json
 import os
-import statistics
 from dataclasses import replace
 
 import torch
 
-from benchmarks.kernels.kernels import NUM_SETS, lora_args, make_inputs, make_lora_pool, make_weights
-from moeserve.bench.common import graph_time_us
-from moeserve.kernels.fp8 import quantize_block_fp8
-from moeserve.kernels.fused_moe_fp8 import fp8_plan, fused_moe_fp8, quantize_w13_fp8
+from benchmarks.kernels import fp8_moe
+from benchmarks.kernels.kernels import NUM_SETS, lora_args, make_inputs, make_lora_pool
+from moeserve.kernels.fused_moe_fp8 import fp8_plan, fused_moe_fp8
 from moeserve.kernels.moe_plan import TABLE_PATH, MoEProblem
 
 
@@ -66,11 +64,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator("cuda").manual_seed(0)
-    weights = []
-    for _ in range(NUM_SETS):
-        w13, w2 = make_weights(gen)
-        weights.append((*quantize_w13_fp8(w13), *quantize_block_fp8(w2)))
-        del w13, w2
+    weights = [fp8_moe.make_weights(gen)[2:] for _ in range(NUM_SETS)]  # the fp8 weights and scales only
     pools = {16: [make_lora_pool(gen, 16) for _ in range(NUM_SETS)]}
     problem = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cuda"))
     report, best = [], {}
@@ -81,27 +75,23 @@ def main():
         cands = {name: plan for name, plan in candidates(shipped).items()
                  if not args.candidates or name == "shipped" or name in args.candidates.split(",")}
 
-        def timed(plan, with_lora):
-            fns = [lambda w=w, inp=inp, lo=lo: fused_moe_fp8(inp[0], *w, inp[1], inp[2], act_quant=True, plan=plan,
-                                                             pdl=True, lora=lo if with_lora else None)
-                   for w, inp, lo in zip(weights, inputs, loras)]
-            return graph_time_us(fns)
+        def fns(plan, with_lora):
+            return [lambda w=w, inp=inp, lo=lo: fused_moe_fp8(inp[0], *w, inp[1], inp[2], act_quant=True, plan=plan,
+                                                              pdl=True, lora=lo if with_lora else None)
+                    for w, inp, lo in zip(weights, inputs, loras)]
 
-        times = {(name, lo): [] for name in cands for lo in (False, True)}
-        for _ in range(args.rounds):
-            for (name, lo), ts in times.items():
-                try:
-                    ts.append(timed(cands[name], lo))
-                except Exception as exc:  # a candidate that does not compile or launch: reported, not fatal
-                    print(f"  T {t} {name} lora={lo}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-        base = statistics.median(times["shipped", False])
-        base_lora = statistics.median(times["shipped", True])
+        # medians of interleaved rounds; a candidate that does not compile or launch reports its error instead
+        times = fp8_moe.time_interleaved({(name, lo): fns(plan, lo) for name, plan in cands.items()
+                                          for lo in (False, True)}, args.rounds)
+        base, base_lora = times["shipped", False], times["shipped", True]
         for name in cands:
-            if times[name, False] and times[name, True]:
-                us, us_lora = statistics.median(times[name, False]), statistics.median(times[name, True])
+            us, us_lora = times[name, False], times[name, True]
+            if isinstance(us, str) or isinstance(us_lora, str):
+                print(f"  T {t} {name}: {us if isinstance(us, str) else us_lora}", flush=True)
+            else:
                 report.append(dict(tokens=t, variant=name, us=us, lora_us=us_lora, vs_shipped=us / base,
                                    lora_vs_shipped=us_lora / base_lora))
-                print(f"T {t:>5} {name:>10} {us:8.1f} us ({us / base:.3f}x)  with LoRA {us_lora:8.1f} us "
+                print(f"T {t:>5} {name:>15} {us:8.1f} us ({us / base:.3f}x)  with LoRA {us_lora:8.1f} us "
                       f"({us_lora / base_lora:.3f}x)", flush=True)
         fused = [r for r in report if r["tokens"] == t and r["variant"] != "shipped"]
         if fused:
