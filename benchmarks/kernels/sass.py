@@ -3,7 +3,6 @@ registers, spills, shared memory, instruction mix and the width of its global lo
 
     pip install --target /tmp/triton36 triton==3.6.0      # the GPU machine's Triton, for the same code
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass fp8_moe [--tile 64,128,128,4,3] [--tma] [--lora]
-        [--act-out]
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass dense_shrink | dense_expand | moe_lora_shrink
     PYTHONPATH=/tmp/triton36:. python -m benchmarks.kernels.sass fp8_linear [--tile 16,32,128,4,4] [--lora] | fp8_gemv
     ... --sass FILE   (the whole disassembly, for reading the main loop)
@@ -81,16 +80,13 @@ def _fp8_moe(args):
     from moeserve.kernels.fused_moe_fp8 import _moe_fp8_gemm_kernel
 
     bm, bn, bk, warps, stages = (int(v) for v in args.tile.split(","))
-    types = dict(a_ptr="*fp8e4nv", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32",
-                 out_ptr="*fp8e4nv" if args.act_out else "*bf16",
+    types = dict(a_ptr="*fp8e4nv", a_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", out_ptr="*bf16",
                  topk_weights_ptr="*fp32", sorted_ids_ptr="*i32", block_groups_ptr="*i32", slots_ptr="*i32",
                  ranks_ptr="*i32", lora_b_ptr="*bf16", shrunk_ptr="*fp32", separate_ptr="*i32",
-                 w_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>" if args.tma else "*fp8e4nv",
-                 out_scale_ptr="*fp32", h_ptr="*bf16")
+                 w_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>" if args.tma else "*fp8e4nv")
     constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, SCALE_N=128, SCALE_K=128, ACT_FP8=True,
                       FUSED_ACT=False, ROUTE_WEIGHT=False, GROUP_M=1, USE_PDL=True, HAS_LORA=args.lora,
-                      B_SCALAR=128 % bn == 0, W_TMA=args.tma, ACT_OUT=args.act_out,
-                      WRITE_H=args.act_out and args.lora)
+                      B_SCALAR=128 % bn == 0, W_TMA=args.tma)
     return compile_sm90(_moe_fp8_gemm_kernel, types, constexprs, warps, stages,
                         unspecialized=("w_desc", "top_k", "stride_sh"))
 
@@ -162,8 +158,6 @@ def main(argv=None) -> int:
     ap.add_argument("--split-k", type=int, default=1, help="fp8_linear: programs sharing a tile's K walk")
     ap.add_argument("--tma", action="store_true", help="fp8_moe: weight tiles through a TMA descriptor")
     ap.add_argument("--lora", action="store_true", help="fp8_moe, fp8_linear, fp8_gemv: with the LoRA epilogue")
-    ap.add_argument("--act-out", action="store_true",
-                    help="fp8_moe: gate_up with SiLU*up and h's quantization in its epilogue (MoEPlan.act_in_gate_up)")
     ap.add_argument("--sass", help="write the whole disassembly here")
     args = ap.parse_args(argv)
     sass = report(PRESETS[args.kernel](args), f"{args.kernel} (Triton {triton.__version__}, sm_90)")

@@ -16,9 +16,7 @@ Two ways to multiply (`act_quant`), on both paths:
   block's scale_inv and runs the dot in x's dtype (fp32 accumulate). The down GEMM applies SiLU*up as it loads
   its A tile (MoEPlan.fused_act), as the bf16 path does.
 - W8A8 (True): x quantized per (token, group of 128 along H) and h = silu(g)*u per (pair, group of 128 along I),
-  dynamically, by their own kernels (kernels/fp8.py), or h in the gate_up GEMM's epilogue where the plan says
-  so (MoEPlan.act_in_gate_up: each program a gate tile and its up tile, one group wide; the same bits, one launch
-  and gu's round trip fewer); fp8 x fp8 dots with fp32 accumulation, each K step's
+  dynamically, by their own kernels (kernels/fp8.py); fp8 x fp8 dots with fp32 accumulation, each K step's
   product scaled by act_scale[row, k-group] x scale_inv[n-block, k-group]. The GEMV path multiplies the same
   quantized activations (dequantized in fp32), so a token's numerics do not depend on the path.
 
@@ -52,15 +50,12 @@ import triton.language as tl
 from moeserve.kernels import pdl as pdl_launch
 from moeserve.kernels.fp8 import (
     FP8_DTYPE,
-    FP8_MAX,
     WEIGHT_BLOCK,
     dequantize_block_fp8,
-    empty_groups_fp8,
     fp8_scaled_dot,
     quantize_block_fp8,
     quantize_groups_fp8,
     quantize_groups_fp8_ref,
-    quantize_tile_fp8,
     silu_mul_quant_fp8,
     silu_mul_quant_fp8_ref,
 )
@@ -116,23 +111,6 @@ def dequantize_w13_fp8(w13_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tu
 # kernel
 
 
-@triton.jit
-def _store_act_groups(acc_g, acc_u, pairs, pair_ok, col_ok, offs_n, group, q_ptr, scale_ptr, h_ptr, stride_q,
-                      stride_s, stride_h, WRITE_H: tl.constexpr, FP8_MAX: tl.constexpr):
-    """h = silu(g) * u of one gate_up tile (its columns one scale group) quantized per row: fp8 and scale stored (and
-    h itself, WRITE_H), with gu's and h's roundings to h_ptr's dtype (silu_mul_quant_fp8's). Columns past the
-    intermediate size count as zeros in the row's amax, as the unfused kernel loads them."""
-    dtype = h_ptr.dtype.element_ty
-    h = silu_mul(acc_g.to(dtype).to(tl.float32), acc_u.to(dtype).to(tl.float32)).to(dtype)
-    h = tl.where(col_ok[None, :], h, 0.0)
-    mask = pair_ok[:, None] & col_ok[None, :]
-    if WRITE_H:
-        tl.store(h_ptr + pairs.to(tl.int64)[:, None] * stride_h + offs_n[None, :], h, mask=mask)
-    q, scale = quantize_tile_fp8(h.to(tl.float32), FP8_MAX)
-    tl.store(q_ptr + pairs.to(tl.int64)[:, None] * stride_q + offs_n[None, :], q, mask=mask)
-    tl.store(scale_ptr + pairs.to(tl.int64) * stride_s + group, scale, mask=pair_ok)
-
-
 @triton.jit(do_not_specialize=["num_pairs"])  # sizes that vary by step: one compile
 def _moe_fp8_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, block_groups_ptr,
@@ -140,14 +118,11 @@ def _moe_fp8_gemm_kernel(
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, top_k,
     stride_sk, stride_sr, stride_bl, stride_be, stride_bn, separate_ptr, stride_sh, w_desc,
-    out_scale_ptr, h_ptr, stride_os, stride_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
     ROUTE_WEIGHT: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False,
     HAS_LORA: tl.constexpr = False, K_SPLITS: tl.constexpr = 1, RANK_STEP: tl.constexpr = 16,
     UP_HALF: tl.constexpr = False, B_SCALAR: tl.constexpr = False, W_TMA: tl.constexpr = False,
-    ACT_OUT: tl.constexpr = False, WRITE_H: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
-    SUB_BLOCKS: tl.constexpr = 1,
 ):
     """out[pair] = (w[pair] *) (dequant(W_e) @ a[pair // pairs_per_row] (+ B (A v) of the pair's adapter)) for the
     BLOCK_M pairs of one aligned block, one N tile. gate_up: a = x (rows are tokens, pairs_per_row = top_k); down:
@@ -160,21 +135,10 @@ def _moe_fp8_gemm_kernel(
     (moe_lora.lora_block_epilogue), its shrink of the unquantized x or h precomputed in shrunk_ptr, added into the
     scaled fp32 accumulator before the routing weight (a row without an adapter adds exact zeros); UP_HALF: gate_up
     of a pool with separate up A's (columns >= up_col0 are the up rows), walked. With LoRA the kernel waits for the
-    shrink launched just before it only before its epilogue (pdl's late wait).
-    ACT_OUT (gate_up under W8A8, MoEPlan.act_in_gate_up): a program computes BLOCK_N gate columns and the same up
-    columns (up_col0 on) in two accumulators, and stores h = silu(g) * u quantized per (pair, BLOCK_N = one scale
-    group of columns): fp8 into out_ptr [pairs, up_col0], scales into out_scale_ptr [pairs, groups]; g and u
-    rounded to h_ptr's dtype first, and h after the product, as gu and silu_mul_quant_fp8 round them, so h and its
-    scales are bitwise those of the unfused pair of launches. WRITE_H: h itself stored to h_ptr too (the down
-    shrink's input under LoRA).
-    SUB_BLOCKS > 1: the aligned blocks are SUB_BLOCKS x BLOCK_M rows and a program takes one BLOCK_M-row part of
-    one (a group's padding rows come after its pairs: a part that starts on one is all padding, and returns)."""
+    shrink launched just before it only before its epilogue (pdl's late wait)."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
-    # ACT_OUT: programs walk the gate columns only, each taking the matching up columns too
-    pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(up_col0 if ACT_OUT else N, BLOCK_N), GROUP_M)
-    expert = tl.load(block_groups_ptr + pid_m // SUB_BLOCKS)
-    if SUB_BLOCKS > 1:
-        expert = tl.where(tl.load(sorted_ids_ptr + pid_m * BLOCK_M) < num_pairs, expert, -1)
+    pid_m, pid_n = _block_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), GROUP_M)
+    expert = tl.load(block_groups_ptr + pid_m)
     if expert < 0:
         pdl_launch.late(USE_PDL, HAS_LORA)
         return
@@ -182,7 +146,7 @@ def _moe_fp8_gemm_kernel(
     pair_ok = pairs < num_pairs
     rows = (pairs // pairs_per_row).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = offs_n % (up_col0 if ACT_OUT else N)  # past the end they wrap (inside the gate half), the store drops them
+    cols = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
     b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None])
@@ -194,11 +158,6 @@ def _moe_fp8_gemm_kernel(
     a_scale_ptrs = a_scale_ptr + rows * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if ACT_OUT:  # the up rows of the same columns: rows up_col0 + n of the expert's [gate; up]
-        b_ptrs_u = b_ptrs + up_col0.to(tl.int64) * stride_wn
-        b_scale_ptrs_u = (w_scale_ptr + expert.to(tl.int64) * stride_wse
-                          + (up_scale_row0 + scale_cols // SCALE_N) * stride_wsn)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a_mask = pair_ok[:, None]
@@ -215,12 +174,6 @@ def _moe_fp8_gemm_kernel(
         if ACT_FP8:
             a_scale = tl.load(a_scale_ptrs + group, mask=pair_ok, other=0.0)
         acc = fp8_scaled_dot(acc, a, b, a_scale, b_scale, ACT_FP8, SCALE_PRODUCT, B_SCALAR)
-        if ACT_OUT:
-            b_u = _weight_tile(b_ptrs_u, w_desc, expert * N + up_col0 + pid_n * BLOCK_N, k0, K, offs_k, EVEN_K,
-                               W_TMA)
-            b_scale_u = tl.load(b_scale_ptrs_u + group)
-            acc_u = fp8_scaled_dot(acc_u, a, b_u, a_scale, b_scale_u, ACT_FP8, SCALE_PRODUCT, B_SCALAR)
-            b_ptrs_u += BLOCK_K
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_launch.late(USE_PDL, HAS_LORA)
@@ -228,19 +181,10 @@ def _moe_fp8_gemm_kernel(
         acc = lora_block_epilogue(acc, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr, lora_b_ptr,
                                   expert, offs_n, N, stride_sk, stride_sr, stride_bl, stride_be, stride_bn,
                                   separate_ptr, stride_sh, up_col0, BLOCK_M, K_SPLITS, RANK_STEP, UP_HALF)
-        if ACT_OUT:
-            acc_u = lora_block_epilogue(acc_u, pid_m, pairs, pair_ok, top_k, slots_ptr, ranks_ptr, shrunk_ptr,
-                                        lora_b_ptr, expert, offs_n + up_col0, N, stride_sk, stride_sr, stride_bl,
-                                        stride_be, stride_bn, separate_ptr, stride_sh, up_col0, BLOCK_M, K_SPLITS,
-                                        RANK_STEP, UP_HALF)
-    if ACT_OUT:
-        _store_act_groups(acc, acc_u, pairs, pair_ok, offs_n < up_col0, offs_n, pid_n, out_ptr, out_scale_ptr, h_ptr,
-                          stride_out, stride_os, stride_h, WRITE_H, FP8_MAX)
-    else:
-        if ROUTE_WEIGHT:
-            acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & (offs_n < N)[None, :])
+    if ROUTE_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -365,8 +309,7 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool |
     tuned table's FP8 rows for this problem and multiplication (moe_tiles.json, dtype "fp8_w8a8" / "fp8_w"), else
     the bf16 call's tiles refitted; every K step inside one scale group, the tiles fitted to the operands' bytes (fp8
     B; A fp8 under W8A8, else x's dtype). `act_quant` None: the pick of resolve_act_quant (the plan holds no
-    multiplication; the caller resolves it the same way). A row's act_in_gate_up holds under W8A8 only, where the
-    fitted gate and up tiles still hold one activation scale group each."""
+    multiplication; the caller resolves it the same way)."""
     if decode is None:
         decode = num_tokens * top_k <= FP8_DECODE_MAX_PAIRS
     act_quant = resolve_act_quant(act_quant, decode)
@@ -381,7 +324,7 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool |
     tuned = tuned_tiles(num_tokens, problem, gpu_name(problem.device), dtype_label=_table_label(act_quant))
     # weight tiles by TMA only where an FP8 row of the table asks for it (the bf16 rows' answer is not FP8's)
     plan = replace(plan, weights_tma=False)
-    if tuned is not None and tuned[0].block_m % tuned[1].block_m == 0:  # the down tile may take parts of blocks
+    if tuned is not None and tuned[0].block_m == tuned[1].block_m:
         plan = replace(plan, gate_up=tuned[0], down=tuned[1], **tuned[2])
     limit = smem_limit(problem.device)
     a_bytes = 1 if act_quant else problem.dtype.itemsize
@@ -394,24 +337,13 @@ def fp8_plan(num_tokens: int, top_k: int, problem: MoEProblem, act_quant: bool |
         # fit_tile counts one element size for A and B: the A side's (the larger) keeps the fit on the safe side
         return fit_tile(tile, a_bytes, a_loads, limit)
 
-    gate_up = fit(plan.gate_up, 1)
-    act_in_gate_up = plan.act_in_gate_up and act_quant
-    if act_in_gate_up:  # a program's gate and up tiles side by side: fitted as one tile twice as wide
-        both = fit(replace(plan.gate_up, block_n=2 * plan.gate_up.block_n), 1)
-        # kept only where the fitted tiles still quantize whole groups of h
-        act_in_gate_up = both.block_n == 2 * block[1]
-        gate_up = replace(both, block_n=block[1]) if act_in_gate_up else gate_up
-    return replace(plan, gate_up=gate_up, down=fit(plan.down, 2 if fused_act else 1), fused_act=fused_act,
-                   act_in_gate_up=act_in_gate_up)
+    return replace(plan, gate_up=fit(plan.gate_up, 1), down=fit(plan.down, 2 if fused_act else 1),
+                   fused_act=fused_act)
 
 
 def _check_plan(plan: MoEPlan, block: tuple[int, int]) -> None:
-    if not plan.decode and plan.gate_up.block_m % plan.down.block_m:
-        raise ValueError(f"gate_up and down share one alignment of {plan.gate_up.block_m}-row blocks: the down "
-                         f"tile's block_m {plan.down.block_m} must divide it")
-    if plan.act_in_gate_up and not plan.decode and plan.gate_up.block_n != block[1]:
-        raise ValueError(f"act_in_gate_up: the gate_up tile's block_n {plan.gate_up.block_n} must be the activation "
-                         f"scale group {block[1]} (a program quantizes whole groups of h)")
+    if not plan.decode and plan.gate_up.block_m != plan.down.block_m:
+        raise ValueError("gate_up and down share one alignment: block_m must match")
     for name, t in (("gate_up", plan.gate_up), ("down", plan.down)):
         if block[1] % t.block_k and not (plan.decode and t.block_k % block[1] == 0):
             raise ValueError(f"{name} block_k {t.block_k} must divide the scale block {block[1]} (GEMV path: or be a "
@@ -442,16 +374,11 @@ def _check_weights(x, w13, s13, w2, s2, block):
 
 def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs_per_row, n, k, up_col0,
             up_scale_row0, tile, block, act_fp8, fused_act, route_weight, scale_product, pdl, w_desc, w_tma,
-            lora=None, act_out=None, align_m=None):
+            lora=None):
     """`w_desc`, `w_tma`: the weights' TMA descriptor and whether to read through it (weight_descs). `lora`:
     (MoELoRAArgs, its B for this GEMM, the block shrink of this GEMM's unquantized input (lora_block_shrink:
-    [(2,) splits, rows, R], the up halves where the pool has them), top_k): the in-place LoRA epilogue.
-    `act_out` (gate_up, W8A8): (h's scales, h in x's dtype to write or None, a tensor of that dtype): `out` is h's
-    fp8 copy [pairs, I], written with its scales by the GEMM itself (the kernel's ACT_OUT). `align_m`: the aligned
-    blocks' rows where the tile takes a part of each (tile.block_m divides it; default tile.block_m)."""
-    sub_blocks = (align_m or tile.block_m) // tile.block_m
-    num_blocks = aligned.block_groups.numel() * sub_blocks
-    num_n = triton.cdiv(up_col0 if act_out is not None else n, tile.block_n)
+    [(2,) splits, rows, R], the up halves where the pool has them), top_k): the in-place LoRA epilogue."""
+    num_blocks = aligned.block_groups.numel()
     # every N tile inside one scale block: BLOCK_N divides it, and the up half (w13) starts on a tile boundary
     scalar_b_scale = block[0] % tile.block_n == 0 and (up_col0 >= n or up_col0 % tile.block_n == 0)
     if lora is None:
@@ -463,23 +390,15 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
                      *b.stride()[:3], args.gate_up_separate if up_half else args.slot_ranks,
                      shrunk.stride(0) if up_half else 0)
         lora_opts = dict(HAS_LORA=True, K_SPLITS=shrunk.shape[-3], RANK_STEP=RANK_STEP, UP_HALF=up_half)
-    if act_out is None:
-        act_args, act_opts = (a_scale, a, 0, 0), {}
-    else:
-        h_scale, h_plain, dtype_of = act_out
-        h_dst = h_plain if h_plain is not None else dtype_of  # unread without WRITE_H: its dtype is gu's
-        act_args = (h_scale, h_dst, h_scale.stride(0), h_dst.stride(0))
-        act_opts = dict(ACT_OUT=True, WRITE_H=h_plain is not None, FP8_MAX=FP8_MAX)
-    _moe_fp8_gemm_kernel[(num_blocks * num_n,)](
+    _moe_fp8_gemm_kernel[(num_blocks * triton.cdiv(n, tile.block_n),)](
         a, a_scale, w, w_scale, out, topk_weights, aligned.sorted_ids, aligned.block_groups,
         num_pairs, pairs_per_row, n, k, up_col0, up_scale_row0,
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), *lora_args, w_desc, *act_args,
+        out.stride(0), *lora_args, w_desc,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
         SCALE_PRODUCT=scale_product, GROUP_M=tile.group_m, USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, B_SCALAR=scalar_b_scale, W_TMA=w_tma, SUB_BLOCKS=sub_blocks, **lora_opts,
-        **act_opts)
+        num_stages=tile.num_stages, B_SCALAR=scalar_b_scale, W_TMA=w_tma, **lora_opts)
 
 
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
@@ -565,21 +484,13 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
         a, a_scale = x, topk_weights  # a_scale: an unread placeholder
     # the shrink right before its GEMM, whose main loop reads only older data (pdl's late wait)
     shrunk_x = shrink(x, lora.gate_up_a, False, lp.lora_gate_up_splits) if has_lora else None
-    act_out = act_quant and plan.act_in_gate_up  # the gate_up GEMM writes h's fp8 copy (and h under LoRA) itself
-    if act_out:
-        gu, h_scale = empty_groups_fp8(num_pairs, inter, block[1], False, x.device)  # gu: h's fp8 copy
-        h_plain = [torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)] if has_lora else []
-    else:
-        gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
+    gu = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
     _launch(a, a_scale, w13, s13, gu, topk_weights, aligned, num_pairs, top_k, 2 * inter, hidden,
             inter, triton.cdiv(inter, block[0]), plan.gate_up, block, act_quant, False, False, scale_product, pdl,
-            w13_desc, w_tma, (lora, lora.gate_up_b, shrunk_x, top_k) if has_lora else None,
-            (h_scale, h_plain[0] if has_lora else None, x) if act_out else None)
+            w13_desc, w_tma, (lora, lora.gate_up_b, shrunk_x, top_k) if has_lora else None)
 
     fused_act = plan.fused_act and not act_quant
-    if act_out:
-        h = gu
-    elif act_quant:  # with LoRA also the bf16 h it quantizes, for the down shrink
+    if act_quant:  # with LoRA also the bf16 h it quantizes, for the down shrink
         h, h_scale, *h_plain = silu_mul_quant_fp8(gu, block[1], pdl=pdl, with_h=has_lora)
     elif fused_act:
         h, h_scale = gu, topk_weights
@@ -591,7 +502,7 @@ def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     y = torch.empty(num_pairs, hidden, dtype=torch.float32 if plan.y_fp32 else x.dtype, device=x.device)
     _launch(h, h_scale, w2, s2, y, topk_weights, aligned, num_pairs, 1, hidden, inter,
             hidden, 0, plan.down, block, act_quant, fused_act, True, scale_product, pdl, w2_desc, w_tma,
-            (lora, lora.down_b, shrunk_h, top_k) if has_lora else None, align_m=plan.gate_up.block_m)
+            (lora, lora.down_b, shrunk_h, top_k) if has_lora else None)
     return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 

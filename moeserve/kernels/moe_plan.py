@@ -29,7 +29,7 @@ TABLE_ENV = "MOESERVE_MOE_TILES"
 
 @dataclass(frozen=True)
 class GemmTile:
-    block_m: int = 16  # sorted path only (the FP8 down GEMM's may divide the gate_up's: parts of its blocks)
+    block_m: int = 16  # sorted path only
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
@@ -60,10 +60,6 @@ class MoEPlan:
     fused_act: bool = True
     # sorted path: the GEMMs read their weight tiles through TMA descriptors (Hopper and later) instead of pointers
     weights_tma: bool = False
-    # sorted path, W8A8 FP8 weights only: the gate_up GEMM computes a gate tile and its up tile per program and
-    # stores h = silu(g) * u quantized (its block_n one activation scale group), in place of gu and a separate
-    # activation-quantization launch (fused_moe_fp8's ACT_OUT); ignored elsewhere
-    act_in_gate_up: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,8 +184,7 @@ def gpu_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
-# MoEPlan fields a table row may set besides the tiles
-PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma", "act_in_gate_up")
+PLAN_OPTIONS = ("y_fp32", "fused_act", "weights_tma")  # MoEPlan fields a table row may set besides the tiles
 # and the LoRA shrinks' options (integers), read by calls with adapters: the expands ride on the tiles themselves
 LORA_OPTIONS = ("lora_shrink_block_k", "lora_gate_up_splits", "lora_down_splits", "lora_shrink_lanes",
                 "lora_shrink_warps", "lora_shrink_stages")
