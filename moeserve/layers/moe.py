@@ -225,6 +225,14 @@ class MoEBlock(nn.Module):
             # arrival counters of the fused router GEMM: zero between launches (each launch resets them)
             self.register_buffer("router_counters", torch.zeros(
                 router_kernels.counter_slots(max(gemm_topk_max_tokens, 1)), dtype=torch.int32), persistent=False)
+        # arrival counters of the FP8 down GEMV that sums a token's pairs itself (decode sizes): zero between
+        # launches (each launch resets them)
+        counters = None
+        if self.weights.quantized and self._fused is not None:
+            from moeserve.kernels import fused_moe_fp8
+
+            counters = torch.zeros(fused_moe_fp8.pair_sum_counter_slots(H), dtype=torch.int32)
+        self.register_buffer("expert_sum_counters", counters, persistent=False)
 
     def _packed_experts(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> PackedExperts | None:
         """The experts (w13, w2: the parameters, or their dequantized copies for FP8) packed for the CPU path, made at
@@ -318,7 +326,7 @@ class MoEBlock(nn.Module):
                                                b.down_b, b.up_a, b.gate_up_separate)
             return fused_moe_fp8.fused_moe_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, topk_w,
                                                topk_ids, act_quant=act_quant, lora=args, pdl=self.pdl,
-                                               x_fp8=x_fp8)
+                                               x_fp8=x_fp8, counters=self.expert_sum_counters)
         if act_quant:
             from moeserve.kernels.fused_moe_fp8 import fused_moe_fp8_ref
 
