@@ -41,6 +41,7 @@ from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     fused_moe_fp8_ref,
     quantize_w13_fp8,
 )
+from moeserve.kernels import fused_moe as fused_moe_module  # noqa: E402
 from moeserve.kernels import fused_moe_fp8 as fused_moe_fp8_module  # noqa: E402
 from moeserve.kernels import moe_plan  # noqa: E402
 from moeserve.kernels.moe_plan import GemmTile, MoEPlan, MoEProblem  # noqa: E402
@@ -334,7 +335,7 @@ def test_the_down_gemv_sums_the_pairs_itself():
     ids[1, 0] = -1
     gemv = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=1)
     plan = MoEPlan(True, gemv, gemv)
-    counters = torch.zeros(fused_moe_fp8_module.pair_sum_counter_slots(256), dtype=torch.int32, device=DEV)
+    counters = torch.zeros(fused_moe_module.pair_sum_counter_slots(256), dtype=torch.int32, device=DEV)
     lora = _lora_args(3, 4, 256, 128, torch.Generator(device=DEV).manual_seed(14))
     for act_quant, with_lora in ((False, None), (True, None), (False, lora)):
         plain = fused_moe_fp8(*problem, act_quant=act_quant, plan=plan, lora=with_lora)
@@ -385,7 +386,7 @@ def test_gpu_the_down_gemv_summing_the_pairs_replays_bitwise():
     for num_tokens in (1, 4):
         x, q13, s13, q2, s2, weights, ids = problem = _problem(num_tokens, 128, 2048, 768, 8, seed=31,
                                                                dtype=torch.bfloat16, device="cuda")
-        counters = torch.zeros(fused_moe_fp8_module.pair_sum_counter_slots(2048), dtype=torch.int32, device="cuda")
+        counters = torch.zeros(fused_moe_module.pair_sum_counter_slots(2048), dtype=torch.int32, device="cuda")
 
         def run(**kw):
             return fused_moe_fp8(*problem, act_quant=False, pdl=pdl, **kw)

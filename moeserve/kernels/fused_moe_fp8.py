@@ -64,7 +64,9 @@ from moeserve.kernels.fused_moe import (
     _lora_expand_rows,
     _topk_sum,
     _weight_tile,
+    pair_sum_target,
     silu_mul_rows,
+    sum_pairs_if_last,
     weight_descs,
 )
 from moeserve.kernels.moe_align import moe_align
@@ -208,10 +210,9 @@ def _gemv_fp8_kernel(
     flight). Operands as in _moe_fp8_gemm_kernel; under ACT_FP8 the activation is dequantized by its group scale
     (the W8A8 numerics, for results that do not depend on the path). HAS_LORA: the pair's LoRA expand (its shrink
     already in shrunk_ptr, fp32 partials) added to the fp32 sum before the routing weight, as fused_moe's GEMV
-    epilogue does (rows without an adapter add an exact zero). SUM_PAIRS (the down GEMV): the program of a token's
-    pair that finishes last for its N tile (an arrival counter per (token, tile), reset to 0 by that program) also
-    sums the token's sum_top_k pairs of out in pair order into sum_ptr, in sum_ptr's dtype, as _topk_sum_kernel
-    would: the same sums, one launch fewer."""
+    epilogue does (rows without an adapter add an exact zero). SUM_PAIRS (the down GEMV): the token's sum_top_k
+    pairs summed into sum_ptr by the program that finishes its tile last (fused_moe.sum_pairs_if_last), no top-k
+    sum launch."""
     pdl_launch.enter(USE_PDL)
     pair = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
@@ -226,22 +227,8 @@ def _gemv_fp8_kernel(
                        lora_up_row0, BLOCK_N, GROUPS, SUB_K, EVEN_K, SCALE_N, SCALE_K, ACT_FP8, FUSED_ACT,
                        ROUTE_WEIGHT, HAS_LORA, BLOCK_R, BLOCK_S, UP_HALF)
     if SUM_PAIRS:
-        tl.debug_barrier()  # every thread's stores of out precede the release below
-        token = pair // sum_top_k
-        counter = counters_ptr + token * tl.num_programs(1) + tl.program_id(1)
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == sum_top_k - 1:  # the token's last pair for this tile sums them all
-            tl.debug_barrier()
-            n_ok = offs_n < N
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k in range(0, sum_top_k):  # in pair order, past the L1 (the other programs' stores)
-                p = token * sum_top_k + k
-                e = tl.load(topk_ids_ptr + p + offs_n * 0)  # broadcast: one mask dtype everywhere
-                ok = n_ok & (e >= 0) & (e < num_experts)
-                acc += tl.load(out_ptr + p.to(tl.int64) * stride_out + offs_n, mask=ok, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(sum_ptr + token.to(tl.int64) * stride_sum + offs_n, acc.to(sum_ptr.dtype.element_ty), mask=n_ok)
-            tl.atomic_xchg(counter, 0)
+        sum_pairs_if_last(out_ptr, topk_ids_ptr, sum_ptr, counters_ptr, pair, offs_n, num_experts, sum_top_k, N,
+                          stride_out, stride_sum)
 
 
 @triton.jit
@@ -311,14 +298,6 @@ FP8_DECODE_MAX_PAIRS = 32
 # K step of the FP8 GEMV (both decode tiles; bf16's are 256 and 128 columns): H200 sweep, T = 1 / 2, 21.3 / 32.8 us
 # against 26.0 / 40.1 at 512 columns
 FP8_GEMV_BLOCK_K = 256
-# the narrowest GEMV column tile a plan may give the down GEMV (arrival counters are per (token, tile))
-FP8_GEMV_MIN_BLOCK_N = 16
-
-
-def pair_sum_counter_slots(hidden: int) -> int:
-    """Arrival counters fused_moe_fp8's down GEMV needs to sum the pairs itself (`counters`), at any GEMV-path
-    token count and column tile."""
-    return FP8_DECODE_MAX_PAIRS * triton.cdiv(hidden, FP8_GEMV_MIN_BLOCK_N)
 
 
 def resolve_act_quant(act_quant: bool | None, decode: bool) -> bool:
@@ -455,17 +434,16 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
                  up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl, lora=None, sum_to=None):
     """`lora`: (MoELoRAArgs, its B for this GEMM, shrunk partials [pairs, (2,) splits, R], up-half rows or None).
-    `sum_to`: (out_sum [T, n], arrival counters): the token's pairs summed into out_sum by the kernel (SUM_PAIRS)."""
+    `sum_to`: (x, arrival counters): the token's pairs summed by the kernel (SUM_PAIRS) into a new tensor like x,
+    returned; else None."""
     sub_k = min(tile.block_k, block[1])
     n_tiles = triton.cdiv(n, tile.block_n)
+    out_sum = None
     if sum_to is None:
         sum_args, sum_opts = (out, topk_ids, 0, 1), {}
     else:
-        out_sum, counters = sum_to
-        need = out_sum.shape[0] * n_tiles
-        if counters.dtype != torch.int32 or counters.numel() < need:
-            raise ValueError(f"counters: need >= {need} int32 zeros, got {counters.numel()} {counters.dtype}")
-        sum_args, sum_opts = (out_sum, counters, out_sum.stride(0), topk_ids.shape[1]), dict(SUM_PAIRS=True)
+        out_sum, sum_args = pair_sum_target(sum_to[0], sum_to[1], n_tiles)
+        sum_args, sum_opts = (*sum_args, topk_ids.shape[1]), dict(SUM_PAIRS=True)
     if lora is None:
         lora_args, lora_opts = (topk_ids, topk_ids, a, a, 1, 0, 0, 0, 0, 0, 1, topk_ids, 0, 0), {}
     else:
@@ -485,6 +463,7 @@ def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_
         BLOCK_N=tile.block_n, GROUPS=tile.block_k // sub_k, SUB_K=sub_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **lora_opts, **sum_opts)
+    return out_sum
 
 
 def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
@@ -513,9 +492,8 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     else:
         h, h_scale = gu, topk_weights  # SiLU*up applied as the down GEMV loads gu
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    out = None if counters is None else torch.empty_like(x)
-    _launch_gemv(h, h_scale, w2, s2, y, topk_weights, topk_ids, 1, hidden, inter, hidden, 0, plan.down, block,
-                 act_quant, not act_quant, True, pdl, d_lora, None if out is None else (out, counters))
+    out = _launch_gemv(h, h_scale, w2, s2, y, topk_weights, topk_ids, 1, hidden, inter, hidden, 0, plan.down, block,
+                       act_quant, not act_quant, True, pdl, d_lora, None if counters is None else (x, counters))
     return out if out is not None else _topk_sum(y, topk_ids, w13.shape[0], x.dtype, pdl)
 
 
@@ -608,7 +586,7 @@ def fused_moe_fp8(
     step's product instead (fp8_scaled_dot's SCALE_PRODUCT). `lora_plan`: the sorted path's LoRA options
     (default `lora_options`). `x_fp8`: x already quantized as a W8A8 call reads it (input_quant_group; the norm
     that wrote x makes it), instead of a quantization launch here. `counters`: int32 zeros, at least
-    `pair_sum_counter_slots(H)`, owned by the caller (each launch leaves them zero): on the GEMV path the down GEMV
+    `fused_moe.pair_sum_counter_slots(H)`, owned by the caller (each launch leaves them zero): on the GEMV path the down GEMV
     then sums each token's pairs itself, no top-k sum launch (the same sums in the same order)."""
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"weight_scale {weight_scale!r}: choose 'tile' or 'product'")

@@ -225,13 +225,11 @@ class MoEBlock(nn.Module):
             # arrival counters of the fused router GEMM: zero between launches (each launch resets them)
             self.register_buffer("router_counters", torch.zeros(
                 router_kernels.counter_slots(max(gemm_topk_max_tokens, 1)), dtype=torch.int32), persistent=False)
-        # arrival counters of the FP8 down GEMV that sums a token's pairs itself (decode sizes): zero between
-        # launches (each launch resets them)
+        # arrival counters of the decode down GEMV that sums a token's pairs itself: zero between launches (each
+        # launch resets them)
         counters = None
-        if self.weights.quantized and self._fused is not None:
-            from moeserve.kernels import fused_moe_fp8
-
-            counters = torch.zeros(fused_moe_fp8.pair_sum_counter_slots(H), dtype=torch.int32)
+        if self._fused is not None:
+            counters = torch.zeros(self._fused.pair_sum_counter_slots(H), dtype=torch.int32)
         self.register_buffer("expert_sum_counters", counters, persistent=False)
 
     def _packed_experts(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> PackedExperts | None:
@@ -302,7 +300,8 @@ class MoEBlock(nn.Module):
                 b = self.lora_bufs
                 args = self._fused.MoELoRAArgs(lora.token_slots, lora.slot_ranks, b.gate_up_a, b.gate_up_b, b.down_a,
                                                b.down_b, b.up_a, b.gate_up_separate)
-            out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args, pdl=self.pdl)
+            out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args, pdl=self.pdl,
+                                        counters=self.expert_sum_counters)
         else:
             out = moe_experts_torch(x, self.w13, self.w2, topk_w, topk_ids, lora, self.lora_bufs if use_lora else None,
                                     self._packed_experts())
