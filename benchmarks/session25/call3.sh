@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Session 25, call 3 (carry [".whl", "benchmarks/ab"]; `bash benchmarks/ab_packages.sh after=HEAD before=HEAD~1`
-# first): the FP8 down GEMV that sums the pairs itself, bench decode FP8 at B = 1, 2, 4 (the GEMV path), before /
-# after, A, B, A, B; then the GPU tests of the FP8 kernels and engine in two lanes.
+# Session 25, call 3 (carry [".whl", "benchmarks/ab"]; `bash benchmarks/ab_packages.sh after=HEAD before=aedebc2`
+# first): the decode down GEMVs that sum a token's pairs themselves (no top-k sum launch), bench decode at B = 1,
+# 2, 4 (the GEMV path), FP8 and bf16, before / after, A, B; then the GPU tests of the MoE kernels, both engines and
+# the first request (no compile after the warm-up) in three lanes.
 source benchmarks/device_env.sh
 t0=$(date +%s)
-AB_TIMEOUT=80
-for r in 1 2; do
-  ab_decode before fp8_$r --batches 1,2,4 --modes base,active --quantization fp8
-  ab_decode after fp8_$r --batches 1,2,4 --modes base,active --quantization fp8
+AB_TIMEOUT=75
+for q in "--quantization fp8" ""; do
+  label=$([ -n "$q" ] && echo fp8 || echo bf16)
+  ab_decode before $label --batches 1,2,4 --modes base,active $q
+  ab_decode after $label --batches 1,2,4 --modes base,active $q
 done
-LANE_TIMEOUT=150 lane test_kernels_moe_fp8 &
-LANE_TIMEOUT=150 lane test_gpu_fp8_engine &
+echo "a/b $(( $(date +%s)-t0 ))s"
+(LANE_TIMEOUT=150 lane test_kernels_moe; LANE_TIMEOUT=90 lane test_kernels_moe_fp8) &
+(LANE_TIMEOUT=120 lane test_gpu_fp8_engine; LANE_TIMEOUT=120 lane test_gpu_engine) &
+LANE_TIMEOUT=230 lane test_gpu_first_request &
 wait
 tar -czf $OUT/ab_logs.tgz -C /tmp $(cd /tmp && ls ab_*.log)
 echo "done $(( $(date +%s)-t0 ))s"
