@@ -16,7 +16,6 @@ from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from moeserve.kernels import fused_moe as fused_moe_module  # noqa: E402
 from moeserve.kernels import moe_lora  # noqa: E402
 from moeserve.kernels.fused_moe import MoELoRAArgs, fused_moe, fused_moe_ref, tma_readable  # noqa: E402
 from moeserve.kernels import moe_plan  # noqa: E402
@@ -171,29 +170,6 @@ def test_fused_moe_skips_pairs_routed_elsewhere(decode):
     ids[3, 1] = 4  # == E: not an expert of this layer
     out = fused_moe(x, w13, w2, weights, ids, decode=decode)
     assert _rel(out, fused_moe_ref(x, w13, w2, weights, ids)) < FP32_TOL
-
-
-def test_the_decode_down_gemv_sums_the_pairs_itself():
-    """fused_moe(counters=...): on the GEMV path the program of a token's pair that finishes its down tile last
-    sums the token's pairs, no top-k sum launch: bitwise the call that launches it (the same fp32 sums in pair
-    order), with pairs routed nowhere and elsewhere, with LoRA, on 16-column tiles; the counters zero again after
-    every call; too few counters named."""
-    gen, x, w13, w2, weights, ids = _moe_problem(4, 2, 4, 64, 32, seed=2)
-    ids[1, 0] = -1
-    ids[3, 1] = 4  # == E: not an expert of this layer
-    ranks, pool = _lora_pool(4, 4, 64, 32, 8, [2, 4, 0, 8], gen, std=0.3)
-    lora = MoELoRAArgs(torch.tensor([0, -1, 1, 3], dtype=torch.int32, device=DEV), ranks, *pool)
-    counters = torch.zeros(fused_moe_module.pair_sum_counter_slots(64), dtype=torch.int32, device=DEV)
-    plan = default_plan(4, 2, True)
-    for with_lora in (None, lora):
-        for p in (plan, replace(plan, down=replace(plan.down, block_n=16))):
-            plain = fused_moe(x, w13, w2, weights, ids, with_lora, plan=p)
-            summed = fused_moe(x, w13, w2, weights, ids, with_lora, plan=p, counters=counters)
-            assert torch.equal(summed, plain), (with_lora is not None, p.down.block_n)
-            assert not counters.any()
-    assert _rel(summed, fused_moe_ref(x, w13, w2, weights, ids, lora)) < FP32_TOL
-    with pytest.raises(ValueError, match="counters"):
-        fused_moe(x, w13, w2, weights, ids, plan=plan, counters=counters[:3])
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
@@ -587,38 +563,6 @@ def test_gpu_fused_moe_cuda_graph_replay(num_tokens):
             torch.testing.assert_close(out, eager, rtol=0, atol=0)
             ref = fused_moe_ref(x2, w13, w2, weights2, ids2, lora_now)
             assert _rel(out, ref) < 1e-2
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_the_decode_down_gemv_summing_the_pairs_replays_bitwise():
-    """At Qwen3-30B-A3B shapes on the GEMV path (1 and 4 tokens, with LoRA and without; PDL where the GPU has it):
-    the down GEMV that sums the pairs itself is bitwise the call with the top-k sum launch, eagerly and in a CUDA
-    graph replayed on new routing (the counters left at zero by every launch)."""
-    from moeserve.kernels.pdl import supported
-
-    pdl = supported(torch.device("cuda"))
-    counters = torch.zeros(fused_moe_module.pair_sum_counter_slots(QWEN3_MOE["hidden"]), dtype=torch.int32,
-                           device="cuda")
-    for num_tokens in (1, 4):
-        x, w13, w2, weights, ids, lora = _qwen3_problem(num_tokens, 40 + num_tokens, with_lora=True)
-        for with_lora in (None, lora):
-            def run(**kw):
-                return fused_moe(x, w13, w2, weights, ids, with_lora, pdl=pdl, **kw)
-
-            assert torch.equal(run(counters=counters), run())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                replayed = run(counters=counters)
-            for seed in (1, 2):
-                x2, _, _, weights2, ids2, _ = _qwen3_problem(num_tokens, 60 + seed, with_lora=False)
-                x.copy_(x2)
-                weights.copy_(weights2)
-                ids.copy_(ids2)
-                graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(replayed, run()), (num_tokens, with_lora is not None, seed)
-                assert not counters.any()
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,7 +41,6 @@ from moeserve.kernels.fused_moe_fp8 import (  # noqa: E402
     fused_moe_fp8_ref,
     quantize_w13_fp8,
 )
-from moeserve.kernels import fused_moe as fused_moe_module  # noqa: E402
 from moeserve.kernels import fused_moe_fp8 as fused_moe_fp8_module  # noqa: E402
 from moeserve.kernels import moe_plan  # noqa: E402
 from moeserve.kernels.moe_plan import GemmTile, MoEPlan, MoEProblem  # noqa: E402
@@ -326,28 +325,6 @@ def test_gpu_weights_by_tma_are_bitwise_the_pointer_loads(num_tokens):
         assert torch.equal(fused_moe_fp8(*problem, act_quant=act_quant, plan=replace(plan, weights_tma=True)), out)
 
 
-def test_the_down_gemv_sums_the_pairs_itself():
-    """fused_moe_fp8(counters=...): on the GEMV path the program of a token's pair that finishes its down tile last
-    sums the token's pairs, no top-k sum launch: bitwise the call that launches it (the same fp32 sums in pair
-    order), weight-only and W8A8, with a pair routed nowhere, with LoRA; the counters zero again after every call;
-    too few counters named."""
-    x, q13, s13, q2, s2, weights, ids = problem = _problem(3, 4, 256, 128, 2, seed=13)
-    ids[1, 0] = -1
-    gemv = GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=1)
-    plan = MoEPlan(True, gemv, gemv)
-    counters = torch.zeros(fused_moe_module.pair_sum_counter_slots(256), dtype=torch.int32, device=DEV)
-    lora = _lora_args(3, 4, 256, 128, torch.Generator(device=DEV).manual_seed(14))
-    for act_quant, with_lora in ((False, None), (True, None), (False, lora)):
-        plain = fused_moe_fp8(*problem, act_quant=act_quant, plan=plan, lora=with_lora)
-        summed = fused_moe_fp8(*problem, act_quant=act_quant, plan=plan, lora=with_lora, counters=counters)
-        assert torch.equal(summed, plain), (act_quant, with_lora is not None)
-        assert not counters.any()
-        if with_lora is None:
-            assert _rel(summed, fused_moe_fp8_ref(*problem, act_quant=act_quant)) < 1e-5
-    with pytest.raises(ValueError, match="counters"):
-        fused_moe_fp8(*problem, act_quant=False, plan=plan, counters=counters[:5])
-
-
 @pytest.mark.gpu
 @gpu
 def test_gpu_graph_replay_is_eager():
@@ -372,39 +349,6 @@ def test_gpu_graph_replay_is_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run())
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_the_down_gemv_summing_the_pairs_replays_bitwise():
-    """bf16 at Qwen3-30B-A3B expert shapes on the GEMV path (1 and 4 tokens, top-8; PDL where the GPU has it): the
-    down GEMV that sums the pairs itself is bitwise the call with the top-k sum launch, eagerly and in a CUDA graph
-    replayed twice on new routing (the counters left at zero by every launch)."""
-    from moeserve.kernels.pdl import supported
-
-    pdl = supported(torch.device("cuda"))
-    for num_tokens in (1, 4):
-        x, q13, s13, q2, s2, weights, ids = problem = _problem(num_tokens, 128, 2048, 768, 8, seed=31,
-                                                               dtype=torch.bfloat16, device="cuda")
-        counters = torch.zeros(fused_moe_module.pair_sum_counter_slots(2048), dtype=torch.int32, device="cuda")
-
-        def run(**kw):
-            return fused_moe_fp8(*problem, act_quant=False, pdl=pdl, **kw)
-
-        assert torch.equal(run(counters=counters), run())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = run(counters=counters)
-        for seed in (32, 33):
-            x2, *_, weights2, ids2 = _problem(num_tokens, 128, 2048, 768, 8, seed=seed, dtype=torch.bfloat16,
-                                              device="cuda")
-            x.copy_(x2)
-            weights.copy_(weights2)
-            ids.copy_(ids2)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(replayed, run()), (num_tokens, seed)
-            assert not counters.any()
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeserve.kernels import pdl as pdl_launch
 from moeserve.kernels.moe_align import moe_align
-from moeserve.kernels.moe_plan import DECODE_MAX_PAIRS, MoEPlan, MoEProblem, default_plan
+from moeserve.kernels.moe_plan import MoEPlan, MoEProblem, default_plan
 from moeserve.kernels.moe_lora import (
     RANK_STEP,
     lora_block_epilogue,
@@ -319,24 +319,18 @@ def _gemv_down_kernel(
     num_experts, top_k, N, K,
     stride_gu, stride_we, stride_wn, stride_y,
     stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
-    sum_ptr, counters_ptr, stride_sum,
     HAS_LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-    SUM_PAIRS: tl.constexpr = False,
 ):
-    """y[pair, tile] = w[pair] * (W2_e[tile] @ silu(g) * u (+ LoRA expand)), fp32. SUM_PAIRS: the token's pairs
-    summed into sum_ptr by the program that finishes its tile last (sum_pairs_if_last), no top-k sum launch."""
+    """y[pair, tile] = w[pair] * (W2_e[tile] @ silu(g) * u (+ LoRA expand)), fp32."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)  # with LoRA: the shrink just launched runs under the K walk
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if (expert < 0) | (expert >= num_experts):
         pdl_launch.late(USE_PDL, HAS_LORA)
-        if SUM_PAIRS:  # a pair routed nowhere only arrives
-            sum_pairs_if_last(y_ptr, topk_ids_ptr, sum_ptr, counters_ptr, pair, offs_n, num_experts, top_k, N,
-                              stride_y, stride_sum)
         return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
@@ -373,32 +367,6 @@ def _gemv_down_kernel(
         out += delta
     out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
     tl.store(y_ptr + pair.to(tl.int64) * stride_y + offs_n, out, mask=offs_n < N)
-    if SUM_PAIRS:
-        sum_pairs_if_last(y_ptr, topk_ids_ptr, sum_ptr, counters_ptr, pair, offs_n, num_experts, top_k, N,
-                          stride_y, stride_sum)
-
-
-@triton.jit
-def sum_pairs_if_last(y_ptr, topk_ids_ptr, sum_ptr, counters_ptr, pair, offs_n, num_experts, top_k, N,
-                      stride_y, stride_sum):
-    """After a decode down GEMV program stored its pair's tile of y: arrive on the (token, tile) counter; the
-    token's last pair to arrive sums the token's pairs of y in pair order into sum_ptr (sum_ptr's dtype), as
-    _topk_sum_kernel does, and resets the counter to 0 for the next launch or graph replay."""
-    tl.debug_barrier()  # every thread's stores of y precede the release below
-    token = pair // top_k
-    counter = counters_ptr + token * tl.num_programs(1) + tl.program_id(1)
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    if arrived == top_k - 1:
-        tl.debug_barrier()
-        n_ok = offs_n < N
-        acc = tl.zeros(offs_n.shape, dtype=tl.float32)
-        for k in range(0, top_k):  # in pair order, past the L1 (the other programs' stores)
-            p = token * top_k + k
-            expert = tl.load(topk_ids_ptr + p + offs_n * 0)  # broadcast: one mask dtype everywhere
-            ok = n_ok & (expert >= 0) & (expert < num_experts)
-            acc += tl.load(y_ptr + p.to(tl.int64) * stride_y + offs_n, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(sum_ptr + token.to(tl.int64) * stride_sum + offs_n, acc.to(sum_ptr.dtype.element_ty), mask=n_ok)
-        tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
@@ -435,29 +403,6 @@ def silu_mul_rows(gu: torch.Tensor, pdl: bool) -> torch.Tensor:
     return h
 
 
-# the narrowest column tile a decode down GEMV may run under `counters` (the arrival counters are per (token, tile))
-PAIR_SUM_MIN_BLOCK_N = 16
-
-
-def pair_sum_counter_slots(hidden: int) -> int:
-    """Arrival counters a decode down GEMV (bf16 or FP8) needs to sum a token's pairs itself (`counters` of
-    fused_moe / fused_moe_fp8), at any decode-path token count and column tile."""
-    return DECODE_MAX_PAIRS * triton.cdiv(hidden, PAIR_SUM_MIN_BLOCK_N)
-
-
-def pair_sum_target(x: torch.Tensor, counters: torch.Tensor | None, n_tiles: int) -> tuple[torch.Tensor | None, tuple]:
-    """(out [T, H] in x's dtype, the down GEMV's (sum_ptr, counters_ptr, stride_sum) arguments) where `counters`
-    asks the down GEMV to sum the pairs itself; (None, placeholders) otherwise."""
-    if counters is None:
-        return None, (x, x, 0)
-    need = x.shape[0] * n_tiles
-    if counters.dtype != torch.int32 or counters.numel() < need:
-        raise ValueError(f"counters: need >= {need} int32 zeros (pair_sum_counter_slots), got {counters.numel()} "
-                         f"{counters.dtype}")
-    out = torch.empty_like(x)
-    return out, (out, counters, out.stride(0))
-
-
 def _topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, out_dtype, pdl: bool) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     n = y.shape[1]
@@ -491,7 +436,7 @@ def weight_descs(w13: torch.Tensor, w2: torch.Tensor, plan: MoEPlan) -> tuple:
             TensorDescriptor.from_tensor(w2.view(-1, w2.shape[-1]), [plan.down.block_n, plan.down.block_k]), True)
 
 
-def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool, counters=None):
+def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -535,16 +480,14 @@ def _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl
         d_lora = (topk_ids, topk_ids, x, x)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     t = plan.down
-    n_tiles = triton.cdiv(hidden, t.block_n)
-    out, sum_args = pair_sum_target(x, counters, n_tiles)
-    _gemv_down_kernel[(num_pairs, n_tiles)](
+    _gemv_down_kernel[(num_pairs, triton.cdiv(hidden, t.block_n))](
         gu, w2, y, topk_weights, topk_ids, *d_lora,
         num_experts, top_k, hidden, inter,
-        gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *d_b_args, *sum_args,
+        gu.stride(0), w2.stride(0), w2.stride(1), y.stride(0), *d_b_args,
         HAS_LORA=has_lora, BLOCK_N=t.block_n, BLOCK_K=t.block_k, BLOCK_R=block_r,
         BLOCK_S=d_splits, EVEN_K=inter % t.block_k == 0, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=t.num_warps, num_stages=t.num_stages, SUM_PAIRS=out is not None)
-    return out if out is not None else _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    return _topk_sum(y, topk_ids, num_experts, x.dtype, pdl)
 
 
 def _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan: MoEPlan, pdl: bool):
@@ -622,14 +565,11 @@ def fused_moe(
     decode: bool | None = None,
     plan: MoEPlan | None = None,
     pdl: bool = False,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights/topk_ids [T, K] -> [T, H] in x.dtype.
     `decode` forces the GEMV (True) or sorted (False) path; `plan` overrides block sizes; `pdl`: every launch
     with programmatic dependent launch (kernels/pdl.py). Each LoRA shrink is launched right before the GEMM or
-    GEMV whose epilogue reads it, which then runs its main loop under the shrink (late wait). `counters`: int32
-    zeros, at least `pair_sum_counter_slots(H)`, owned by the caller (each launch leaves them zero): on the GEMV
-    path the down GEMV then sums each token's pairs itself, no top-k sum launch (the same sums, the same order)."""
+    GEMV whose epilogue reads it, which then runs its main loop under the shrink (late wait)."""
     num_tokens, hidden = x.shape
     if w13.shape[2] != hidden or w2.shape[1] != hidden or w2.shape[2] * 2 != w13.shape[1]:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
@@ -642,9 +582,8 @@ def fused_moe(
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
     topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
-    if plan.decode:
-        return _decode_forward(x, w13, w2, topk_weights, topk_ids, lora, plan, pdl, counters)
-    return _sorted_forward(x, w13, w2, topk_weights, topk_ids, lora, plan, pdl)
+    forward = _decode_forward if plan.decode else _sorted_forward
+    return forward(x, w13, w2, topk_weights, topk_ids, lora, plan, pdl)
 
 
 # ---------------------------------------------------------------------------------------------

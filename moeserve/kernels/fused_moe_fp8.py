@@ -64,9 +64,7 @@ from moeserve.kernels.fused_moe import (
     _lora_expand_rows,
     _topk_sum,
     _weight_tile,
-    pair_sum_target,
     silu_mul_rows,
-    sum_pairs_if_last,
     weight_descs,
 )
 from moeserve.kernels.moe_align import moe_align
@@ -196,12 +194,11 @@ def _gemv_fp8_kernel(
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
     slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, top_k,
     stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits, separate_ptr, stride_sh, lora_up_row0,
-    sum_ptr, counters_ptr, stride_sum, sum_top_k,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
     ROUTE_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
     HAS_LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, BLOCK_S: tl.constexpr = 1,
-    UP_HALF: tl.constexpr = False, SUM_PAIRS: tl.constexpr = False,
+    UP_HALF: tl.constexpr = False,
 ):
     """Decode: out[pair, tile] = (w[pair] *) dequant(W_e)[tile] @ a[pair // pairs_per_row] in fp32 on CUDA cores,
     one program per (pair, N tile), no alignment (fused_moe's GEMV path with FP8 rows: half the bytes). Each K
@@ -210,41 +207,14 @@ def _gemv_fp8_kernel(
     flight). Operands as in _moe_fp8_gemm_kernel; under ACT_FP8 the activation is dequantized by its group scale
     (the W8A8 numerics, for results that do not depend on the path). HAS_LORA: the pair's LoRA expand (its shrink
     already in shrunk_ptr, fp32 partials) added to the fp32 sum before the routing weight, as fused_moe's GEMV
-    epilogue does (rows without an adapter add an exact zero). SUM_PAIRS (the down GEMV): the token's sum_top_k
-    pairs summed into sum_ptr by the program that finishes its tile last (fused_moe.sum_pairs_if_last), no top-k
-    sum launch."""
+    epilogue does (rows without an adapter add an exact zero)."""
     pdl_launch.enter(USE_PDL)
     pair = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
-    valid = (expert >= 0) & (expert < num_experts)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if valid:  # a pair without an expert (a padded row) computes nothing (and under SUM_PAIRS only arrives)
-        _gemv_fp8_pair(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, pair, expert, offs_n,
-                       pairs_per_row, N, K, up_col0, up_scale_row0,
-                       stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-                       slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, top_k,
-                       stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits, separate_ptr, stride_sh,
-                       lora_up_row0, BLOCK_N, GROUPS, SUB_K, EVEN_K, SCALE_N, SCALE_K, ACT_FP8, FUSED_ACT,
-                       ROUTE_WEIGHT, HAS_LORA, BLOCK_R, BLOCK_S, UP_HALF)
-    if SUM_PAIRS:
-        sum_pairs_if_last(out_ptr, topk_ids_ptr, sum_ptr, counters_ptr, pair, offs_n, num_experts, sum_top_k, N,
-                          stride_out, stride_sum)
-
-
-@triton.jit
-def _gemv_fp8_pair(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_weights_ptr, pair, expert, offs_n,
-    pairs_per_row, N, K, up_col0, up_scale_row0,
-    stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-    slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, top_k,
-    stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits, separate_ptr, stride_sh, lora_up_row0,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
-    ROUTE_WEIGHT: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-    UP_HALF: tl.constexpr,
-):
-    """One (pair, N tile) of _gemv_fp8_kernel: its K walk, LoRA expand, routing weight and store."""
+    if (expert < 0) | (expert >= num_experts):
+        return
     row = (pair // pairs_per_row).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = offs_n % N
     sub = tl.arange(0, GROUPS) * SUB_K  # first column of each sub-step
     offs_k = sub[:, None] + tl.arange(0, SUB_K)[None, :]  # [GROUPS, SUB_K]
@@ -432,18 +402,9 @@ def _launch(a, a_scale, w, w_scale, out, topk_weights, aligned, num_pairs, pairs
 
 
 def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_row, n, k, up_col0,
-                 up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl, lora=None, sum_to=None):
-    """`lora`: (MoELoRAArgs, its B for this GEMM, shrunk partials [pairs, (2,) splits, R], up-half rows or None).
-    `sum_to`: (x, arrival counters): the token's pairs summed by the kernel (SUM_PAIRS) into a new tensor like x,
-    returned; else None."""
+                 up_scale_row0, tile, block, act_fp8, fused_act, route_weight, pdl, lora=None):
+    """`lora`: (MoELoRAArgs, its B for this GEMM, shrunk partials [pairs, (2,) splits, R], up-half rows or None)."""
     sub_k = min(tile.block_k, block[1])
-    n_tiles = triton.cdiv(n, tile.block_n)
-    out_sum = None
-    if sum_to is None:
-        sum_args, sum_opts = (out, topk_ids, 0, 1), {}
-    else:
-        out_sum, sum_args = pair_sum_target(sum_to[0], sum_to[1], n_tiles)
-        sum_args, sum_opts = (*sum_args, topk_ids.shape[1]), dict(SUM_PAIRS=True)
     if lora is None:
         lora_args, lora_opts = (topk_ids, topk_ids, a, a, 1, 0, 0, 0, 0, 0, 1, topk_ids, 0, 0), {}
     else:
@@ -455,19 +416,18 @@ def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_
                      up_row0 if up_half else 0)
         lora_opts = dict(HAS_LORA=True, BLOCK_R=lora_rank_block(args), BLOCK_S=triton.next_power_of_2(shrunk.shape[-2]),
                          UP_HALF=up_half)
-    _gemv_fp8_kernel[(topk_ids.numel(), n_tiles)](
+    _gemv_fp8_kernel[(topk_ids.numel(), triton.cdiv(n, tile.block_n))](
         a, a_scale, w, w_scale, out, topk_weights, topk_ids,
         w.shape[0], pairs_per_row, n, k, up_col0, up_scale_row0,
         a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
-        out.stride(0), *lora_args, *sum_args,
+        out.stride(0), *lora_args,
         BLOCK_N=tile.block_n, GROUPS=tile.block_k // sub_k, SUB_K=sub_k, EVEN_K=k % tile.block_k == 0,
         SCALE_N=block[0], SCALE_K=block[1], ACT_FP8=act_fp8, FUSED_ACT=fused_act, ROUTE_WEIGHT=route_weight,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **lora_opts, **sum_opts)
-    return out_sum
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages, **lora_opts)
 
 
 def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
-                    lora=None, x_fp8=None, counters=None):
+                    lora=None, x_fp8=None):
     del scale_product  # the GEMV multiplies dequantized weights in fp32: nothing is rounded either way
     num_tokens, hidden = x.shape
     inter = w2.shape[2]
@@ -492,9 +452,9 @@ def _decode_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan
     else:
         h, h_scale = gu, topk_weights  # SiLU*up applied as the down GEMV loads gu
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    out = _launch_gemv(h, h_scale, w2, s2, y, topk_weights, topk_ids, 1, hidden, inter, hidden, 0, plan.down, block,
-                       act_quant, not act_quant, True, pdl, d_lora, None if counters is None else (x, counters))
-    return out if out is not None else _topk_sum(y, topk_ids, w13.shape[0], x.dtype, pdl)
+    _launch_gemv(h, h_scale, w2, s2, y, topk_weights, topk_ids, 1, hidden, inter, hidden, 0, plan.down, block,
+                 act_quant, not act_quant, True, pdl, d_lora)
+    return _topk_sum(y, topk_ids, w13.shape[0], x.dtype, pdl)
 
 
 def _sorted_forward(x, w13, s13, w2, s2, topk_weights, topk_ids, act_quant, plan, block, pdl, scale_product,
@@ -574,7 +534,6 @@ def fused_moe_fp8(
     lora=None,
     lora_plan: MoEPlan | None = None,
     x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H] (bf16 / fp16 / fp32), w13_fp8 [E, 2I, H] and w2_fp8 [E, H, I] float8_e4m3fn with float32 scale_inv
     [E, 2 * ceil(I/128), ceil(H/128)] (gate's block rows, then up's) and [E, ceil(H/128), ceil(I/128)], topk_weights
@@ -585,9 +544,7 @@ def fused_moe_fp8(
     (weight-only sorted path): "tile" dequantizes each fp8 weight tile before its dot, "product" scales each K
     step's product instead (fp8_scaled_dot's SCALE_PRODUCT). `lora_plan`: the sorted path's LoRA options
     (default `lora_options`). `x_fp8`: x already quantized as a W8A8 call reads it (input_quant_group; the norm
-    that wrote x makes it), instead of a quantization launch here. `counters`: int32 zeros, at least
-    `fused_moe.pair_sum_counter_slots(H)`, owned by the caller (each launch leaves them zero): on the GEMV path the down GEMV
-    then sums each token's pairs itself, no top-k sum launch (the same sums in the same order)."""
+    that wrote x makes it), instead of a quantization launch here."""
     if weight_scale not in ("tile", "product"):
         raise ValueError(f"weight_scale {weight_scale!r}: choose 'tile' or 'product'")
     _check_weights(x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, block)
@@ -608,7 +565,7 @@ def fused_moe_fp8(
     x, topk_weights, topk_ids = x.contiguous(), topk_weights.contiguous(), topk_ids.contiguous()
     args = (x, w13_fp8, w13_scale_inv, w2_fp8, w2_scale_inv, topk_weights, topk_ids, act_quant)
     if plan.decode:
-        return _decode_forward(*args, plan, block, pdl, weight_scale == "product", lora, x_fp8, counters)
+        return _decode_forward(*args, plan, block, pdl, weight_scale == "product", lora, x_fp8)
     if lora is not None and lora_plan is None:
         lora_plan = lora_options(num_tokens, topk_ids.shape[1])
     return _sorted_forward(*args, plan, block, pdl, weight_scale == "product", lora, lora_plan, x_fp8)

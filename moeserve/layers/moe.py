@@ -225,12 +225,6 @@ class MoEBlock(nn.Module):
             # arrival counters of the fused router GEMM: zero between launches (each launch resets them)
             self.register_buffer("router_counters", torch.zeros(
                 router_kernels.counter_slots(max(gemm_topk_max_tokens, 1)), dtype=torch.int32), persistent=False)
-        # arrival counters of the decode down GEMV that sums a token's pairs itself: zero between launches (each
-        # launch resets them)
-        counters = None
-        if self._fused is not None:
-            counters = torch.zeros(self._fused.pair_sum_counter_slots(H), dtype=torch.int32)
-        self.register_buffer("expert_sum_counters", counters, persistent=False)
 
     def _packed_experts(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> PackedExperts | None:
         """The experts (w13, w2: the parameters, or their dequantized copies for FP8) packed for the CPU path, made at
@@ -300,8 +294,7 @@ class MoEBlock(nn.Module):
                 b = self.lora_bufs
                 args = self._fused.MoELoRAArgs(lora.token_slots, lora.slot_ranks, b.gate_up_a, b.gate_up_b, b.down_a,
                                                b.down_b, b.up_a, b.gate_up_separate)
-            out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args, pdl=self.pdl,
-                                        counters=self.expert_sum_counters)
+            out = self._fused.fused_moe(x, self.w13, self.w2, topk_w, topk_ids, lora=args, pdl=self.pdl)
         else:
             out = moe_experts_torch(x, self.w13, self.w2, topk_w, topk_ids, lora, self.lora_bufs if use_lora else None,
                                     self._packed_experts())
@@ -325,7 +318,7 @@ class MoEBlock(nn.Module):
                                                b.down_b, b.up_a, b.gate_up_separate)
             return fused_moe_fp8.fused_moe_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, topk_w,
                                                topk_ids, act_quant=act_quant, lora=args, pdl=self.pdl,
-                                               x_fp8=x_fp8, counters=self.expert_sum_counters)
+                                               x_fp8=x_fp8)
         if act_quant:
             from moeserve.kernels.fused_moe_fp8 import fused_moe_fp8_ref
 
