@@ -10,6 +10,9 @@ Also writes DIR/moe_tiles_act.json: the shipped FP8 W8A8 rows with the fastest c
 (others as shipped), for `MOESERVE_MOE_TILES=DIR/moe_tiles_act.json` A/Bs of bench decode and bench prefill.
 
     PYTHONPATH=. python benchmarks/session24/act_in_gate_up.py --out DIR
+
+Ran in session 25 (call 1, on 58bc7a3): both options lost at every T and were taken out (aedebc2), so this script
+no longer runs against later trees; it stays as the record of what was timed (BENCHMARKS.md, session 25).
 """
 import argparse
 import json
