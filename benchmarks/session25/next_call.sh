@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Prepared in session 25 for the next session's first device calls (carry [".whl"]): the W8A8 down GEMM's own
+# tile (down_tiles.py), then the step with the table it writes. Two calls:
+#   bash benchmarks/session25/next_call.sh 1   # the sweep at T = 256, 512, 128, 1024 (writes $OUT/moe_tiles_down.json)
+#   cp <files_at>/moe_tiles_down.json benchmarks/session25/; bash benchmarks/session25/next_call.sh 2
+#                                               # bench decode FP8 (shipped table / that table, A, B, A, B), prefill
+source benchmarks/device_env.sh
+t0=$(date +%s)
+if [ "${1:-1}" = 1 ]; then
+  timeout 540 python3 benchmarks/session25/down_tiles.py --out $OUT > $OUT/down_sweep.log 2>&1
+  echo "sweep rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^T |rows:" $OUT/down_sweep.log
+  exit 0
+fi
+table=$PWD/benchmarks/session25/moe_tiles_down.json
+[ -f "$table" ] || { echo "no $table: run part 1 and copy its table here first"; exit 2; }
+dec() {  # $1 label, $2 table ("" = shipped), then bench decode's arguments
+  local label=$1 tiles=$2; shift 2
+  MOESERVE_MOE_TILES=$tiles timeout 80 python3 -m moeserve.bench.decode --layers 48 --steps 32 --repeats 1 \
+    --quantization fp8 --out /tmp/dec_$label "$@" > /tmp/dec_$label.log 2>&1
+  echo "$label rc=$? $(( $(date +%s)-t0 ))s: $(grep -E '^ +[0-9]+ ' /tmp/dec_$label.log | tr -s ' ' | tr '\n' '|')"; }
+for r in 1 2; do
+  dec shipped$r "" --batches 64,256,512 --modes base,active
+  dec down$r "$table" --batches 64,256,512 --modes base,active
+done
+for side in shipped down; do
+  tiles=""; [ $side = down ] && tiles=$table
+  MOESERVE_MOE_TILES=$tiles timeout 120 python3 -m moeserve.bench.prefill --layers 48 --repeats 2 \
+    --quantization fp8 --out /tmp/pre_$side > /tmp/pre_$side.log 2>&1
+  echo "prefill $side rc=$? $(( $(date +%s)-t0 ))s: $(tail -3 /tmp/pre_$side.log | tr '\n' '|')"
+done
+tar -czf $OUT/logs.tgz -C /tmp $(cd /tmp && ls dec_*.log pre_*.log)
+echo "done $(( $(date +%s)-t0 ))s"
