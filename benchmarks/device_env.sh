@@ -3,7 +3,9 @@
 # the tree, the tree on the path, `lane FILE...` (GPU-marked tests of tests/FILE.py one after another, each
 # under LANE_TIMEOUT seconds, its log in $OUT/FILE.log and one summary line printed), and `ab_decode NAME LABEL
 # ARGS...` (bench decode from inside benchmarks/ab/NAME, the package benchmarks/ab_packages.sh built: carry
-# "benchmarks/ab" too; its log in /tmp/ab_NAME_LABEL.log, one line printed with the package it imported).
+# "benchmarks/ab" too; its log in /tmp/ab_NAME_LABEL.log, one line printed with the package it imported), and
+# `dec_tiles LABEL TABLE ARGS...` (bench decode FP8 of the tree with MOESERVE_MOE_TILES=TABLE, "" = the shipped
+# table; its log in /tmp/dec_LABEL.log, one line printed).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -22,3 +24,8 @@ ab_decode() {
     && PYTHONPATH=/tmp/site timeout ${AB_TIMEOUT:-90} python3 -m moeserve.bench.decode --layers 48 --steps 32 \
     --repeats 1 --out /tmp/ab_out_$name$label "$@") > $log 2>&1
   echo "$name $label rc=$? $(( $(date +%s)-s ))s: $(grep -E '^package|^ +[0-9]+ ' $log | tr -s ' ' | tr '\n' '|')"; }
+dec_tiles() {
+  local label=$1 tiles=$2 s=$(date +%s); shift 2
+  MOESERVE_MOE_TILES=$tiles timeout ${DEC_TIMEOUT:-80} python3 -m moeserve.bench.decode --layers 48 --steps 32 \
+    --repeats 1 --quantization fp8 --out /tmp/dec_$label "$@" > /tmp/dec_$label.log 2>&1
+  echo "$label rc=$? $(( $(date +%s)-s ))s: $(grep -E '^ +[0-9]+ ' /tmp/dec_$label.log | tr -s ' ' | tr '\n' '|')"; }

@@ -59,6 +59,7 @@ from moeserve.kernels.moe_plan import (  # noqa: E402
     DECODE_MAX_PAIRS,
     GemmTile,
     MoEPlan,
+    TABLE_PATH,
     MoEProblem,
     fit_tile,
     smem_limit,
@@ -166,6 +167,30 @@ def time_interleaved(fn_sets: dict, rounds: int = ROUNDS) -> dict:
                 traceback.print_exc()
                 errors[name] = f"{type(exc).__name__}: {exc}"[:300]
     return {name: (statistics.median(t) if t else errors[name]) for name, t in times.items()}
+
+
+def time_plans(plans: dict, weights, inputs, loras, rounds: int = ROUNDS) -> dict:
+    """(name, with LoRA) -> median µs (or the error) of the W8A8 fused_moe_fp8 on each of `plans`, without and with
+    `loras` (one per weight set), all timed interleaved; `weights` the fp8 (w13, s13, w2, s2) sets, `inputs` the
+    (x, topk weights, topk ids) sets."""
+    def fns(plan, with_lora):
+        return [lambda w=w, inp=inp, lo=lo: fused_moe_fp8(inp[0], *w, inp[1], inp[2], act_quant=True, plan=plan,
+                                                          pdl=True, lora=lo if with_lora else None)
+                for w, inp, lo in zip(weights, inputs, loras)]
+
+    return time_interleaved({(name, lo): fns(plan, lo) for name, plan in plans.items() for lo in (False, True)}, rounds)
+
+
+def table_with_w8a8_rows(rows: dict, fields, path) -> None:
+    """The shipped tile table (moe_plan.TABLE_PATH) with the W8A8 rows of the token counts in `rows` (max_tokens ->
+    MoEPlan) given those plans' `fields` ("gate_up", "down": their tiles), written to `path`."""
+    table = json.loads(TABLE_PATH.read_text())
+    for entry in table["entries"]:
+        if entry["dtype"] == "fp8_w8a8":
+            for row in entry["tiles"]:
+                if row["max_tokens"] in rows:
+                    row.update({f: getattr(rows[row["max_tokens"]], f).as_list() for f in fields})
+    Path(path).write_text(json.dumps(table, indent=1))
 
 
 def check_moe(weights, inputs, variants) -> dict:

@@ -20,8 +20,8 @@ import torch
 
 from benchmarks.kernels import fp8_moe
 from benchmarks.kernels.kernels import NUM_SETS, lora_args, make_inputs, make_lora_pool
-from moeserve.kernels.fused_moe_fp8 import fp8_plan, fused_moe_fp8
-from moeserve.kernels.moe_plan import TABLE_PATH, MoEProblem
+from moeserve.kernels.fused_moe_fp8 import fp8_plan
+from moeserve.kernels.moe_plan import MoEProblem
 
 # (block_n, num_warps, num_stages, group_m) of the down tile; block_k stays 128 (one scale group a K step)
 DOWN_CANDIDATES = [(128, 4, 4, None), (128, 4, 5, None), (128, 8, 3, None), (128, 8, 4, None), (256, 8, 3, None),
@@ -39,19 +39,6 @@ def candidates(shipped):
     return v
 
 
-def write_table(best: dict, path: str) -> None:
-    """The shipped table with the W8A8 rows of the token counts in `best` given those plans' down tiles."""
-    table = json.loads(TABLE_PATH.read_text())
-    for entry in table["entries"]:
-        if entry["dtype"] != "fp8_w8a8":
-            continue
-        for row in entry["tiles"]:
-            plan = best.get(row["max_tokens"])
-            if plan is not None:
-                row["down"] = plan.down.as_list()
-    json.dump(table, open(path, "w"), indent=1)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,512,128,1024")
@@ -67,24 +54,15 @@ def main():
     for t in [int(v) for v in args.tokens.split(",")]:
         inputs = [make_inputs(t, gen) for _ in range(NUM_SETS)]
         loras = [lora_args(pools, i, t, "lora4_r16") for i in range(NUM_SETS)]
-        shipped = fp8_plan(t, 8, problem, True)
-        cands = candidates(shipped)
-
-        def fns(plan, with_lora):
-            return [lambda w=w, inp=inp, lo=lo: fused_moe_fp8(inp[0], *w, inp[1], inp[2], act_quant=True, plan=plan,
-                                                              pdl=True, lora=lo if with_lora else None)
-                    for w, inp, lo in zip(weights, inputs, loras)]
-
-        # a candidate that does not compile or launch reports its error instead
-        times = fp8_moe.time_interleaved({(name, lo): fns(plan, lo) for name, plan in cands.items()
-                                          for lo in (False, True)}, args.rounds)
+        cands = candidates(fp8_plan(t, 8, problem, True))
+        times = fp8_moe.time_plans(cands, weights, inputs, loras, args.rounds)
         base, base_lora = times["shipped", False], times["shipped", True]
-        for name in cands:
+        for name, plan in cands.items():
             us, us_lora = times[name, False], times[name, True]
-            if isinstance(us, str) or isinstance(us_lora, str):
+            if isinstance(us, str) or isinstance(us_lora, str):  # did not compile or launch
                 print(f"  T {t} {name}: {us if isinstance(us, str) else us_lora}", flush=True)
                 continue
-            report.append(dict(tokens=t, variant=name, down=cands[name].down.as_list(), us=us, lora_us=us_lora,
+            report.append(dict(tokens=t, variant=name, down=plan.down.as_list(), us=us, lora_us=us_lora,
                                vs_shipped=us / base, lora_vs_shipped=us_lora / base_lora))
             print(f"T {t:>5} {name:>22} {us:8.1f} us ({us / base:.3f}x)  with LoRA {us_lora:8.1f} us "
                   f"({us_lora / base_lora:.3f}x)", flush=True)
@@ -93,7 +71,7 @@ def main():
         if won:
             best[t] = cands[min(won, key=lambda r: r["us"])["variant"]]
         json.dump(report, open(os.path.join(args.out, "down_tiles.json"), "w"), indent=1)
-        write_table(best, os.path.join(args.out, "moe_tiles_down.json"))
+        fp8_moe.table_with_w8a8_rows(best, ("down",), os.path.join(args.out, "moe_tiles_down.json"))
     print("table rows:", sorted(best))
 
 

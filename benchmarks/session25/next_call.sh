@@ -13,14 +13,9 @@ if [ "${1:-1}" = 1 ]; then
 fi
 table=$PWD/benchmarks/session25/moe_tiles_down.json
 [ -f "$table" ] || { echo "no $table: run part 1 and copy its table here first"; exit 2; }
-dec() {  # $1 label, $2 table ("" = shipped), then bench decode's arguments
-  local label=$1 tiles=$2; shift 2
-  MOESERVE_MOE_TILES=$tiles timeout 80 python3 -m moeserve.bench.decode --layers 48 --steps 32 --repeats 1 \
-    --quantization fp8 --out /tmp/dec_$label "$@" > /tmp/dec_$label.log 2>&1
-  echo "$label rc=$? $(( $(date +%s)-t0 ))s: $(grep -E '^ +[0-9]+ ' /tmp/dec_$label.log | tr -s ' ' | tr '\n' '|')"; }
 for r in 1 2; do
-  dec shipped$r "" --batches 64,256,512 --modes base,active
-  dec down$r "$table" --batches 64,256,512 --modes base,active
+  dec_tiles shipped$r "" --batches 64,256,512 --modes base,active
+  dec_tiles down$r "$table" --batches 64,256,512 --modes base,active
 done
 for side in shipped down; do
   tiles=""; [ $side = down ] && tiles=$table
