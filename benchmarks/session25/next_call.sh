@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
-# Prepared in session 25 for the next session's first device calls (carry [".whl"]): the W8A8 down GEMM's own
-# tile (down_tiles.py), then the step with the table it writes. Two calls:
-#   bash benchmarks/session25/next_call.sh 1   # the sweep at T = 256, 512, 128, 1024 (writes $OUT/moe_tiles_down.json)
+# Prepared in session 25 for the next session's first device calls. Before them, here:
+#   bash benchmarks/ab_packages.sh gemv_before=a4224e0~1      # the FP8 dense GEMV before its rewrite (a4224e0)
+# then, with carry [".whl", "benchmarks/ab"], two calls:
+#   bash benchmarks/session25/next_call.sh 1   # the FP8 dense GEMV before / after at 1-2 rows (fp8_moe --parts dense
+#                                               # --sweep: its launches against the split tensor-core kernel), then
+#                                               # the W8A8 down GEMM's own tile at T = 256, 512, 128, 1024
+#                                               # (down_tiles.py; writes $OUT/moe_tiles_down.json)
 #   cp <files_at>/moe_tiles_down.json benchmarks/session25/; bash benchmarks/session25/next_call.sh 2
 #                                               # bench decode FP8 (shipped table / that table, A, B, A, B), prefill
+# If the GEMV now beats the split kernel at one row (o 7.4 us, q|k|v 8.3-8.6 in session 25), gemv_serves should
+# take those projections (then bench decode --quantization fp8 --batches 1,2 A/B).
 source benchmarks/device_env.sh
 t0=$(date +%s)
+root=$PWD
 if [ "${1:-1}" = 1 ]; then
-  timeout 540 python3 benchmarks/session25/down_tiles.py --out $OUT > $OUT/down_sweep.log 2>&1
+  for side in gemv_before after; do
+    dir=$root; [ $side = after ] || dir=$root/benchmarks/ab/$side  # python -m: the cwd's moeserve comes first
+    (cd $dir && PYTHONPATH=/tmp/site:$root timeout 100 python3 -m benchmarks.kernels.fp8_moe --out $OUT/dense_$side \
+      --tokens 1,2 --parts dense --sweep > $OUT/dense_$side.log 2>&1)
+    echo "dense $side rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^dense|gemv:" $OUT/dense_$side.log
+  done
+  timeout $(( 540 - ($(date +%s)-t0) )) python3 benchmarks/session25/down_tiles.py --out $OUT > $OUT/down_sweep.log 2>&1
   echo "sweep rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^T |rows:" $OUT/down_sweep.log
   exit 0
 fi
