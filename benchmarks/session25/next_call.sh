@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Prepared in session 25 for the next session's first device calls. Before them, here:
-#   bash benchmarks/ab_packages.sh gemv_before=a4224e0~1      # the FP8 dense GEMV before its rewrite (a4224e0)
-# then, with carry [".whl", "benchmarks/ab"], two calls:
+#   bash benchmarks/ab_packages.sh gemv_before=a4224e0~1 main=HEAD route=s25-gemv-route
+# (the FP8 dense GEMV before its rewrite a4224e0; this tree; branch s25-gemv-route, where the GEMV takes every 1-2
+# row weight-only projection), then, with carry [".whl", "benchmarks/ab"], two calls:
 #   bash benchmarks/session25/next_call.sh 1   # the FP8 dense GEMV before / after at 1-2 rows (fp8_moe --parts dense
 #                                               # --sweep: its launches against the split tensor-core kernel), then
 #                                               # the W8A8 down GEMM's own tile at T = 256, 512, 128, 1024
 #                                               # (down_tiles.py; writes $OUT/moe_tiles_down.json)
 #   cp <files_at>/moe_tiles_down.json benchmarks/session25/; bash benchmarks/session25/next_call.sh 2
-#                                               # bench decode FP8 (shipped table / that table, A, B, A, B), prefill
-# If the GEMV now beats the split kernel at one row (o 7.4 us, q|k|v 8.3-8.6 in session 25), gemv_serves should
-# take those projections (then bench decode --quantization fp8 --batches 1,2 A/B).
+#                                               # bench decode FP8 at B = 1, 2: this tree / the GEMV routing branch,
+#                                               # A, B, A, B; then B = 64-512 shipped table / that table, A, B, A, B,
+#                                               # and prefill
+# If the GEMV now beats the split kernel at one row (o 7.4 us, q|k|v 8.3-8.6 in session 25) and the routing branch
+# wins the step, merge it (with gemv_serves' tests and docstring updated).
 source benchmarks/device_env.sh
 t0=$(date +%s)
 root=$PWD
@@ -27,6 +30,10 @@ fi
 table=$PWD/benchmarks/session25/moe_tiles_down.json
 [ -f "$table" ] || { echo "no $table: run part 1 and copy its table here first"; exit 2; }
 for r in 1 2; do
+  ab_decode main fp8_$r --batches 1,2 --modes base,active --quantization fp8
+  ab_decode route fp8_$r --batches 1,2 --modes base,active --quantization fp8
+done
+for r in 1 2; do
   dec_tiles shipped$r "" --batches 64,256,512 --modes base,active
   dec_tiles down$r "$table" --batches 64,256,512 --modes base,active
 done
@@ -36,5 +43,5 @@ for side in shipped down; do
     --quantization fp8 --out /tmp/pre_$side > /tmp/pre_$side.log 2>&1
   echo "prefill $side rc=$? $(( $(date +%s)-t0 ))s: $(tail -3 /tmp/pre_$side.log | tr '\n' '|')"
 done
-tar -czf $OUT/logs.tgz -C /tmp $(cd /tmp && ls dec_*.log pre_*.log)
+tar -czf $OUT/logs.tgz -C /tmp $(cd /tmp && ls dec_*.log pre_*.log ab_*.log)
 echo "done $(( $(date +%s)-t0 ))s"
