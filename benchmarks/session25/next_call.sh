@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Prepared in session 25 for the next session's first device calls. Before them, here:
-#   bash benchmarks/ab_packages.sh gemv_before=a4224e0~1 main=HEAD route=s25-gemv-route
+#   bash benchmarks/ab_packages.sh gemv_before=a4224e0~1 main=HEAD route=s25-gemv-route bf16gemv=s25-bf16-gemv
 # (the FP8 dense GEMV before its rewrite a4224e0; this tree; branch s25-gemv-route, where the GEMV takes every 1-2
-# row weight-only projection), then, with carry [".whl", "benchmarks/ab"], two calls:
+# row weight-only projection; branch s25-bf16-gemv, the bf16 GEMV with the same fix), then, with carry
+# [".whl", "benchmarks/ab"], two calls:
 #   bash benchmarks/session25/next_call.sh 1   # the FP8 dense GEMV before / after at 1-2 rows (fp8_moe --parts dense
-#                                               # --sweep: its launches against the split tensor-core kernel), then
-#                                               # the W8A8 down GEMM's own tile at T = 256, 512, 128, 1024
+#                                               # --sweep: its launches against the split tensor-core kernel), bench
+#                                               # decode bf16 at B = 1, 2, 4: this tree / s25-bf16-gemv, A, B, A, B;
+#                                               # then the W8A8 down GEMM's own tile at T = 256, 512, 128, 1024
 #                                               # (down_tiles.py; writes $OUT/moe_tiles_down.json)
 #   cp <files_at>/moe_tiles_down.json benchmarks/session25/; bash benchmarks/session25/next_call.sh 2
 #                                               # bench decode FP8 at B = 1, 2: this tree / the GEMV routing branch,
@@ -23,6 +25,11 @@ if [ "${1:-1}" = 1 ]; then
       --tokens 1,2 --parts dense --sweep > $OUT/dense_$side.log 2>&1)
     echo "dense $side rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^dense|gemv:" $OUT/dense_$side.log
   done
+  for r in 1 2; do  # the bf16 GEMV (the 1-2 row projections it serves; B = 4 a control)
+    ab_decode main bf16_$r --batches 1,2,4 --modes base,active
+    ab_decode bf16gemv bf16_$r --batches 1,2,4 --modes base,active
+  done
+  tar -czf $OUT/ab_bf16.tgz -C /tmp $(cd /tmp && ls ab_*bf16*.log)
   timeout $(( 540 - ($(date +%s)-t0) )) python3 benchmarks/session25/down_tiles.py --out $OUT > $OUT/down_sweep.log 2>&1
   echo "sweep rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^T |rows:" $OUT/down_sweep.log
   exit 0
