@@ -30,7 +30,7 @@ if [ "${1:-1}" = 1 ]; then
     ab_decode bf16gemv bf16_$r --batches 1,2,4 --modes base,active
   done
   tar -czf $OUT/ab_bf16.tgz -C /tmp $(cd /tmp && ls ab_*bf16*.log)
-  timeout $(( 540 - ($(date +%s)-t0) )) python3 benchmarks/session25/down_tiles.py --out $OUT > $OUT/down_sweep.log 2>&1
+  timeout $(( 540 - ($(date +%s)-t0) )) python3 benchmarks/session25/down_tiles.py --out $OUT --tokens 256,512,1024 > $OUT/down_sweep.log 2>&1
   echo "sweep rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^T |rows:" $OUT/down_sweep.log
   exit 0
 fi
