@@ -7,7 +7,7 @@
 #   bash benchmarks/session25/next_call.sh 1   # the FP8 dense GEMV before / after at 1-2 rows (fp8_moe --parts dense
 #                                               # --sweep: its launches against the split tensor-core kernel), bench
 #                                               # decode bf16 at B = 1, 2, 4: this tree / s25-bf16-gemv, A, B, A, B;
-#                                               # then the W8A8 down GEMM's own tile at T = 256, 512, 128, 1024
+#                                               # then the W8A8 down GEMM's own tile at T = 256, 512, 1024
 #                                               # (down_tiles.py; writes $OUT/moe_tiles_down.json)
 #   cp <files_at>/moe_tiles_down.json benchmarks/session25/; bash benchmarks/session25/next_call.sh 2
 #                                               # bench decode FP8 at B = 1, 2: this tree / the GEMV routing branch,
