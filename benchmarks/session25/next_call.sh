@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Prepared in session 25 for the next session's first device calls. Before them, here:
-#   bash benchmarks/ab_packages.sh gemv_before=a4224e0~1 main=HEAD route=s25-gemv-route bf16gemv=s25-bf16-gemv
+#   bash benchmarks/ab_packages.sh gemv_before=a4224e0~1 main=HEAD route=s25-gemv-route bf16gemv=s25-bf16-gemv \
+#     expert=s25-expert-gemv
 # (the FP8 dense GEMV before its rewrite a4224e0; this tree; branch s25-gemv-route, where the GEMV takes every 1-2
-# row weight-only projection; branch s25-bf16-gemv, the bf16 GEMV with the same fix), then, with carry
+# row weight-only projection; branch s25-bf16-gemv, the bf16 GEMV with the same fix; branch s25-expert-gemv, the
+# FP8 expert gate_up GEMV with it), then, with carry
 # [".whl", "benchmarks/ab"], two calls:
 #   bash benchmarks/session25/next_call.sh 1   # the FP8 dense GEMV before / after at 1-2 rows (fp8_moe --parts dense
 #                                               # --sweep: its launches against the split tensor-core kernel), bench
@@ -10,8 +12,8 @@
 #                                               # then the W8A8 down GEMM's own tile at T = 256, 512, 1024
 #                                               # (down_tiles.py; writes $OUT/moe_tiles_down.json)
 #   cp <files_at>/moe_tiles_down.json benchmarks/session25/; bash benchmarks/session25/next_call.sh 2
-#                                               # bench decode FP8 at B = 1, 2: this tree / the GEMV routing branch,
-#                                               # A, B, A, B; then B = 64-512 shipped table / that table, A, B, A, B,
+#                                               # bench decode FP8 at B = 1, 2: this tree / the GEMV routing branch /
+#                                               # the expert GEMV branch, A, B, C twice; then B = 64-512 shipped table / that table, A, B, A, B,
 #                                               # and prefill
 # If the GEMV now beats the split kernel at one row (o 7.4 us, q|k|v 8.3-8.6 in session 25) and the routing branch
 # wins the step, merge it (with gemv_serves' tests and docstring updated).
@@ -39,6 +41,7 @@ table=$PWD/benchmarks/session25/moe_tiles_down.json
 for r in 1 2; do
   ab_decode main fp8_$r --batches 1,2 --modes base,active --quantization fp8
   ab_decode route fp8_$r --batches 1,2 --modes base,active --quantization fp8
+  ab_decode expert fp8_$r --batches 1,2 --modes base,active --quantization fp8
 done
 for r in 1 2; do
   dec_tiles shipped$r "" --batches 64,256,512 --modes base,active
