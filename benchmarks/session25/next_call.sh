@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
-# Prepared in session 25 for the next session's first device calls. Before them, here:
-#   bash benchmarks/ab_packages.sh gemv_before=a4224e0~1 main=HEAD route=s25-gemv-route bf16gemv=s25-bf16-gemv \
+# Prepared in session 25 for the next session's first device calls: A/B candidates on branches (each one purpose;
+# merge what wins, delete the rest). Before the calls, here, all in one invocation (the script empties
+# benchmarks/ab):
+#   bash benchmarks/ab_packages.sh main=HEAD fp8gemv=s25-fp8-gemv route=s25-gemv-route bf16gemv=s25-bf16-gemv \
 #     expert=s25-expert-gemv
-# (the FP8 dense GEMV before its rewrite a4224e0; this tree; branch s25-gemv-route, where the GEMV takes every 1-2
-# row weight-only projection; branch s25-bf16-gemv, the bf16 GEMV with the same fix; branch s25-expert-gemv, the
-# FP8 expert gate_up GEMV with it), then, with carry
-# [".whl", "benchmarks/ab"], two calls:
-#   bash benchmarks/session25/next_call.sh 1   # the FP8 dense GEMV before / after at 1-2 rows (fp8_moe --parts dense
-#                                               # --sweep: its launches against the split tensor-core kernel), bench
-#                                               # decode bf16 at B = 1, 2, 4: this tree / s25-bf16-gemv, A, B, A, B;
-#                                               # then the W8A8 down GEMM's own tile at T = 256, 512, 1024
+# s25-fp8-gemv: the FP8 dense GEMV without shared-memory exchanges in its K loop (not yet run on a GPU: run
+# test_kernels_fp8_linear -m gpu from it before merging); s25-gemv-route: that, and every 1-2 row weight-only FP8
+# projection to the GEMV; s25-bf16-gemv: the bf16 GEMV with the same fix; s25-expert-gemv: the FP8 expert gate_up
+# GEMV with it. Then, with carry [".whl", "benchmarks/ab"], two calls:
+#   bash benchmarks/session25/next_call.sh 1   # the FP8 dense GEMV, main / s25-fp8-gemv, at 1-2 rows (fp8_moe
+#                                               # --parts dense --sweep: its launches against the split tensor-core
+#                                               # kernel); bench decode bf16 at B = 1, 2, 4, main / s25-bf16-gemv,
+#                                               # A, B, A, B; then the W8A8 down GEMM's own tile at T = 256, 512, 1024
 #                                               # (down_tiles.py; writes $OUT/moe_tiles_down.json)
 #   cp <files_at>/moe_tiles_down.json benchmarks/session25/; bash benchmarks/session25/next_call.sh 2
-#                                               # bench decode FP8 at B = 1, 2: this tree / the GEMV routing branch /
-#                                               # the expert GEMV branch, A, B, C twice; then B = 64-512 shipped table / that table, A, B, A, B,
-#                                               # and prefill
-# If the GEMV now beats the split kernel at one row (o 7.4 us, q|k|v 8.3-8.6 in session 25) and the routing branch
-# wins the step, merge it (with gemv_serves' tests and docstring updated).
+#                                               # bench decode FP8 at B = 1, 2: main / s25-gemv-route /
+#                                               # s25-expert-gemv, twice; then B = 64-512 shipped table / that table,
+#                                               # A, B, A, B, and prefill
+# If the GEMV beats the split kernel at one row (o 7.4 us, q|k|v 8.3-8.6 in session 25) and the routing branch wins
+# the step, merge it (with gemv_serves' tests and docstring updated).
 source benchmarks/device_env.sh
 t0=$(date +%s)
 root=$PWD
 if [ "${1:-1}" = 1 ]; then
-  for side in gemv_before after; do
-    dir=$root; [ $side = after ] || dir=$root/benchmarks/ab/$side  # python -m: the cwd's moeserve comes first
+  for side in main fp8gemv; do
+    dir=$root/benchmarks/ab/$side  # python -m: the cwd's moeserve comes first
     (cd $dir && PYTHONPATH=/tmp/site:$root timeout 100 python3 -m benchmarks.kernels.fp8_moe --out $OUT/dense_$side \
       --tokens 1,2 --parts dense --sweep > $OUT/dense_$side.log 2>&1)
     echo "dense $side rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^dense|gemv:" $OUT/dense_$side.log
   done
+  # the branch's GPU tests of the FP8 linear kernels (its package imported: python -m puts the cwd first)
+  (cd $root/benchmarks/ab/fp8gemv && PYTHONPATH=/tmp/site:$root timeout 120 python3 -m pytest -q -m gpu \
+    $root/tests/test_kernels_fp8_linear.py -p no:cacheprovider -rf > $OUT/fp8gemv_tests.log 2>&1)
+  echo "fp8gemv tests rc=$? $(( $(date +%s)-t0 ))s: $(tail -1 $OUT/fp8gemv_tests.log)"
   for r in 1 2; do  # the bf16 GEMV (the 1-2 row projections it serves; B = 4 a control)
     ab_decode main bf16_$r --batches 1,2,4 --modes base,active
     ab_decode bf16gemv bf16_$r --batches 1,2,4 --modes base,active
