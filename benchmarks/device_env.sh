@@ -4,8 +4,9 @@
 # under LANE_TIMEOUT seconds, its log in $OUT/FILE.log and one summary line printed), and `ab_decode NAME LABEL
 # ARGS...` (bench decode from inside benchmarks/ab/NAME, the package benchmarks/ab_packages.sh built: carry
 # "benchmarks/ab" too; its log in /tmp/ab_NAME_LABEL.log, one line printed with the package it imported), and
-# `dec_tiles LABEL TABLE ARGS...` (bench decode FP8 of the tree with MOESERVE_MOE_TILES=TABLE, "" = the shipped
-# table; its log in /tmp/dec_LABEL.log, one line printed).
+# `dec_tiles LABEL TABLE ARGS...` / `pre_tiles LABEL TABLE` (bench decode / bench prefill FP8 of the tree with
+# MOESERVE_MOE_TILES=TABLE, "" = the shipped table; the log in /tmp/dec_LABEL.log / /tmp/pre_LABEL.log, one line
+# printed).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -29,3 +30,8 @@ dec_tiles() {
   MOESERVE_MOE_TILES=$tiles timeout ${DEC_TIMEOUT:-80} python3 -m moeserve.bench.decode --layers 48 --steps 32 \
     --repeats 1 --quantization fp8 --out /tmp/dec_$label "$@" > /tmp/dec_$label.log 2>&1
   echo "$label rc=$? $(( $(date +%s)-s ))s: $(grep -E '^ +[0-9]+ ' /tmp/dec_$label.log | tr -s ' ' | tr '\n' '|')"; }
+pre_tiles() {
+  local label=$1 tiles=$2 s=$(date +%s)
+  MOESERVE_MOE_TILES=$tiles timeout ${PRE_TIMEOUT:-120} python3 -m moeserve.bench.prefill --layers 48 --repeats 2 \
+    --quantization fp8 --out /tmp/pre_$label > /tmp/pre_$label.log 2>&1
+  echo "prefill $label rc=$? $(( $(date +%s)-s ))s: $(tail -3 /tmp/pre_$label.log | tr '\n' '|')"; }

@@ -53,11 +53,7 @@ for r in 1 2; do
   dec_tiles shipped$r "" --batches 64,256,512 --modes base,active
   dec_tiles down$r "$table" --batches 64,256,512 --modes base,active
 done
-for side in shipped down; do
-  tiles=""; [ $side = down ] && tiles=$table
-  MOESERVE_MOE_TILES=$tiles timeout 120 python3 -m moeserve.bench.prefill --layers 48 --repeats 2 \
-    --quantization fp8 --out /tmp/pre_$side > /tmp/pre_$side.log 2>&1
-  echo "prefill $side rc=$? $(( $(date +%s)-t0 ))s: $(tail -3 /tmp/pre_$side.log | tr '\n' '|')"
-done
+pre_tiles shipped ""
+pre_tiles down "$table"
 tar -czf $OUT/logs.tgz -C /tmp $(cd /tmp && ls dec_*.log pre_*.log ab_*.log)
 echo "done $(( $(date +%s)-t0 ))s"
