@@ -143,48 +143,73 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, HAS_LORA: tl.constexpr = False,
     LORA_K_SPLITS: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
 ):
-    """Decode rows: out[:M, cols] = a[:M] @ dequant(w)[cols].T (+ bias) in fp32 on the CUDA cores, every row of
-    the BLOCK_N columns' weights read once for all M rows (gemv.py's layout with FP8 rows: half the bytes). A K
-    step is GROUPS sub-steps of SUB_K columns, each inside one scale group, so a step may span several groups
-    (the bytes in flight of a wide bf16 step). Out-of-range rows and columns are clamped on load and never
-    stored. ACT_FP8: a is fp8 with per-(row, group) scales, dequantized in fp32 (the W8A8 numerics). HAS_LORA
+    """Decode rows (BLOCK_T: 1 or 2): out[:M, cols] = a[:M] @ dequant(w)[cols].T (+ bias) in fp32 on the CUDA
+    cores, every row of the BLOCK_N columns' weights read once for all M rows (gemv.py's layout with FP8 rows: half
+    the bytes). A K step is a [BLOCK_N, GROUPS, SUB_K] weight tile, SUB_K inside one scale group, so a step may span
+    several groups (the bytes in flight of a wide bf16 step), held as runs of 8 columns; each row's activations are
+    loaded in that tile's shape (a copy per column, from the L1) and summed in it. So both operands have one layout
+    and the K loop exchanges nothing through shared memory (sm_90, benchmarks/kernels/sass.py fp8_gemv: a tile with
+    a row axis beside it, or fp8 runs of 16 beside bf16 runs of 8, sent an operand through shared memory between
+    two barriers every step). Out-of-range rows and columns are clamped on load and never stored. ACT_FP8: a is fp8 with per-(row, group) scales, dequantized in fp32 (the W8A8 numerics). HAS_LORA
     (weight-only): each adapter row's expand in the epilogue (gemv.gemv_epilogue), the K walk under the shrink."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.minimum(n, N - 1).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
-    rows = tl.minimum(t, M - 1).to(tl.int64)
+    row1 = tl.minimum(1, M - 1).to(tl.int64)  # the second row (BLOCK_T == 2), clamped
     sub = tl.arange(0, GROUPS) * SUB_K
-    offs_k = sub[:, None] + tl.arange(0, SUB_K)[None, :]  # [GROUPS, SUB_K]
-    w_ptrs = w_ptr + cols[:, None, None] * stride_w + offs_k[None, :, :]
-    a_ptrs = a_ptr + rows[:, None, None] * stride_a + offs_k[None, :, :]
+    # [GROUPS, SUB_K // 8, 8]: runs of 8 columns, so the fp8 weights load 8 to a thread as the bf16 activations do
+    offs_k = (sub[:, None, None] + (tl.arange(0, SUB_K // 8) * 8)[None, :, None]
+              + tl.arange(0, 8)[None, None, :])
+    w_ptrs = w_ptr + cols[:, None, None, None] * stride_w + offs_k[None, :, :, :]
+    # each row's activations loaded in the weight tile's own shape (every column's copy from the L1): the tile's
+    # layout then needs no shared-memory exchange to broadcast them across the warps that split the columns
+    a0_ptrs = a_ptr + offs_k[None, :, :, :] + 0 * cols[:, None, None, None]
+    a1_ptrs = a_ptr + row1 * stride_a + offs_k[None, :, :, :] + 0 * cols[:, None, None, None]
     w_scale_ptrs = w_scale_ptr + (cols // SCALE_N) * stride_ws
-    acc = tl.zeros((BLOCK_T, BLOCK_N, GROUPS, SUB_K), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, GROUPS, SUB_K // 8, 8), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, GROUPS, SUB_K // 8, 8), dtype=tl.float32)
     for k0 in range(0, K, GROUPS * SUB_K):
         groups = (k0 + sub) // SCALE_K  # [GROUPS]
-        a_scale_ptrs = a_scale_ptr + rows[:, None] * stride_as + groups[None, :]
         if EVEN_K:
             w = tl.load(w_ptrs)
-            a = tl.load(a_ptrs).to(tl.float32)
             w_scale = tl.load(w_scale_ptrs[:, None] + groups[None, :])
-            if ACT_FP8:
-                a = a * tl.load(a_scale_ptrs)[:, :, None]
         else:
             k_ok = offs_k < K - k0
             g_ok = sub < K - k0
-            w = tl.load(w_ptrs, mask=k_ok[None, :, :], other=0.0)
-            a = tl.load(a_ptrs, mask=k_ok[None, :, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_ok[None, :, :, :], other=0.0)
             w_scale = tl.load(w_scale_ptrs[:, None] + groups[None, :], mask=g_ok[None, :], other=0.0)
-            if ACT_FP8:
-                a = a * tl.load(a_scale_ptrs, mask=g_ok[None, :], other=0.0)[:, :, None]
-        acc += a[:, None, :, :] * (w.to(tl.float32) * w_scale[:, :, None])[None, :, :, :]
+        wf = w.to(tl.float32) * w_scale[:, :, None, None]
+        acc0 += _gemv_row(a0_ptrs, a_scale_ptr, groups, offs_k, sub, K - k0, EVEN_K, ACT_FP8) * wf
+        if BLOCK_T == 2:
+            acc1 += _gemv_row(a1_ptrs, a_scale_ptr + row1 * stride_as, groups, offs_k, sub, K - k0, EVEN_K,
+                              ACT_FP8) * wf
         w_ptrs += GROUPS * SUB_K
-        a_ptrs += GROUPS * SUB_K
+        a0_ptrs += GROUPS * SUB_K
+        a1_ptrs += GROUPS * SUB_K
+    acc = tl.sum(tl.sum(tl.sum(acc0, 3), 2), 1)[None, :]
+    if BLOCK_T == 2:
+        acc = tl.where((t == 0)[:, None], acc, tl.sum(tl.sum(tl.sum(acc1, 3), 2), 1)[None, :])
     pdl_launch.late(USE_PDL, HAS_LORA)
-    gemv_epilogue(tl.sum(tl.sum(acc, 3), 2), t.to(tl.int64), n, M, N, bias_ptr, out_ptr, stride_out,
+    gemv_epilogue(acc, t.to(tl.int64), n, M, N, bias_ptr, out_ptr, stride_out,
                   scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
                   stride_sk, stride_ss, stride_st, stride_bl, stride_bn, stride_br,
                   HAS_BIAS, HAS_LORA, LORA_K_SPLITS, BLOCK_T, BLOCK_N, BLOCK_R)
+
+
+@triton.jit
+def _gemv_row(a_ptrs, a_scale_ptr, groups, offs_k, sub, k_left, EVEN_K: tl.constexpr, ACT_FP8: tl.constexpr):
+    """One row's activations of a GEMV K step ([BLOCK_N, GROUPS, SUB_K] pointers) in fp32, dequantized by their
+    group scales under ACT_FP8; zeros past K."""
+    if EVEN_K:
+        a = tl.load(a_ptrs).to(tl.float32)
+        if ACT_FP8:
+            a = a * tl.load(a_scale_ptr + groups)[None, :, None, None]
+    else:
+        a = tl.load(a_ptrs, mask=(offs_k < k_left)[None, :, :, :], other=0.0).to(tl.float32)
+        if ACT_FP8:
+            a = a * tl.load(a_scale_ptr + groups, mask=sub < k_left, other=0.0)[None, :, None, None]
+    return a
 
 
 # Rows the FP8 GEMV can take (gemv_serves says where it does); more go to the tensor-core kernel.
@@ -479,7 +504,8 @@ def fp8_linear(
     if act_quant is None:
         act_quant = resolve_act_quant(None, x2.shape[0])
     gemv = (backend == "triton" and 1 <= x2.shape[0] <= GEMV_MAX_ROWS and tile is None
-            and block[1] & (block[1] - 1) == 0 and (gemv_tile is not None or gemv_serves(x2.shape[0], *w_fp8.shape)))
+            and block[1] >= 8 and block[1] & (block[1] - 1) == 0
+            and (gemv_tile is not None or gemv_serves(x2.shape[0], *w_fp8.shape)))
     if split_k not in (None, 1) and (backend != "triton" or gemv):
         raise ValueError(f"fp8_linear: split_k {split_k} splits the Triton GEMM; this call runs "
                          f"{'the GEMV' if gemv else backend}")
