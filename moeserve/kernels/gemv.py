@@ -121,19 +121,22 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr,
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     t = tl.arange(0, BLOCK_T)
     # clamped rows/columns: loads need no masks; what they compute is never stored
-    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + tl.minimum(t, T - 1).to(tl.int64)[:, None] * stride_xt
+    cols = tl.minimum(n, N - 1).to(tl.int64)
+    w_rows = w_ptr + cols[:, None] * stride_wn
+    # x loaded in the [T, N, K] tile's own shape (a copy per column, from the L1): no shared-memory exchange to
+    # broadcast it across the warps that split the columns (sm_90: 4 STS.U16 + 2 BAR.SYNC a K step)
+    x_rows = x_ptr + tl.minimum(t, T - 1).to(tl.int64)[:, None, None] * stride_xt + 0 * cols[None, :, None]
     acc3 = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], tl.float32)  # per-thread running sums, reduced once
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + k[None, :])
-            xt = tl.load(x_rows + k[None, :])
+            xt = tl.load(x_rows + k[None, None, :])
         else:
             k_mask = k < K
             w = tl.load(w_rows + k[None, :], mask=k_mask[None, :], other=0.0)
-            xt = tl.load(x_rows + k[None, :], mask=k_mask[None, :], other=0.0)
-        acc3 += xt.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            xt = tl.load(x_rows + k[None, None, :], mask=k_mask[None, None, :], other=0.0)
+        acc3 += xt.to(tl.float32) * w.to(tl.float32)[None, :, :]
     pdl_launch.late(USE_PDL, HAS_LORA)
     gemv_epilogue(tl.sum(acc3, 2), t, n, T, N, bias_ptr, out_ptr, stride_ot,
               scratch_ptr, b_ptr, slots_ptr, ranks_ptr, R_MAX, END0, END1, END2,
