@@ -1,11 +1,40 @@
 #!/usr/bin/env bash
-# Prepared in session 26 for the next session's first device call (carry [".whl"]): the warp-specialization probe
-# for the block-scaled W8A8 GEMM (#25 prefill; BENCHMARKS.md, session 26, "Prepared without device time"), about a
-# minute. If `ws` beats `plain` at M = 8,192 by well over the noise (and its bits match), the next step is the MoE
-# kernel's activations through TMA (fp8 activations written in the alignment's sorted order) so that the MoE GEMM
-# can take `warp_specialize=True`; if not, the W8A8 prefill GEMM stays as it is and #25's prefill target is reported
-# as missed with this as the reason.
+# Prepared in session 26 for the next session's first device calls (#25 prefill: BENCHMARKS.md, session 26,
+# "Prepared without device time"). Before the calls, here:
+#   bash benchmarks/ab_packages.sh main=HEAD sorted=s26-act-sorted
+#   git archive s26-act-sorted moeserve tests benchmarks | tar -x -C benchmarks/ab/sorted   # its tests too
+# (if the branch is missing: git branch s26-act-sorted main && git checkout s26-act-sorted &&
+#  git am benchmarks/session26/patches/s26-act-sorted.patch && git checkout main). Then, carry [".whl", "benchmarks/ab"]:
+#   bash benchmarks/session26/next_call.sh 1   # the minimal warp-specialization probe; the branch's GPU tests
+#                                              # (act_sorted / warp-specialized plans bitwise the shipped one);
+#                                              # the expert GEMMs at T = 8,192 and 2,048 with those plans (ws_tiles.py:
+#                                              # writes $OUT/ws/moe_tiles_ws.json with the rows that won by 3 %)
+#   cp <files_at>/ws/moe_tiles_ws.json benchmarks/session26/; bash benchmarks/session26/next_call.sh 2
+#                                              # bench prefill FP8 (base and --lora) from the branch, shipped table /
+#                                              # that table, A, B, A, B
+# Merge the branch if the prefill wins and its GPU tests pass (with the table rows); else delete it and report #25's
+# prefill target as missed with this as the reason.
 source benchmarks/device_env.sh
-t0=$(date +%s)
-timeout 200 python3 benchmarks/session26/ws_probe.py > $OUT/ws_probe.log 2>&1
-echo "ws_probe rc=$? $(( $(date +%s)-t0 ))s"; cat $OUT/ws_probe.log | tail -20
+t0=$(date +%s); root=$PWD; dir=$root/benchmarks/ab/sorted
+if [ "${1:-1}" = 1 ]; then
+  timeout 150 python3 benchmarks/session26/ws_probe.py > $OUT/ws_probe.log 2>&1
+  echo "ws_probe rc=$? $(( $(date +%s)-t0 ))s"; tail -12 $OUT/ws_probe.log
+  (cd $dir && PYTHONPATH=/tmp/site timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_moe_fp8.py \
+    -p no:cacheprovider -rf > $OUT/sorted_tests.log 2>&1)
+  echo "branch tests rc=$? $(( $(date +%s)-t0 ))s: $(tail -1 $OUT/sorted_tests.log)"
+  (cd $dir && PYTHONPATH=/tmp/site:$dir timeout $(( 560 - ($(date +%s)-t0) )) python3 \
+    $root/benchmarks/session26/ws_tiles.py --out $OUT/ws --tokens 8192,2048 > $OUT/ws_tiles.log 2>&1)
+  echo "ws_tiles rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^T |^  T|rows:" $OUT/ws_tiles.log
+  exit 0
+fi
+table=$root/benchmarks/session26/moe_tiles_ws.json
+[ -f "$table" ] || { echo "no $table: run part 1 and copy its table here first"; exit 2; }
+for r in 1 2; do
+  for v in shipped ws; do
+    tiles=""; [ $v = ws ] && tiles=$table
+    (cd $dir && MOESERVE_MOE_TILES=$tiles PYTHONPATH=/tmp/site timeout 130 python3 -m moeserve.bench.prefill \
+      --layers 48 --repeats 2 --lora --quantization fp8 --out /tmp/pre_$v$r > /tmp/pre_$v$r.log 2>&1)
+    echo "prefill $v$r rc=$? $(( $(date +%s)-t0 ))s: $(grep -E 'base:|lora:' /tmp/pre_$v$r.log | tr -s ' ' | tr '\n' '|')"
+  done
+done
+tar -czf $OUT/logs.tgz -C /tmp $(cd /tmp && ls pre_*.log)
