@@ -34,7 +34,7 @@ for r in 1 2; do
     tiles=""; [ $v = ws ] && tiles=$table
     (cd $dir && MOESERVE_MOE_TILES=$tiles PYTHONPATH=/tmp/site timeout 130 python3 -m moeserve.bench.prefill \
       --layers 48 --repeats 2 --lora --quantization fp8 --out /tmp/pre_$v$r > /tmp/pre_$v$r.log 2>&1)
-    echo "prefill $v$r rc=$? $(( $(date +%s)-t0 ))s: $(grep -E 'base:|lora:' /tmp/pre_$v$r.log | tr -s ' ' | tr '\n' '|')"
+    echo "prefill $v$r rc=$? $(( $(date +%s)-t0 ))s: $(grep -E '^  (base|lora) *:' /tmp/pre_$v$r.log | tr -s ' ' | tr '\n' '|')"
   done
 done
 tar -czf $OUT/logs.tgz -C /tmp $(cd /tmp && ls pre_*.log)
