@@ -4,7 +4,7 @@
 #   bash benchmarks/ab_packages.sh main=HEAD sorted=s26-act-sorted
 #   git archive s26-act-sorted moeserve tests benchmarks | tar -x -C benchmarks/ab/sorted   # its tests too
 # (if the branch is missing: git branch s26-act-sorted main && git checkout s26-act-sorted &&
-#  git am benchmarks/session26/patches/s26-act-sorted.patch && git checkout main). Then, carry [".whl", "benchmarks/ab"]:
+#  git am benchmarks/session26/patches/s26-act-sorted.patch  (two commits) && git checkout main). Then, carry [".whl", "benchmarks/ab"]:
 #   bash benchmarks/session26/next_call.sh 1   # the minimal warp-specialization probe; the branch's GPU tests
 #                                              # (act_sorted / warp-specialized plans bitwise the shipped one);
 #                                              # the expert GEMMs at T = 8,192 and 2,048 with those plans (ws_tiles.py:
