@@ -7,7 +7,7 @@
 #  git am benchmarks/session26/patches/s26-act-sorted.patch  (two commits) && git checkout main). Then, carry [".whl", "benchmarks/ab"]:
 #   bash benchmarks/session26/next_call.sh 1   # the minimal warp-specialization probe; the branch's GPU tests
 #                                              # (act_sorted / warp-specialized plans bitwise the shipped one);
-#                                              # the expert GEMMs at T = 8,192 and 2,048 with those plans (ws_tiles.py:
+#                                              # the expert GEMMs at T = 8,192, 2,048, 512, 256 with those plans (ws_tiles.py:
 #                                              # writes $OUT/ws/moe_tiles_ws.json with the rows that won by 3 %)
 #   cp <files_at>/ws/moe_tiles_ws.json benchmarks/session26/; bash benchmarks/session26/next_call.sh 2
 #                                              # bench prefill FP8 (base and --lora) from the branch, shipped table /
@@ -23,7 +23,7 @@ if [ "${1:-1}" = 1 ]; then
     -p no:cacheprovider -rf > $OUT/sorted_tests.log 2>&1)
   echo "branch tests rc=$? $(( $(date +%s)-t0 ))s: $(tail -1 $OUT/sorted_tests.log)"
   (cd $dir && PYTHONPATH=/tmp/site:$dir timeout $(( 560 - ($(date +%s)-t0) )) python3 \
-    $root/benchmarks/session26/ws_tiles.py --out $OUT/ws --tokens 8192,2048 > $OUT/ws_tiles.log 2>&1)
+    $root/benchmarks/session26/ws_tiles.py --out $OUT/ws --tokens 8192,2048,512,256 > $OUT/ws_tiles.log 2>&1)
   echo "ws_tiles rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^T |^  T|rows:" $OUT/ws_tiles.log
   exit 0
 fi
