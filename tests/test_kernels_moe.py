@@ -336,6 +336,25 @@ def _check_sorted_lora(problem, ranks, slots, clean, dirty, plan):
     return base
 
 
+def test_sorted_lora_ignores_shrink_scratch_past_each_rank(monkeypatch):
+    """The shrinks write each row's partials up to its slot's rank only; the expand epilogue reads whole 16-column
+    steps of that scratch, so what lies past the rank (whatever an earlier call left: NaN here) must be dropped, not
+    multiplied by B's zeros."""
+    from moeserve.kernels import fused_moe as fused_moe_module
+
+    shrink = fused_moe_module.lora_block_shrink
+
+    def poisoned(*args, **kw):  # the same partials, in a scratch that starts as NaN
+        out = torch.full(shrink(*args, **kw).shape, float("nan"), device=DEV)
+        return shrink(*args, **kw, out=out)
+
+    problem, ranks, slots, clean, dirty = _mixed_lora_problem(24, 48, 40, seed=9)
+    want = fused_moe(*problem, MoELoRAArgs(slots, ranks, *dirty), plan=SMALL_PLAN)
+    monkeypatch.setattr(fused_moe_module, "lora_block_shrink", poisoned)
+    got = fused_moe(*problem, MoELoRAArgs(slots, ranks, *dirty), plan=SMALL_PLAN)
+    assert torch.isfinite(got).all() and torch.equal(_bits(got), _bits(want))
+
+
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_sorted_lora_walk_in_place_matches_references(block_m):
     """The epilogue walking every (slot, rank step) item of a block with the next one's loads in flight, each dot
