@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Prepared in session 26 for the next session's first device calls (#25 prefill: BENCHMARKS.md, session 26,
 # "Prepared without device time"). Before the calls, here:
-#   bash benchmarks/ab_packages.sh main=HEAD sorted=s26-act-sorted
+#   bash benchmarks/ab_packages.sh main=HEAD sorted=s26-act-sorted vec=s26-expand-vec
 #   git archive s26-act-sorted moeserve tests benchmarks | tar -x -C benchmarks/ab/sorted   # its tests too
 # (if the branch is missing: git branch s26-act-sorted main && git checkout s26-act-sorted &&
-#  git am benchmarks/session26/patches/s26-act-sorted.patch  (two commits) && git checkout main). Then, carry [".whl", "benchmarks/ab"]:
+#  git am benchmarks/session26/patches/s26-act-sorted.patch && git checkout main; s26-expand-vec the same way from
+#  its patch). Then, carry [".whl", "benchmarks/ab"]:
 #   bash benchmarks/session26/next_call.sh 1   # the minimal warp-specialization probe; the branch's GPU tests
 #                                              # (act_sorted / warp-specialized plans bitwise the shipped one);
 #                                              # the expert GEMMs at T = 8,192, 2,048, 512, 256 with those plans (ws_tiles.py:
@@ -12,6 +13,8 @@
 #   cp <files_at>/ws/moe_tiles_ws.json benchmarks/session26/; bash benchmarks/session26/next_call.sh 2
 #                                              # bench prefill FP8 (base and --lora) from the branch, shipped table /
 #                                              # that table, A, B, A, B
+#   bash benchmarks/session26/next_call.sh 3   # the expand epilogue's vector loads (s26-expand-vec): bench decode
+#                                              # active, bf16 and FP8, B = 64, 256, 512, main / branch, A, B, A, B
 # Merge the branch if the prefill wins and its GPU tests pass (with the table rows); else delete it and report #25's
 # prefill target as missed with this as the reason.
 source benchmarks/device_env.sh
@@ -25,6 +28,17 @@ if [ "${1:-1}" = 1 ]; then
   (cd $dir && PYTHONPATH=/tmp/site:$dir timeout $(( 560 - ($(date +%s)-t0) )) python3 \
     $root/benchmarks/session26/ws_tiles.py --out $OUT/ws --tokens 8192,2048,512,256 > $OUT/ws_tiles.log 2>&1)
   echo "ws_tiles rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^T |^  T|rows:" $OUT/ws_tiles.log
+  exit 0
+fi
+if [ "$1" = 3 ]; then
+  for r in 1 2; do
+    for q in bf16 fp8; do
+      extra=""; [ $q = fp8 ] && extra="--quantization fp8"
+      ab_decode main ${q}_$r --batches 64,256,512 --modes base,active $extra
+      ab_decode vec ${q}_$r --batches 64,256,512 --modes base,active $extra
+    done
+  done
+  tar -czf $OUT/ab_vec.tgz -C /tmp $(cd /tmp && ls ab_*.log)
   exit 0
 fi
 table=$root/benchmarks/session26/moe_tiles_ws.json
