@@ -181,16 +181,37 @@ def time_plans(plans: dict, weights, inputs, loras, rounds: int = ROUNDS) -> dic
     return time_interleaved({(name, lo): fns(plan, lo) for name, plan in plans.items() for lo in (False, True)}, rounds)
 
 
-def table_with_w8a8_rows(rows: dict, fields, path) -> None:
+def table_with_w8a8_rows(rows: dict, fields, path, options=()) -> None:
     """The shipped tile table (moe_plan.TABLE_PATH) with the W8A8 rows of the token counts in `rows` (max_tokens ->
-    MoEPlan) given those plans' `fields` ("gate_up", "down": their tiles), written to `path`."""
+    MoEPlan) given those plans' `fields` ("gate_up", "down": their tiles) and boolean `options` (plan fields a
+    table row may set, moe_plan.PLAN_OPTIONS), written to `path`."""
     table = json.loads(TABLE_PATH.read_text())
     for entry in table["entries"]:
         if entry["dtype"] == "fp8_w8a8":
             for row in entry["tiles"]:
-                if row["max_tokens"] in rows:
-                    row.update({f: getattr(rows[row["max_tokens"]], f).as_list() for f in fields})
+                plan = rows.get(row["max_tokens"])
+                if plan is not None:
+                    row.update({f: getattr(plan, f).as_list() for f in fields})
+                    row.update({o: bool(getattr(plan, o)) for o in options})
     Path(path).write_text(json.dumps(table, indent=1))
+
+
+def w8a8_sweep_sets(gen) -> tuple[list, dict, MoEProblem]:
+    """What a W8A8 plan sweep times on (benchmarks/session2x/*_tiles.py): NUM_SETS fp8 (w13, s13, w2, s2) weight
+    sets, rank-16 LoRA pools for them, and the problem at these shapes."""
+    from benchmarks.kernels.kernels import make_lora_pool
+
+    weights = [make_weights(gen)[2:] for _ in range(NUM_SETS)]  # the fp8 weights and scales only
+    pools = {16: [make_lora_pool(gen, 16) for _ in range(NUM_SETS)]}
+    return weights, pools, MoEProblem(NUM_EXPERTS, HIDDEN, INTER, TOP_K, torch.bfloat16, torch.device(DEVICE))
+
+
+def w8a8_sweep_inputs(tokens: int, gen, pools) -> tuple[list, list]:
+    """(inputs, loras) of `tokens` tokens for each weight set: 4 rank-16 adapters over every token."""
+    from benchmarks.kernels.kernels import lora_args
+
+    return ([make_inputs(tokens, gen) for _ in range(NUM_SETS)],
+            [lora_args(pools, i, tokens, "lora4_r16") for i in range(NUM_SETS)])
 
 
 def check_moe(weights, inputs, variants) -> dict:

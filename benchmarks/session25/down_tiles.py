@@ -19,9 +19,7 @@ from dataclasses import replace
 import torch
 
 from benchmarks.kernels import fp8_moe
-from benchmarks.kernels.kernels import NUM_SETS, lora_args, make_inputs, make_lora_pool
 from moeserve.kernels.fused_moe_fp8 import fp8_plan
-from moeserve.kernels.moe_plan import MoEProblem
 
 # (block_n, num_warps, num_stages, group_m) of the down tile; block_k stays 128 (one scale group a K step)
 DOWN_CANDIDATES = [(128, 4, 4, None), (128, 4, 5, None), (128, 8, 3, None), (128, 8, 4, None), (256, 8, 3, None),
@@ -47,13 +45,10 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator("cuda").manual_seed(0)
-    weights = [fp8_moe.make_weights(gen)[2:] for _ in range(NUM_SETS)]  # the fp8 weights and scales only
-    pools = {16: [make_lora_pool(gen, 16) for _ in range(NUM_SETS)]}
-    problem = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cuda"))
+    weights, pools, problem = fp8_moe.w8a8_sweep_sets(gen)
     report, best = [], {}
     for t in [int(v) for v in args.tokens.split(",")]:
-        inputs = [make_inputs(t, gen) for _ in range(NUM_SETS)]
-        loras = [lora_args(pools, i, t, "lora4_r16") for i in range(NUM_SETS)]
+        inputs, loras = fp8_moe.w8a8_sweep_inputs(t, gen, pools)
         cands = candidates(fp8_plan(t, 8, problem, True))
         times = fp8_moe.time_plans(cands, weights, inputs, loras, args.rounds)
         base, base_lora = times["shipped", False], times["shipped", True]

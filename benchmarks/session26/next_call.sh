@@ -2,8 +2,8 @@
 # Prepared in session 26 for the next session's first device calls (#25 prefill: BENCHMARKS.md, session 26,
 # "Prepared without device time"). Before the calls, here:
 #   bash benchmarks/ab_packages.sh main=HEAD sorted=s26-act-sorted vec=s26-expand-vec kv16=s26-kv-fp16
-#   for b in sorted:s26-act-sorted kv16:s26-kv-fp16; do   # their tests too
-#     git archive ${b#*:} moeserve tests benchmarks | tar -x -C benchmarks/ab/${b%%:*}; done
+#   for b in sorted:s26-act-sorted kv16:s26-kv-fp16; do   # their tests too (the scripts come from main's tree)
+#     git archive ${b#*:} tests | tar -x -C benchmarks/ab/${b%%:*}; done
 # (if the branch is missing: git branch s26-act-sorted main && git checkout s26-act-sorted &&
 #  git am benchmarks/session26/patches/s26-act-sorted.patch && git checkout main; s26-expand-vec and s26-kv-fp16 the
 #  same way from their patches). Then, carry [".whl", "benchmarks/ab"]:
@@ -29,7 +29,7 @@ if [ "${1:-1}" = 1 ]; then
   (cd $dir && PYTHONPATH=/tmp/site timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_moe_fp8.py \
     -p no:cacheprovider -rf > $OUT/sorted_tests.log 2>&1)
   echo "branch tests rc=$? $(( $(date +%s)-t0 ))s: $(tail -1 $OUT/sorted_tests.log)"
-  (cd $dir && PYTHONPATH=/tmp/site:$dir timeout $(( 560 - ($(date +%s)-t0) )) python3 \
+  (cd $dir && PYTHONPATH=/tmp/site:$dir:$root timeout $(( 560 - ($(date +%s)-t0) )) python3 \
     $root/benchmarks/session26/ws_tiles.py --out $OUT/ws --tokens 8192,2048,512,256 > $OUT/ws_tiles.log 2>&1)
   echo "ws_tiles rc=$? $(( $(date +%s)-t0 ))s"; grep -E "^T |^  T|rows:" $OUT/ws_tiles.log
   exit 0

@@ -11,7 +11,7 @@ the pair order: its column shows the plain path under that plan, a control). Als
 bitwise against the shipped plan's. Writes DIR/ws_tiles.json and DIR/moe_tiles_ws.json (the shipped table with the
 W8A8 rows of the T that a variant won by 3 %, for `MOESERVE_MOE_TILES=...` in bench prefill).
 
-    cd benchmarks/ab/<branch> && PYTHONPATH=<root> python -m benchmarks.session26.ws_tiles --out DIR
+    cd benchmarks/ab/<branch> && PYTHONPATH=$PWD:<root> python <root>/benchmarks/session26/ws_tiles.py --out DIR
 """
 import argparse
 import json
@@ -21,9 +21,8 @@ from dataclasses import replace
 import torch
 
 from benchmarks.kernels import fp8_moe
-from benchmarks.kernels.kernels import NUM_SETS, lora_args, make_inputs, make_lora_pool
 from moeserve.kernels.fused_moe_fp8 import fp8_plan, fused_moe_fp8
-from moeserve.kernels.moe_plan import GemmTile, MoEProblem, fit_tile, smem_limit
+from moeserve.kernels.moe_plan import GemmTile, fit_tile, smem_limit
 
 
 def candidates(shipped, device):
@@ -48,13 +47,10 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gen = torch.Generator("cuda").manual_seed(0)
-    weights = [fp8_moe.make_weights(gen)[2:] for _ in range(NUM_SETS)]
-    pools = {16: [make_lora_pool(gen, 16) for _ in range(NUM_SETS)]}
-    problem = MoEProblem(128, 2048, 768, 8, torch.bfloat16, torch.device("cuda"))
+    weights, pools, problem = fp8_moe.w8a8_sweep_sets(gen)
     report, best = [], {}
     for t in [int(v) for v in args.tokens.split(",")]:
-        inputs = [make_inputs(t, gen) for _ in range(NUM_SETS)]
-        loras = [lora_args(pools, i, t, "lora4_r16") for i in range(NUM_SETS)]
+        inputs, loras = fp8_moe.w8a8_sweep_inputs(t, gen, pools)
         cands = candidates(fp8_plan(t, 8, problem, True), problem.device)
         w, inp = weights[0], inputs[0]
         ref = fused_moe_fp8(inp[0], *w, inp[1], inp[2], act_quant=True, plan=cands["shipped"], pdl=True)
@@ -82,15 +78,8 @@ def main():
         if won:
             best[t] = cands[min(won, key=lambda r: r["us"])["variant"]]
         json.dump(report, open(os.path.join(args.out, "ws_tiles.json"), "w"), indent=1)
-    table = json.loads(fp8_moe.TABLE_PATH.read_text())
-    for entry in table["entries"]:
-        if entry["dtype"] == "fp8_w8a8":
-            for row in entry["tiles"]:
-                plan = best.get(row["max_tokens"])
-                if plan is not None:
-                    row.update(gate_up=plan.gate_up.as_list(), down=plan.down.as_list(), weights_tma=plan.weights_tma,
-                               act_sorted=plan.act_sorted, warp_specialize=plan.warp_specialize)
-    json.dump(table, open(os.path.join(args.out, "moe_tiles_ws.json"), "w"), indent=1)
+    fp8_moe.table_with_w8a8_rows(best, ("gate_up", "down"), os.path.join(args.out, "moe_tiles_ws.json"),
+                                 ("weights_tma", "act_sorted", "warp_specialize"))
     print("table rows:", sorted(best))
 
 

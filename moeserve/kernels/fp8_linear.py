@@ -150,8 +150,9 @@ def _fp8_gemv_kernel(
     loaded in that tile's shape (a copy per column, from the L1) and summed in it. So both operands have one layout
     and the K loop exchanges nothing through shared memory (sm_90, benchmarks/kernels/sass.py fp8_gemv: a tile with
     a row axis beside it, or fp8 runs of 16 beside bf16 runs of 8, sent an operand through shared memory between
-    two barriers every step). Out-of-range rows and columns are clamped on load and never stored. ACT_FP8: a is fp8 with per-(row, group) scales, dequantized in fp32 (the W8A8 numerics). HAS_LORA
-    (weight-only): each adapter row's expand in the epilogue (gemv.gemv_epilogue), the K walk under the shrink."""
+    two barriers every step). Out-of-range rows and columns are clamped on load and never stored. ACT_FP8: a is
+    fp8 with per-(row, group) scales, dequantized in fp32 (the W8A8 numerics). HAS_LORA (weight-only): each adapter
+    row's expand in the epilogue (gemv.gemv_epilogue), the K walk under the shrink."""
     pdl_launch.enter_late(USE_PDL, HAS_LORA)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.minimum(n, N - 1).to(tl.int64)
