@@ -190,10 +190,14 @@ def _expand_step_loads(cur, half, sep, r0, slots, row_ranks, rows, scratch_ptr, 
         col_lo = tl.where((sep != 0) & (half == 1), up_col0, 0)
         col_hi = tl.where((sep != 0) & (half == 0), up_col0, 1 << 30)
         n_ok = n_ok & (offs_n >= col_lo) & (offs_n < col_hi)
-    s_mask = mine[:, None] & r_ok[None, :]
+    # masked at the scratch's row width (stride_sr), not the slot's rank, so a row's step stays 16-byte vector loads
+    # (at the rank: four scalar loads a thread per step); its columns past the rank hold what an earlier shrink
+    # left, so they are selected away (not multiplied: that could be a NaN) before the dot
+    s_mask = mine[:, None] & (r < stride_sr)[None, :]
     s = tl.load(s_ptrs, mask=s_mask, other=0.0)
     for ks in tl.static_range(1, K_SPLITS):
         s += tl.load(s_ptrs + ks * stride_sk, mask=s_mask, other=0.0)
+    s = tl.where(r_ok[None, :], s, 0.0)
     b_base = (b_ptr + tl.where(cur < _NO_SLOT, cur, 0).to(tl.int64) * stride_bl
               + expert.to(tl.int64) * stride_be)
     # B's rank columns are masked at the pool's rank (stride_bn: rows packed), not the slot's: past its rank s is 0
