@@ -8,7 +8,8 @@
 # [".whl", "benchmarks/ab"]:
 #   bash benchmarks/session27/next_call.sh 1   # bench decode B = 1, 2, 4, 8 (base, active, mixed), bf16 and FP8,
 #                                              # main / branch, two rounds (~4 min warm, more with the start)
-#   bash benchmarks/session27/next_call.sh 2   # the branch's GPU tests (the kernels it touches, both engines)
+#   bash benchmarks/session27/next_call.sh 2   # the branch's GPU tests of the kernels it touches
+#   bash benchmarks/session27/next_call.sh 3   # its engine GPU tests (bf16 and FP8: graphs vs eager, nolora bitwise)
 # Merge the branch if active / base rises at B = 1-8 with base unchanged and its GPU tests pass; else delete it and
 # keep the patch as the record. Session 26's next_call.sh part 4 (the fp8-KV fp16 attention, branch s26-kv-fp16)
 # is still untimed.
@@ -24,6 +25,7 @@ if [ "${1:-1}" = 1 ]; then
   tar -czf $OUT/ab_ps.tgz -C /tmp $(cd /tmp && ls ab_*.log)
   exit 0
 fi
-cd benchmarks/ab/ps && LANE_TIMEOUT=170 lane test_kernels_norm_rotary test_kernels_attention_lora test_kernels_gemv \
-  test_gpu_engine test_gpu_fp8_engine
+cd benchmarks/ab/ps
+if [ "$1" = 2 ]; then LANE_TIMEOUT=170 lane test_kernels_norm_rotary test_kernels_attention_lora test_kernels_gemv
+else LANE_TIMEOUT=280 lane test_gpu_engine test_gpu_fp8_engine; fi
 echo "tests $(( $(date +%s)-t0 ))s"
