@@ -87,6 +87,28 @@ def test_decode_attention_on_an_fp8_cache_is_fp32_attention_on_the_dequantized_c
     torch.testing.assert_close(torch_backend, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("q_std", [1.0, 3e4])  # 3e4: some q past fp16's 65,504 (scaled by 2^-8 first, it fits)
+def test_decode_attention_on_an_fp8_cache_in_fp16_as_the_gpu_runs_it(monkeypatch, q_std):
+    """The GPU multiplies an fp8 cache's tiles in fp16 (exact e4m3 values; q scaled into fp16's range and back):
+    forced here under the interpreter, against the fp32 reference, within the bf16 output's bound."""
+    from moeserve.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_INTERPRET", False)  # the GPU's compute dtype; the tiles stay the CPU's
+    gen = torch.Generator().manual_seed(7)
+    lengths = [5, 19, 0, 33]
+    k8, v8, tables = fp8_cache(lengths, 8, 2, 16, "cpu", gen)
+    q = (torch.randn(len(lengths), 6, 16, generator=gen) * q_std).bfloat16()
+    assert paged_attention.fp8_decode_compute(q.dtype, 1)[1] < 1 and (q.float().abs() > 65504).any() == (q_std > 1)
+    ctx = torch.tensor(lengths, dtype=torch.int32)
+    want = paged_decode_attention_ref(q.float(), dequantized(k8, K_SCALE), dequantized(v8, V_SCALE), tables, ctx,
+                                      0.25)
+    for splits in (1, 3):
+        got = paged_decode_attention(q, k8, v8, tables, ctx, 0.25, num_splits=splits, k_scale=K_SCALE,
+                                     v_scale=V_SCALE)
+        assert torch.isfinite(got).all() and rel_err(got, want) < 1e-2, splits
+        assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
 def test_prefill_attention_on_an_fp8_cache_is_fp32_attention_on_the_dequantized_cache():
     gen = torch.Generator().manual_seed(7)
     q_lens, seq_lens = [5, 1, 7], [5, 9, 20]  # fresh prompt; one token after 8 cached; a chunk after 13 cached

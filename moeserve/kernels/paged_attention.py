@@ -162,8 +162,10 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, Q_SCALE: tl.constexpr = 1.0,
 ):
+    """Q_SCALE: q is multiplied by it (a power of two, exact) before it is rounded to COMPUTE; qk_scale divides
+    it out again (fp8_decode_compute)."""
     pdl_launch.enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -183,7 +185,10 @@ def _decode_split_kernel(
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE)
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if Q_SCALE != 1.0:
+        q = q.to(tl.float32) * Q_SCALE
+    q = q.to(COMPUTE)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -272,9 +277,25 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return out
 
 
+# An fp8 cache's tiles are multiplied in fp16 (q too): e4m3 -> fp16 is one conversion for two values, where e4m3 ->
+# bf16 went through fp32 (sm_90, Triton 3.6, the decode kernel on a 128-token step: 256 F2F + 128 PRMT a step, none in
+# fp16). q enters fp16 scaled by 2^-8 (exact; qk_scale takes it back), so a bf16 q up to 2^24 stays finite; the
+# scaled q loses precision only below 2^-6 in magnitude (fp16's subnormals), at most 2^-17 absolute. p in [0, 1]
+# keeps two more mantissa bits in fp16 than in bf16.
+FP8_DECODE_Q_SCALE = 2.0**-8
+
+
+def fp8_decode_compute(q_dtype: torch.dtype, kv_element_size: int):
+    """(compute dtype, q scale) of the decode kernel for a cache of this element size."""
+    if kv_element_size == 1 and not _INTERPRET and q_dtype in (torch.bfloat16, torch.float16):
+        return tl.float16, FP8_DECODE_Q_SCALE
+    return _compute_dtype(q_dtype), 1.0
+
+
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
                    block_n, num_warps, num_stages, pdl=False, k_scale=1.0, v_scale=1.0):
     n_heads, head_dim, block_size, n_kv, group = _check_cache(q, k_cache, v_cache)
+    compute, q_scale = fp8_decode_compute(q.dtype, k_cache.element_size())
     batch = q.shape[0]
     head_dim_pad = triton.next_power_of_2(head_dim)
     if num_splits > 1:
@@ -286,7 +307,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
     _decode_split_kernel[(batch, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         out, part_out, part_lse,
-        scale * k_scale * _LOG2E, float(v_scale),
+        scale * k_scale * _LOG2E / q_scale, float(v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -296,7 +317,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_s
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        COMPUTE=_compute_dtype(q.dtype), DOT_PRECISION=_dot_precision(q.dtype),
+        COMPUTE=compute, DOT_PRECISION=_dot_precision(q.dtype), Q_SCALE=q_scale,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
