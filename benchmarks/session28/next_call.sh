@@ -10,8 +10,8 @@
 #  && git checkout main). Then, carry [".whl", "benchmarks/ab"]:
 #   bash benchmarks/session28/next_call.sh 1   # early vs main: bench decode B = 1, 2, 4, 8 (base, active, mixed),
 #                                              # bf16 and FP8, two rounds (~4 min warm)
-#   bash benchmarks/session28/next_call.sh 2   # side vs main: B = 4, 8, 64, 256, 512 (base, active, mixed), bf16
-#                                              # two rounds, FP8 one
+#   bash benchmarks/session28/next_call.sh 2   # side, --no-lora-side-stream / on: B = 4, 8, 64, 256, 512 (base,
+#                                              # active, mixed), bf16 two rounds, FP8 one
 #   bash benchmarks/session28/next_call.sh 3 early   # a branch's GPU tests (kernels it touches, its engines, the
 #   bash benchmarks/session28/next_call.sh 3 side    # first request), three lanes at once
 #   bash benchmarks/session28/next_call.sh 4   # the step timeline at B = 1 and 8 from main and early
@@ -29,14 +29,14 @@ if [ "${1:-1}" = 1 ]; then
   tar -czf $OUT/ab_early.tgz -C /tmp $(cd /tmp && ls ab_*.log)
   exit 0
 fi
-if [ "$1" = 2 ]; then
+if [ "$1" = 2 ]; then  # one package, the flag off / on (--no-lora-side-stream: the sequential path)
   AB_TIMEOUT=130
   for r in 1 2; do
-    ab_decode main s$r --batches 4,8,64,256,512 --modes base,active,mixed
-    ab_decode side s$r --batches 4,8,64,256,512 --modes base,active,mixed
+    ab_decode side off$r --batches 4,8,64,256,512 --modes base,active,mixed --no-lora-side-stream
+    ab_decode side on$r --batches 4,8,64,256,512 --modes base,active,mixed
   done
-  ab_decode main fp8 --batches 4,8,64,256,512 --modes base,active --quantization fp8
-  ab_decode side fp8 --batches 4,8,64,256,512 --modes base,active --quantization fp8
+  ab_decode side fp8off --batches 4,8,64,256,512 --modes base,active --quantization fp8 --no-lora-side-stream
+  ab_decode side fp8on --batches 4,8,64,256,512 --modes base,active --quantization fp8
   tar -czf $OUT/ab_side.tgz -C /tmp $(cd /tmp && ls ab_*.log)
   exit 0
 fi
