@@ -3,6 +3,7 @@
 # branches, each also a patch in benchmarks/session28/patches/:
 #   s28-early-loads  the LoRA kernels' reads before their PDL wait (B = 1-8; FP8 expert GEMV late wait)
 #   s28-side-stream  the dense LoRA shrink beside cuBLAS / the FP8 GEMM on a stream of its own (batch 3 and up)
+#   s28-both         the two together (patches/s28-both/: the second rebased on the first), to merge both at once
 # Before the calls, here:
 #   bash benchmarks/ab_packages.sh main=HEAD early=s28-early-loads side=s28-side-stream
 #   for b in early:s28-early-loads side:s28-side-stream; do git archive ${b#*:} tests | tar -x -C benchmarks/ab/${b%%:*}; done
