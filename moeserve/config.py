@@ -116,6 +116,11 @@ class EngineConfig:
     # overlap the previous kernel's tail. None (default): on where the device has it (CUDA, compute capability
     # >= 9.0); True: asked for, refused where it cannot run; False: off
     pdl: bool | None = None
+    # on CUDA, the LoRA shrink of a projection a GEMM computes (batch 3 and up, prefill) runs beside that GEMM on a
+    # stream of its own (layers/linear.py). None (default): beside the FP8 GEMM only (measured: it pays there; beside
+    # bf16 cuBLAS it gained at batch 64 and lost at 256); True: beside cuBLAS too; False: after the GEMM, on the
+    # forward's stream. The same bits every way
+    lora_side_stream: bool | None = None
     # at start, on CUDA: run the eager (prefill) shapes the engine will run, with and without LoRA, so every kernel
     # variant is compiled then and not in a user's request (engine/warmup.py); --no-warmup skips it
     warmup: bool = True
@@ -195,6 +200,8 @@ class EngineConfig:
         if not on_cuda:
             self.enforce_eager = True  # CUDA graphs need CUDA
         self._resolve_pdl(on_cuda)
+        if self.lora_side_stream is not None and not isinstance(self.lora_side_stream, bool):
+            raise ValueError(f"{flag('lora_side_stream')} must be a boolean, got {self.lora_side_stream!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank",
                      "cuda_graph_max_bs", "max_queue_len", "tensor_parallel_size", "dist_timeout"):
             v = getattr(self, name)
@@ -280,7 +287,8 @@ class EngineConfig:
         weights, unquantized = weight_format(self.quantization, self.model, activations=self.fp8_activations)
         return ExecOptions(device=torch.device(self.device), dtype=self.torch_dtype,
                            attention_backend=self.attention_backend, moe_backend=self.moe_backend,
-                           linear_backend=self.linear_backend, pdl=self.pdl, weights=weights,
+                           linear_backend=self.linear_backend, pdl=self.pdl,
+                           lora_side_stream=self.lora_side_stream, weights=weights,
                            unquantized_modules=unquantized,
                            kv_cache_dtype=None if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn)
 

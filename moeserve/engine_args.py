@@ -203,6 +203,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=_default("pdl"),
                    help="launch the Triton kernels with programmatic dependent launch, so each one starts while the "
                         "previous one drains (default: on where the GPU has it, compute capability 9.0+)")
+    g.add_argument("--lora-side-stream", action=argparse.BooleanOptionalAction, default=_default("lora_side_stream"),
+                   help="on CUDA, run the LoRA shrink of a projection a GEMM computes (batch 3 and up, prefill) "
+                        "beside that GEMM on a stream of its own (default: beside the FP8 GEMM only; "
+                        "--lora-side-stream: beside bf16 cuBLAS too; the results are the same bits every way)")
     g.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=_default("warmup"),
                    help="on CUDA, compile and run every prefill kernel variant at start-up, with and without LoRA, "
                         "so no request waits for a compile (default: on; --no-warmup starts faster)")

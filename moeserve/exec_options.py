@@ -85,6 +85,9 @@ class ExecOptions:
     # dense multi-LoRA shrink / expand; None: follows the MoE backend (the fused MoE carries the expert LoRA)
     lora_backend: str | None = None
     pdl: bool = False  # Triton kernels launch with programmatic dependent launch (kernels/pdl.py)
+    # CUDA: a GEMM-computed projection's LoRA shrink on the model's LoRA stream, beside the GEMM (layers/linear.py);
+    # None: beside the FP8 GEMM only, True: beside cuBLAS too, False: never (EngineConfig.lora_side_stream)
+    lora_side_stream: bool | None = None
     weights: WeightFormat = PLAIN_WEIGHTS  # how the quantizable base weights are stored (weight_format)
     # checkpoint module names (or runs of their dotted parts) kept in the stored dtype whatever `weights` says: a
     # checkpoint's modules_to_not_convert / ignored_layers
@@ -103,6 +106,8 @@ class ExecOptions:
                 raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {getattr(self, name)!r}")
         if self.pdl not in (True, False):
             raise ValueError(f"pdl must be a boolean, got {self.pdl!r}")
+        if self.lora_side_stream is not None and not isinstance(self.lora_side_stream, bool):
+            raise ValueError(f"lora_side_stream must be a boolean, got {self.lora_side_stream!r}")
         if self.weights.method not in WEIGHT_METHODS:
             raise ValueError(f"weight format {self.weights.method!r} is not implemented (known: fp8)")
         if self.kv_cache_dtype not in (None, self.dtype, torch.float8_e4m3fn):

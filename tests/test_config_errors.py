@@ -40,6 +40,7 @@ def test_every_config_field_has_the_flag_errors_name():
     (dict(cuda_graph_bs=[0]), "cuda_graph_bs (--cuda-graph-bs) must be a list of positive integers"),
     (dict(pdl=True), "pdl (--pdl) needs a CUDA device of compute capability 9.0 or later"),
     (dict(pdl="yes"), "pdl (--pdl) must be a boolean"),
+    (dict(lora_side_stream=1), "lora_side_stream (--lora-side-stream) must be a boolean, got 1"),
     (dict(fp8_activations="none"), "fp8_activations (--fp8-activations) applies to FP8 base weights"),
     (dict(fp8_activations="static"), "fp8_activations (--fp8-activations) must be one of auto, dynamic, none"),
     (dict(quantization="fp8", fp8_activations="dynamic", enable_lora=True),

@@ -138,6 +138,25 @@ def test_pdl_is_bitwise_the_serially_launched_engine(setup, engines):
             assert [(x.logprob, x.top) for x in g.logprobs] == [(x.logprob, x.top) for x in w.logprobs]
 
 
+def test_lora_shrink_beside_cublas_is_bitwise_the_shrink_after_it(setup, engines):
+    """With --lora-side-stream, where cuBLAS computes a projection (3 rows and more; prefill) its LoRA shrink runs on
+    the model's LoRA stream beside the GEMM (layers/linear.py); the default bf16 engine runs it after the GEMM on the
+    one stream. Same kernels, same arithmetic: tokens and logprobs bitwise equal, in graphs (batches of 3, 4 and 8,
+    mixed with rows without an adapter, one padded bucket) and in eager prefill; the graphs hold the fork."""
+    base, ads = setup
+    off = engines["dual"]
+    assert off.config.lora_side_stream is None  # the default: beside the FP8 GEMM only
+    on = make(base, lora_modules={"A": ads["A"], "B": ads["B"]}, max_loras=2, lora_side_stream=True)
+    sp = SamplingParams(max_tokens=10, logprobs=2, **GREEDY)
+    for lengths, loras in (([7, 12, 4], ["A", "B", "A"]), ([9, 3, 30, 5], [None, "B", None, "A"]),
+                           ([5, 8, 13, 21, 34, 6, 11, 40], ["A", None, "B", "B", None, "A", "A", None])):
+        ps = prompts(lengths, seed=3 * len(lengths) + sum(lengths))
+        for g, w in zip(on.generate(ps, sp, lora=loras), off.generate(ps, sp, lora=loras)):
+            assert g.token_ids == w.token_ids
+            assert [(x.logprob, x.top) for x in g.logprobs] == [(x.logprob, x.top) for x in w.logprobs]
+    assert on.runner.model._lora_stream is not None and off.runner.model._lora_stream is None
+
+
 def _decode_batch(engine, lengths, loras, seed):
     """A decode batch (prompt in cache, one new token) built through the engine's own batch code."""
     seqs = []

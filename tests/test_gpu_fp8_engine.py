@@ -163,3 +163,21 @@ def test_fp8_activations_none_is_the_dequantized_path_and_dynamic_stays_close(se
     for p, s in zip(ps, scored):
         for tok in s.prompt_logprobs[len(p):]:
             assert tok.top[0][1] - tok.logprob < 2 * (0.05 + 0.15), (tok.token_id, tok.top)
+
+
+def test_fp8_lora_shrink_beside_the_gemm_is_bitwise_the_shrink_after_it(setup, engines):
+    """By default, where the FP8 GEMM computes a projection (3 rows and more; prefill), its LoRA shrink runs on the
+    model's LoRA stream beside the GEMM; --no-lora-side-stream runs it after the GEMM on the one stream. Same
+    kernels, same arithmetic: tokens and logprobs bitwise equal, in graphs (3, 4 and 8 rows mixed with rows
+    without an adapter) and in eager prefill."""
+    _, fp8, ads = setup
+    on = engines["dual"]
+    off = make(fp8, lora_modules={"A": ads["A"], "B": ads["B"]}, max_loras=2, lora_side_stream=False)
+    sp = SamplingParams(max_tokens=10, logprobs=2, **GREEDY)
+    for lengths, loras in (([7, 12, 4], ["A", "B", "A"]), ([9, 3, 30, 5], [None, "B", None, "A"]),
+                           ([5, 8, 13, 21, 34, 6, 11, 40], ["A", None, "B", "B", None, "A", "A", None])):
+        ps = prompts(lengths, seed=5 * len(lengths) + sum(lengths))
+        for g, w in zip(on.generate(ps, sp, lora=loras), off.generate(ps, sp, lora=loras)):
+            assert g.token_ids == w.token_ids
+            assert [(x.logprob, x.top) for x in g.logprobs] == [(x.logprob, x.top) for x in w.logprobs]
+    assert on.runner.model._lora_stream is not None and off.runner.model._lora_stream is None

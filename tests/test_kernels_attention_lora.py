@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
 
-from moeserve.kernels.lora_dense import RANK_BLOCK, _dense_lora, dense_lora, dense_lora_ref, group_rows  # noqa: E402
+from moeserve.kernels.lora_dense import (  # noqa: E402
+    RANK_BLOCK, _dense_lora, dense_lora, dense_lora_expand, dense_lora_ref, dense_lora_shrink, group_rows)
 from moeserve.layers.linear import dense_lora_torch  # noqa: E402
 from moeserve.kernels.paged_attention import (  # noqa: E402
     LONG_PREFILL_TILE,
@@ -232,6 +233,7 @@ def test_dense_lora_mixed_ranks(T):
     want_torch = out.clone()
     dense_lora_torch(x, a.nan_to_num(0.0), b.nan_to_num(0.0), slots, slot_ranks, sizes, want_torch)
 
+    apart = out.clone()
     dense_lora(x, a, b, slots, slot_ranks, sizes, out)
 
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -239,6 +241,24 @@ def test_dense_lora_mixed_ranks(T):
     untouched = (slots < 0) | (slot_ranks[slots.clamp_min(0).long()] == 0)
     assert torch.equal(int_bits(out[untouched]), int_bits(before[untouched]))
     assert (out[~untouched] != before[~untouched]).any(dim=1).all()  # every adapter row moved
+    # the shrink and the expand launched apart on one grouping (a projection whose shrink runs beside its GEMM)
+    groups = group_rows(slots, len(MIXED_RANKS))
+    dense_lora_expand(dense_lora_shrink(x, a, slots, slot_ranks, groups), b, slot_ranks, groups, sizes, apart)
+    assert torch.equal(int_bits(apart), int_bits(out))
+
+
+@pytest.mark.parametrize("flag, fp8, beside", [(None, True, True), (None, False, False), (True, False, True),
+                                                (True, True, True), (False, True, False), (False, False, False)])
+def test_which_projections_shrink_beside_their_gemm(flag, fp8, beside):
+    """--lora-side-stream unset: the shrink runs beside the FP8 GEMM only (measured to pay there, not beside bf16
+    cuBLAS at large batches); set: beside every GEMM; --no-lora-side-stream: never."""
+    from moeserve.exec_options import PLAIN_WEIGHTS, ExecOptions, WeightFormat
+    from moeserve.layers.linear import LoRALinear
+
+    weights = WeightFormat(method="fp8") if fp8 else PLAIN_WEIGHTS
+    module = LoRALinear(256, (128,), False, ExecOptions(linear_backend="triton", lora_side_stream=flag),
+                        weights=weights)
+    assert module.shrink_beside is beside
 
 
 def test_dense_lora_refuses_rows_grouped_for_another_batch():

@@ -114,7 +114,7 @@ class DecodeBench:
     def __init__(self, spec: ModelSpec, max_bs: int, steps: int, device="cuda", dtype=torch.bfloat16,
                  backend: str = "triton", graph_factory=CudaGraph, linear_backend: str | None = None,
                  pdl: bool | None = None, quantization: str | None = None, fp8_activations: str = "auto",
-                 kv_cache_dtype: str = "auto", block_size: int = 16):
+                 kv_cache_dtype: str = "auto", block_size: int = 16, lora_side_stream: bool | None = None):
         self.spec, self.steps, self.device = spec, steps, torch.device(device)
         self.dtype, self.graph_factory = dtype, graph_factory
         self.max_len = PROMPT + steps + 16
@@ -123,7 +123,7 @@ class DecodeBench:
                                 moe_backend=backend, attention_backend=backend,
                                 linear_backend=linear_backend or backend, pdl=pdl,
                                 quantization=quantization, fp8_activations=fp8_activations,
-                                kv_cache_dtype=kv_cache_dtype).resolve()
+                                kv_cache_dtype=kv_cache_dtype, lora_side_stream=lora_side_stream).resolve()
         self.model = loader.random_model(spec, self.cfg.exec_options())
         self.weight_bytes = held_bytes(self.model)
         self.runner = ModelRunner(self.cfg, spec, None, model=self.model)
@@ -246,6 +246,9 @@ def main(argv=None) -> int:
                     help="with --quantization fp8: the engine flag of that name (auto: W8A8 GEMMs, weight-only GEMVs)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the engine flag of that name: fp8 stores K and V in float8_e4m3fn (scales 1.0)")
+    ap.add_argument("--lora-side-stream", action=argparse.BooleanOptionalAction, default=None,
+                    help="the engine flag of that name: a GEMM projection's LoRA shrink beside its GEMM (default: "
+                         "beside the FP8 GEMM only)")
     ap.add_argument("--block-size", type=int, default=16,
                     help="the engine flag of that name: tokens per KV cache block (a power of two)")
     ap.add_argument("--sync-steps", action="store_true",
@@ -269,7 +272,8 @@ def main(argv=None) -> int:
     spec = preset_spec(args.preset, args.layers)
     bench = DecodeBench(spec, max(batches), args.steps, linear_backend=args.linear_backend, pdl=args.pdl,
                         quantization=args.quantization, fp8_activations=args.fp8_activations,
-                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
+                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                        lora_side_stream=args.lora_side_stream)
     bw = bandwidths()[1]  # read-only ceiling, measured in this run
     print(f"preset {args.preset}: {spec.num_layers} layers, read bandwidth {bw / 1e12:.2f} TB/s, "
           f"weights {bench.weight_bytes / 2**30:.2f} GiB", flush=True)

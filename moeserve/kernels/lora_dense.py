@@ -21,6 +21,7 @@ pay for 64. Rows with slot -1 are in no block; a block of a rank-0 slot exits: b
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import NamedTuple
@@ -220,10 +221,11 @@ def _dense_lora(x, lora_a, lora_b, token_slots, slot_ranks, slice_sizes, out, *,
 
 
 def dense_lora_shrink(x, lora_a, token_slots, slot_ranks, groups: SlotGroups | None = None, *, block_k=None,
-                      k_splits=None, num_warps=4, pdl=False) -> torch.Tensor:
+                      k_splits=None, num_warps=4, pdl=False, stream=None) -> torch.Tensor:
     """x @ A[slot].T per row into a new fp32 scratch [k_splits, slices, T, R], entries written only for rows
     whose slot has rank > 0 and rank columns below that rank rounded up to RANK_BLOCK (all an expand reads);
-    the k_splits partial sums over `in` are the expand's to add. `groups` as dense_lora's."""
+    the k_splits partial sums over `in` are the expand's to add. `groups` as dense_lora's. `stream`: the kernel
+    runs there, the scratch is allocated on the current stream (whose later work must wait for `stream`)."""
     T, in_features = x.shape
     num_slots, num_slices, max_rank, a_in = lora_a.shape
     assert a_in == in_features and 1 <= num_slices <= MAX_SLICES
@@ -244,17 +246,18 @@ def dense_lora_shrink(x, lora_a, token_slots, slot_ranks, groups: SlotGroups | N
     scratch = torch.empty((k_splits, num_slices, T, max_rank), dtype=torch.float32, device=x.device)
     if T == 0 or max_rank == 0:
         return scratch
-    _dense_lora_shrink_kernel[(num_blocks, num_slices, k_splits)](
-        x, lora_a, groups.aligned.sorted_ids, groups.aligned.block_groups, slot_ranks, scratch,
-        T, in_features, max_rank, k_per_split // block_k,
-        x.stride(0),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        *_scratch_strides(scratch),
-        BLOCK_T=groups.block_t, BLOCK_K=block_k, BLOCK_R=RANK_BLOCK,
-        COMPUTE=_compute_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=pdl,
-        EVEN_K=in_features % block_k == 0, EVEN_R=max_rank % RANK_BLOCK == 0,
-        num_warps=num_warps, launch_pdl=pdl,
-    )
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        _dense_lora_shrink_kernel[(num_blocks, num_slices, k_splits)](
+            x, lora_a, groups.aligned.sorted_ids, groups.aligned.block_groups, slot_ranks, scratch,
+            T, in_features, max_rank, k_per_split // block_k,
+            x.stride(0),
+            lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+            *_scratch_strides(scratch),
+            BLOCK_T=groups.block_t, BLOCK_K=block_k, BLOCK_R=RANK_BLOCK,
+            COMPUTE=_compute_dtype(x.dtype), DOT_PRECISION=_dot_precision(x.dtype), USE_PDL=pdl,
+            EVEN_K=in_features % block_k == 0, EVEN_R=max_rank % RANK_BLOCK == 0,
+            num_warps=num_warps, launch_pdl=pdl,
+        )
     return scratch
 
 
@@ -262,6 +265,19 @@ def _scratch_strides(scratch: torch.Tensor) -> tuple[int, int, int]:
     """(split, slice strides in rows, row stride) of a contiguous [k_splits, slices, T, R] scratch: the kernels
     multiply the first two by the row stride."""
     return scratch.stride(0) // scratch.stride(2), scratch.stride(1) // scratch.stride(2), scratch.stride(2)
+
+
+def dense_lora_expand(scratch, lora_b, slot_ranks, groups: SlotGroups, slice_sizes: tuple[int, ...], out,
+                      pdl: bool = False) -> None:
+    """out += each row's scratch @ B[slot].T in place (rows without an adapter untouched): the second launch of
+    dense_lora, for a shrink made apart (dense_lora_shrink; `groups` the same)."""
+    num_slots, n_total, max_rank = lora_b.shape
+    if len(slice_sizes) != scratch.shape[1] or sum(slice_sizes) != n_total or out.shape != (scratch.shape[2], n_total):
+        raise ValueError(f"dense LoRA expand: slices {tuple(slice_sizes)}, scratch {tuple(scratch.shape)}, "
+                         f"lora_b {tuple(lora_b.shape)} and out {tuple(out.shape)} do not match")
+    if out.shape[0] == 0 or max_rank == 0:
+        return
+    _expand(scratch, lora_b, slot_ranks, groups, tuple(slice_sizes), out, block_n=None, num_warps=4, pdl=pdl)
 
 
 def _expand(scratch, lora_b, slot_ranks, groups, slice_sizes, out, *, block_n, num_warps, pdl=False):

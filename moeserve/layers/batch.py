@@ -40,6 +40,9 @@ class LoRABatch:
     # the rows grouped by slot for the dense LoRA kernels: made by the model at the top of each forward (inside
     # the graph it captures), read by every projection of that forward; None on the torch backend
     dense_groups: "SlotGroups | None" = None
+    # CUDA, triton LoRA backend: the stream a projection computed by cuBLAS (or the FP8 GEMM) runs its LoRA shrink on,
+    # beside its base product (layers/linear.py); the model's own, None elsewhere
+    side_stream: "torch.cuda.Stream | None" = None
 
 
 @dataclass

@@ -70,6 +70,10 @@ class LoRALinear(nn.Module):
         if self.weights.quantized:
             self.gemv_kernels = None  # the GEMV reads plain weights; FP8 runs fp8_linear at every size
             self.fp8_backend = "triton" if options.linear_backend == "triton" else "torch"
+        # the LoRA shrink beside the GEMM where the batch has a side stream (options.lora_side_stream; by default
+        # beside the FP8 GEMM, whose programs leave the shrink room: beside bf16 cuBLAS it lost at batch 256)
+        self.shrink_beside = options.lora_side_stream is True or (options.lora_side_stream is None
+                                                                  and self.weights.quantized)
 
     def input_quant(self, x: torch.Tensor) -> tuple[int, bool] | None:
         """(group, scale_m_major) in which the FP8 product reads a batch like x quantized, so the norm that makes x
@@ -82,16 +86,34 @@ class LoRALinear(nn.Module):
         if self.weights.quantized:
             if with_lora and self.use_triton and self.weights.fuses_lora(x.shape[0], self.fp8_backend):
                 return self.weights.linear(self, x, self.fp8_backend, self.pdl, lora=self._epilogue_lora(x, lora))
-            y = self.weights.linear(self, x, self.fp8_backend, self.pdl, x_fp8=x_fp8)
-            if with_lora:
-                self.add_lora(x, lora, y)
-            return y
-        if self.gemv_kernels is not None and self.gemv_kernels.serves(x.shape[0], self.out_features,
-                                                                      self.in_features):
+            base = lambda: self.weights.linear(self, x, self.fp8_backend, self.pdl, x_fp8=x_fp8)  # noqa: E731
+        elif self.gemv_kernels is not None and self.gemv_kernels.serves(x.shape[0], self.out_features,
+                                                                        self.in_features):
             return self._gemv_forward(x, lora if with_lora else None)
-        y = cpu_linear.linear(x, self.weight, self.packed.get(self.weight), self.bias)
+        else:
+            base = lambda: cpu_linear.linear(x, self.weight, self.packed.get(self.weight), self.bias)  # noqa: E731
+        if with_lora and self.use_triton and self.shrink_beside and lora.side_stream is not None:
+            return self._beside_shrink(x, lora, base)
+        y = base()
         if with_lora:
             self.add_lora(x, lora, y)
+        return y
+
+    def _beside_shrink(self, x: torch.Tensor, lora: LoRABatch, base) -> torch.Tensor:
+        """The base product (`base()`, on the current stream) with the LoRA shrink on lora.side_stream at the same
+        time, then the expand into it: the shrink reads only x, and the GEMM launched by torch takes no part in
+        programmatic dependent launch, so in line it would run after the GEMM, each waiting for the other. Forked
+        and joined by stream waits (captured into a graph as two branches); neither LoRA launch uses PDL, each
+        following a cross-stream wait. x and the scratch are both allocated on the current stream and freed only
+        after it has waited for the side stream, so no block is handed out again while the shrink may read it."""
+        main = torch.cuda.current_stream(x.device)
+        lora.side_stream.wait_stream(main)  # x written
+        scratch = self.lora_kernels.dense_lora_shrink(x, self.lora_a, lora.token_slots, lora.slot_ranks,
+                                                      lora.dense_groups, stream=lora.side_stream)
+        y = base()
+        main.wait_stream(lora.side_stream)
+        self.lora_kernels.dense_lora_expand(scratch, self.lora_b, lora.slot_ranks, lora.dense_groups,
+                                            self.slice_sizes, y)
         return y
 
     def _gemv_forward(self, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:

@@ -99,6 +99,8 @@ class MoEForCausalLM(nn.Module):
             torch.empty(vocab_rows, spec.hidden_size), requires_grad=False)
         self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the runner's, see bind_kv_caches
         self._dense_lora: bool | None = None  # any dense projection with LoRA buffers: known at the first LoRA forward
+        self._lora_stream: torch.cuda.Stream | None = None  # the projections' LoRA shrinks beside a GEMM (CUDA)
+        self._shrinks_beside = False  # any LoRA projection shrinks beside its GEMM: known with _dense_lora
         self.packed_logits = cpu_linear.PackedWeight()  # float32 on the CPU: the output weight packed for oneDNN
 
     def bind_kv_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -129,11 +131,19 @@ class MoEForCausalLM(nn.Module):
         if batch.lora is None or self.lora_kernels is None:
             return batch
         if self._dense_lora is None:  # the slot pool attached its buffers before any LoRA forward, never to move
-            self._dense_lora = any(m.lora_a is not None for m in self.modules() if isinstance(m, LoRALinear))
+            lora_linears = [m for m in self.modules() if isinstance(m, LoRALinear) and m.lora_a is not None]
+            self._dense_lora = bool(lora_linears)
+            self._shrinks_beside = any(m.shrink_beside for m in lora_linears)
         if not self._dense_lora:  # adapters on the experts alone: nothing reads a grouping
             return batch
         groups = self.lora_kernels.group_rows(batch.lora.token_slots, batch.lora.slot_ranks.numel(), pdl=self.pdl)
-        return dataclasses.replace(batch, lora=dataclasses.replace(batch.lora, dense_groups=groups))
+        side = None
+        if batch.input_ids.is_cuda and self._shrinks_beside:
+            if self._lora_stream is None:  # the first LoRA forward is an eager one (warm-up): never inside a capture
+                # high priority: a shrink's programs start before the rest of the GEMM's queued ones
+                self._lora_stream = torch.cuda.Stream(device=batch.input_ids.device, priority=-1)
+            side = self._lora_stream
+        return dataclasses.replace(batch, lora=dataclasses.replace(batch.lora, dense_groups=groups, side_stream=side))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens if self.lm_head is None else self.lm_head
