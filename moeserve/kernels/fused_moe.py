@@ -224,18 +224,26 @@ def _silu_mul_kernel(gu_ptr, h_ptr, N, stride_gu, stride_h, BLOCK_N: tl.constexp
 
 
 @triton.jit
+def _pair_slot(slots_ptr, ranks_ptr, token):
+    """(slot, rank) of a token's adapter, rank 0 without one. No kernel of a step writes either, so a late kernel
+    may read them before its wait (kernels/pdl.py, early reads): the FP8 expert GEMV does (its epilogue then loads
+    the shrink's partials and B at once); the bf16 GEMVs read them after it, where held through the K loop they
+    measured 0.3-0.7 % slower at 1-4 rows."""
+    slot = tl.load(slots_ptr + token).to(tl.int32)
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
+    return slot, tl.where(slot >= 0, rank, 0)
+
+
+@triton.jit
 def _lora_expand_rows(
-    slots_ptr, ranks_ptr, b_ptr, shrunk_ptr, pair, token, expert, rows,
+    slot, rank, b_ptr, shrunk_ptr, pair, expert, rows,
     stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits,
     separate_ptr, stride_sh, up_row0,
     BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, UP_HALF: tl.constexpr,
 ):
     """B[slot, expert][rows, :rank] @ (sum over splits of shrunk[pair, split, :rank]);
-    zero when the token has no adapter. UP_HALF: rows >= up_row0 of a slot flagged separate
-    use the up half (shrunk + stride_sh), which other slots never read."""
-    slot = tl.load(slots_ptr + token).to(tl.int32)
-    rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
-    rank = tl.where(slot >= 0, rank, 0)
+    zero when the token has no adapter (slot, rank: _pair_slot). UP_HALF: rows >= up_row0 of a slot flagged
+    separate use the up half (shrunk + stride_sh), which other slots never read."""
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     offs_s = tl.arange(0, BLOCK_S)
@@ -284,7 +292,8 @@ def _gemv_gate_up_kernel(
     x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + offs_k
     delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_LORA and not USE_PDL:  # issued before the main loop so its loads overlap the weight stream
-        delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, token,
+        slot, rank = _pair_slot(slots_ptr, ranks_ptr, token)
+        delta = _lora_expand_rows(slot, rank, lora_b_ptr, shrunk_ptr, pair,
                                   expert, rows, stride_bl, stride_be, stride_bn, stride_sp,
                                   stride_ss, num_splits, separate_ptr, stride_sh, up_row0,
                                   BLOCK_R, BLOCK_S, UP_HALF)
@@ -303,7 +312,8 @@ def _gemv_gate_up_kernel(
     out = tl.sum(acc, 1)
     pdl_launch.late(USE_PDL, HAS_LORA)
     if HAS_LORA and USE_PDL:  # after the wait: the shrink ran under the loop above
-        delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, token,
+        slot, rank = _pair_slot(slots_ptr, ranks_ptr, token)
+        delta = _lora_expand_rows(slot, rank, lora_b_ptr, shrunk_ptr, pair,
                                   expert, rows, stride_bl, stride_be, stride_bn, stride_sp,
                                   stride_ss, num_splits, separate_ptr, stride_sh, up_row0,
                                   BLOCK_R, BLOCK_S, UP_HALF)
@@ -338,8 +348,9 @@ def _gemv_down_kernel(
     gate_ptrs = gu_ptr + pair.to(tl.int64) * stride_gu + offs_k
     delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_LORA and not USE_PDL:
-        delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair,
-                                  pair // top_k, expert, rows, stride_bl, stride_be, stride_bn,
+        slot, rank = _pair_slot(slots_ptr, ranks_ptr, pair // top_k)
+        delta = _lora_expand_rows(slot, rank, lora_b_ptr, shrunk_ptr, pair,
+                                  expert, rows, stride_bl, stride_be, stride_bn,
                                   stride_sp, stride_ss, num_splits, slots_ptr, 0, 0,
                                   BLOCK_R, BLOCK_S, False)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -359,8 +370,9 @@ def _gemv_down_kernel(
     out = tl.sum(acc, 1)
     pdl_launch.late(USE_PDL, HAS_LORA)
     if HAS_LORA and USE_PDL:  # after the wait: the shrink ran under the loop above
-        delta = _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair,
-                                  pair // top_k, expert, rows, stride_bl, stride_be, stride_bn,
+        slot, rank = _pair_slot(slots_ptr, ranks_ptr, pair // top_k)
+        delta = _lora_expand_rows(slot, rank, lora_b_ptr, shrunk_ptr, pair,
+                                  expert, rows, stride_bl, stride_be, stride_bn,
                                   stride_sp, stride_ss, num_splits, slots_ptr, 0, 0,
                                   BLOCK_R, BLOCK_S, False)
     if HAS_LORA:

@@ -62,6 +62,7 @@ from moeserve.kernels.fp8 import (
 from moeserve.kernels.fused_moe import (
     _block_tile,
     _lora_expand_rows,
+    _pair_slot,
     _topk_sum,
     _weight_tile,
     silu_mul_rows,
@@ -198,7 +199,7 @@ def _gemv_fp8_kernel(
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ACT_FP8: tl.constexpr, FUSED_ACT: tl.constexpr,
     ROUTE_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
     HAS_LORA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, BLOCK_S: tl.constexpr = 1,
-    UP_HALF: tl.constexpr = False,
+    UP_HALF: tl.constexpr = False, LORA_LATE: tl.constexpr = False,
 ):
     """Decode: out[pair, tile] = (w[pair] *) dequant(W_e)[tile] @ a[pair // pairs_per_row] in fp32 on CUDA cores,
     one program per (pair, N tile), no alignment (fused_moe's GEMV path with FP8 rows: half the bytes). Each K
@@ -207,12 +208,17 @@ def _gemv_fp8_kernel(
     flight). Operands as in _moe_fp8_gemm_kernel; under ACT_FP8 the activation is dequantized by its group scale
     (the W8A8 numerics, for results that do not depend on the path). HAS_LORA: the pair's LoRA expand (its shrink
     already in shrunk_ptr, fp32 partials) added to the fp32 sum before the routing weight, as fused_moe's GEMV
-    epilogue does (rows without an adapter add an exact zero)."""
-    pdl_launch.enter(USE_PDL)
+    epilogue does (rows without an adapter add an exact zero). LORA_LATE (HAS_LORA, weight-only: the kernel just
+    before is the LoRA shrink, and a, written earlier, is x or gu): the K walk runs under the shrink, and the wait
+    comes before the expand (kernels/pdl.py, late wait), the pair's slot and rank read before it."""
+    pdl_launch.enter_late(USE_PDL, LORA_LATE)
     pair = tl.program_id(0)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int32)
     if (expert < 0) | (expert >= num_experts):
+        pdl_launch.late(USE_PDL, LORA_LATE)
         return
+    if HAS_LORA:
+        slot, rank = _pair_slot(slots_ptr, ranks_ptr, pair // top_k)
     row = (pair // pairs_per_row).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = offs_n % N
@@ -248,8 +254,9 @@ def _gemv_fp8_kernel(
         w_ptrs += GROUPS * SUB_K
         a_ptrs += GROUPS * SUB_K
     out = tl.sum(tl.sum(acc, 2), 1)
+    pdl_launch.late(USE_PDL, LORA_LATE)
     if HAS_LORA:
-        out += _lora_expand_rows(slots_ptr, ranks_ptr, lora_b_ptr, shrunk_ptr, pair, pair // top_k, expert, cols,
+        out += _lora_expand_rows(slot, rank, lora_b_ptr, shrunk_ptr, pair, expert, cols,
                                  stride_bl, stride_be, stride_bn, stride_sp, stride_ss, num_splits, separate_ptr,
                                  stride_sh, lora_up_row0, BLOCK_R, BLOCK_S, UP_HALF)
     if ROUTE_WEIGHT:
@@ -414,8 +421,10 @@ def _launch_gemv(a, a_scale, w, w_scale, out, topk_weights, topk_ids, pairs_per_
                      shrunk.stride(0), shrunk.stride(-2), shrunk.shape[-2],
                      args.gate_up_separate if up_half else topk_ids, shrunk.stride(1) if up_half else 0,
                      up_row0 if up_half else 0)
+        # weight-only: the shrink is the launch just before (under W8A8 the down GEMV has h quantized in between;
+        # its gate_up would allow the late wait, not taken: W8A8 decode is not the default)
         lora_opts = dict(HAS_LORA=True, BLOCK_R=lora_rank_block(args), BLOCK_S=triton.next_power_of_2(shrunk.shape[-2]),
-                         UP_HALF=up_half)
+                         UP_HALF=up_half, LORA_LATE=not act_fp8)
     _gemv_fp8_kernel[(topk_ids.numel(), triton.cdiv(n, tile.block_n))](
         a, a_scale, w, w_scale, out, topk_weights, topk_ids,
         w.shape[0], pairs_per_row, n, k, up_col0, up_scale_row0,

@@ -17,6 +17,12 @@ kernel two or more back finished; only the one just before may still run. A GEMM
 reads that one (the shrink launched just before it) only in its epilogue, and its main loop reads only older
 data (activations, routing, weights). Such a kernel waits just before its epilogue and its first store
 (`enter_late` / `late`), so the shrink runs under its main loop instead of in front of it.
+
+Early reads: by the same rule a kernel may read, before its wait, what the kernel just before does not write: what
+older kernels wrote and what no kernel of the step writes (weights, the rows' adapter slots and their ranks, copied
+in before the step). The FP8 expert GEMV reads its pair's slot and rank that way, so after its late wait only the
+shrink's partials and B stand before its store. A program must still reach the wait before it returns: one that
+left without it would let the next kernel start while this one's predecessor runs.
 """
 from __future__ import annotations
 
