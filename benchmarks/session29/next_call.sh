@@ -2,10 +2,10 @@
 # Prepared in session 29 for the next session's device calls (#24: BENCHMARKS.md, session 29 "Prepared"): branch
 # s29-grid-shrink, also patches in benchmarks/session29/patches/ (0001: the dense bf16 GEMV makes its LoRA shrink in
 # its own launch; 0002: the bf16 expert GEMVs theirs, the protocol in kernels/grid_roles.py; 0003 its GPU test; 0004:
-# the FP8 expert GEMV, weight-only, too; 0005: tests after a review).
+# the FP8 expert GEMV, weight-only, too; 0005: tests after a review; 0006: one role function, launch test).
 # Before the calls, here:
-#   bash benchmarks/ab_packages.sh main=HEAD grid1=s29-grid-shrink~4 grid2=s29-grid-shrink
-#   for b in grid1:s29-grid-shrink~4 grid2:s29-grid-shrink; do git archive ${b#*:} tests | tar -x -C benchmarks/ab/${b%%:*}; done
+#   bash benchmarks/ab_packages.sh main=HEAD grid1=s29-grid-shrink~5 grid2=s29-grid-shrink
+#   for b in grid1:s29-grid-shrink~5 grid2:s29-grid-shrink; do git archive ${b#*:} tests | tar -x -C benchmarks/ab/${b%%:*}; done
 # (if the branch is missing: git branch s29-grid-shrink main && git checkout s29-grid-shrink && git am
 #  benchmarks/session29/patches/*.patch && git checkout main). Then, carry [".whl", "benchmarks/ab"]:
 #   bash benchmarks/session29/next_call.sh 1   # main / grid1 / grid2: bench decode bf16 B = 1, 2, 4, 8, 64 (base,
