@@ -7,6 +7,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$PWD/benchmarks/ab
+# every name must be a commit before anything is removed: git's own REV~N reads as "REV with commit N reverted" here,
+# and a revert of no commit would otherwise pass silently as the whole of REV
+for spec in "$@"; do
+  rev=${spec#*=}
+  for c in ${rev%%~*} $([[ $rev == *~* ]] && echo "${rev#*~}" | tr , ' '); do
+    git rev-parse -q --verify "$c^{commit}" >/dev/null \
+      || { echo "ab_packages: ${spec%%=*}: '$c' is no commit (for an ancestor, name it by its hash)" >&2; exit 1; }
+  done
+done
 rm -rf "$out"
 mkdir -p "$out"
 for spec in "$@"; do

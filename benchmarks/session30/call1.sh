@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# Session 30 call 1: session 29's next_call.sh, run as `bash benchmarks/session29/next_call.sh 1` with the packages
+# made by `benchmarks/ab_packages.sh main=HEAD grid1=508acdc grid2=s29-grid-shrink` (grid1 = the branch's first
+# commit; the `s29-grid-shrink~5` written below is read by ab_packages.sh as "revert commit 5", no commit, which now
+# stops it). Its text as it was:
 # Prepared in session 29 for the next session's device calls (#24: BENCHMARKS.md, session 29 "Prepared"): branch
 # s29-grid-shrink, also patches in benchmarks/session29/patches/ (0001: the dense bf16 GEMV makes its LoRA shrink in
 # its own launch; 0002: the bf16 expert GEMVs theirs, the protocol in kernels/grid_roles.py; 0003 its GPU test; 0004:
