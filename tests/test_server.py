@@ -7,14 +7,9 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
@@ -583,48 +578,13 @@ def test_engine_args_cover_every_config_field():
         parser.parse_args(["--lora-modules", "no-equals-sign"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_serve_main_subprocess(model_dir):
-    """`serve_main` as the CLI runs it: builds the engine from flags, prints where it listens, serves."""
+def test_serve_args_defaults():
+    """The serve flags' defaults. `moeserve serve` itself (flags to an engine, where it listens, serving the model
+    under --served-model-name) runs as a process in test_service_lifecycle.py and test_first_hour.py."""
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    args = parser.parse_args(["--model", str(model_dir), "--port", "1"])
+    args = parser.parse_args(["--model", "/m", "--port", "1"])
     assert (args.host, args.served_model_name) == ("127.0.0.1", None)
-    port = _free_port()
-    code = ("import argparse, sys; from moeserve.server.app import add_serve_args, serve_main; "
-            "p = argparse.ArgumentParser(); add_serve_args(p); sys.exit(serve_main(p.parse_args(sys.argv[1:])))")
-    cmd = [sys.executable, "-c", code, "--model", str(model_dir), "--port", str(port), "--served-model-name", "m",
-           "--max-model-len", "64", "--num-kv-blocks", "16", "--log-level", "warning"]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        seen = []
-        while not any(f"http://127.0.0.1:{port}/v1" in line for line in seen):
-            line = proc.stdout.readline()
-            assert line, "".join(seen)  # EOF: the process ended before printing where it listens
-            seen.append(line)
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
-            time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["m"]
-        r = client.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0)
-        assert r.usage.completion_tokens >= 1
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 # ---------------------------------------------------------------------------------------------
