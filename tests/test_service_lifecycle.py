@@ -127,8 +127,9 @@ def test_stop_signal_finishes_or_aborts_requests_and_exits_0(model_dir, tmp_path
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     events = []
-    if not group:  # the server as a client first sees it (what test_server.py's serve subprocess checked): its
-        # model under the served name, a completion
+    if not group:  # the server as a client first sees it: where it says it listens, its model under the served
+        # name, a completion
+        assert f"at {url}/v1" in log.read_text(), log.read_text()
         assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny"]
         done = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3},
                           timeout=60).json()
